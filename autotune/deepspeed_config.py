@@ -1,0 +1,93 @@
+"""TrainConfig -> DeepSpeed JSON: the one function both a trial and `autotune export` use.
+
+Keys and defaults are DeepSpeed's (docs: deepspeed.ai/docs/config-json; code:
+deepspeed/runtime/zero/config.py, deepspeed/runtime/fp16/loss_scaler.py). The result is checked
+by DeepSpeed's own parser in the tests (deepspeed.runtime.config.DeepSpeedConfig).
+"""
+
+from __future__ import annotations
+
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec
+from autotune.space import TrainConfig
+
+# Optimizer hyper-parameters written into the config. They do not change memory or speed;
+# they are the usual LLM pre-training values (Touvron et al. 2023, Llama 2, sec. 2.2:
+# AdamW beta1 0.9, beta2 0.95, eps 1e-5, weight decay 0.1; gradient clipping 1.0).
+ADAMW = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}
+GRADIENT_CLIPPING = 1.0
+
+# fp16 dynamic loss scaling: the reference article's settings (initial scale 2^16, growth every
+# 2000 clean steps, backoff 0.5). DeepSpeed's DynamicLossScaler halves the scale on overflow
+# (scale_factor 2.0, deepspeed/runtime/fp16/loss_scaler.py), which is the article's backoff 0.5;
+# hysteresis 2 and min scale 1 are DeepSpeed's defaults.
+FP16_LOSS_SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
+                    "hysteresis": 2, "min_loss_scale": 1}
+
+
+def bucket_sizes(model: ModelSpec) -> dict[str, int]:
+    """ZeRO bucket sizes in elements, scaled to the model as Hugging Face's "auto" values do.
+
+    transformers/integrations/deepspeed.py (HfTrainerDeepSpeedConfig.trainer_config_finalize):
+    reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 * hidden^2,
+    stage3_param_persistence_threshold = 10 * hidden. DeepSpeed's fixed defaults (5e8 elements,
+    about 2 GB of fp32 per bucket) would dominate the memory of any model under ~1B parameters.
+    """
+    h2 = model.hidden_size * model.hidden_size
+    return {
+        "reduce_bucket_size": h2,
+        "allgather_bucket_size": h2,
+        "stage3_prefetch_bucket_size": int(0.9 * h2),
+        "stage3_param_persistence_threshold": 10 * model.hidden_size,
+    }
+
+
+def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
+    b = bucket_sizes(model)
+    z: dict = {"stage": cfg.zero_stage}
+    if cfg.zero_stage in (1, 2):
+        z.update(reduce_bucket_size=b["reduce_bucket_size"], allgather_bucket_size=b["allgather_bucket_size"],
+                 contiguous_gradients=True, overlap_comm=False, reduce_scatter=True)
+    elif cfg.zero_stage == 3:
+        z.update(reduce_bucket_size=b["reduce_bucket_size"],
+                 stage3_prefetch_bucket_size=b["stage3_prefetch_bucket_size"],
+                 stage3_param_persistence_threshold=b["stage3_param_persistence_threshold"],
+                 stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
+                 contiguous_gradients=True, overlap_comm=False,
+                 stage3_gather_16bit_weights_on_model_save=True)
+    if cfg.offload_optimizer:
+        z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return z
+
+
+def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> dict:
+    """The DeepSpeed JSON for `cfg` (consistent batch sizes, ZeRO, precision, optimizer)."""
+    ds: dict = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.micro_batch * cfg.grad_accum * cluster.world_size,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "zero_optimization": zero_section(cfg, model),
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif cfg.precision == "fp16":
+        ds["fp16"] = {"enabled": True, **FP16_LOSS_SCALER}
+    if cfg.optimizer == "adamw":
+        # torch_adam: torch.optim.AdamW instead of FusedAdam, which DeepSpeed compiles at first use
+        # (66 s measured on CPU) and which has no CPU kernel. GPUs keep FusedAdam.
+        params = dict(ADAMW)
+        if cluster.gpu.is_cpu:
+            params["torch_adam"] = True
+        ds["optimizer"] = {"type": "AdamW", "params": params}
+    # adamw8bit: bitsandbytes' AdamW8bit is passed to deepspeed.initialize as a client optimizer;
+    # DeepSpeed's config has no type for it (see `autotune export`'s instructions).
+    if cfg.ckpt_layers:
+        # Which layers are checkpointed is the model's code (torch.utils.checkpoint around the
+        # first k blocks); DeepSpeed's section records the count and keeps its own options off.
+        ds["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
+                                          "cpu_checkpointing": False, "number_checkpoints": cfg.ckpt_layers,
+                                          "synchronize_checkpoint_boundary": False, "profile": False}
+    return ds

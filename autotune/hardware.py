@@ -1,0 +1,165 @@
+"""GPUs and clusters: `GpuSpec`, `Cluster`, and the `--gpus` grammar.
+
+Grammar (case-insensitive):
+
+    GPUS  := COUNT "x" TYPE [ "@" MEM ]        4xA100, 16xH100, 2xcpu@2GiB
+           | NODES "x" COUNT "x" TYPE [ "@" MEM ]  2x8xH100 (2 nodes of 8 GPUs each)
+    MEM   := NUMBER ("GiB" | "MiB" | "GB")       overrides the per-device memory capacity
+
+A COUNT larger than the type's gpus_per_node (8 for data-centre parts) is split into full
+nodes: 16xH100 is 2 nodes of 8; a COUNT that does not split evenly is an error. `A100` means
+the 80 GB part, and the resolved name says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Literal
+
+import yaml
+
+from autotune.models import SpecError
+from autotune.units import GB, GiB, MiB
+
+Precision = Literal["fp32", "fp16", "bf16"]
+
+GRAMMAR = ("expected [NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 8xH100, 2xA100-40GB, 16xH100 "
+           "(2 nodes of 8), 2x8xH100, 2xcpu, 2xcpu@2GiB")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """One accelerator type, with the datasheet numbers the models need."""
+
+    name: str
+    memory_bytes: int
+    """Total device memory as the driver reports it."""
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    """Dense peak per precision ('fp32', 'fp16', 'bf16'); empty where unknown (CPU)."""
+    hbm_gbps: float = 0.0
+    intra_node_gbps: float = 0.0
+    inter_node_gbps: float = 0.0
+    bf16: bool = False
+    gpus_per_node: int = 8
+    source: str = ""
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.name == "cpu"
+
+    def peak_flops(self, precision: str) -> float | None:
+        v = self.peak_tflops.get(precision)
+        return v * 1e12 if v else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """What a run is given: `num_nodes` x `gpus_per_node` devices of one type."""
+
+    gpu: GpuSpec
+    num_nodes: int
+    gpus_per_node: int
+    text: str = ""
+    """What the user typed."""
+    note: str = ""
+    """Anything the user should know about how the text was read (e.g. A100 = A100-80GB)."""
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise SpecError(f"--gpus {self.text}: need at least one node and one device per node")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Memory of one device."""
+        return self.gpu.memory_bytes
+
+    def describe(self) -> str:
+        nodes = f"{self.num_nodes} nodes x " if self.num_nodes > 1 else ""
+        return f"{nodes}{self.gpus_per_node} x {self.gpu.name} ({self.capacity_bytes / GiB:.1f} GiB each)"
+
+
+@cache
+def _raw() -> dict:
+    return yaml.safe_load(resources.files("autotune").joinpath("data/gpus.yaml").read_text())["gpus"]
+
+
+def gpu_presets() -> dict[str, GpuSpec]:
+    return {name: _spec(name, e) for name, e in _raw().items()}
+
+
+def _spec(name: str, e: dict, memory_bytes: int | None = None) -> GpuSpec:
+    return GpuSpec(name=name, memory_bytes=memory_bytes if memory_bytes is not None else e["memory_mib"] * MiB,
+                   peak_tflops=dict(e.get("peak_tflops") or {}), hbm_gbps=e["hbm_gbps"],
+                   intra_node_gbps=e["intra_node_gbps"], inter_node_gbps=e["inter_node_gbps"],
+                   bf16=e["bf16"], gpus_per_node=e["gpus_per_node"], source=e["source"])
+
+
+def _lookup(type_text: str) -> tuple[str, dict]:
+    key = type_text.lower()
+    for name, e in _raw().items():
+        if key == name.lower() or key in (str(a).lower() for a in e.get("aliases", [])):
+            return name, e
+    import difflib
+
+    names = list(_raw()) + [str(a) for e in _raw().values() for a in e.get("aliases", [])]
+    close = difflib.get_close_matches(type_text, names, n=3, cutoff=0.4)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise SpecError(f"unknown GPU type {type_text!r}.{hint} Known: {', '.join(_raw())} "
+                    f"(run `autotune gpus`).")
+
+
+def _parse_mem(text: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gib|mib|gb)", text.strip().lower())
+    if not m:
+        raise SpecError(f"bad memory {text!r} after @: use e.g. 2GiB, 512MiB, 40GB")
+    scale = {"gib": GiB, "mib": MiB, "gb": GB}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def host_memory_bytes() -> int:
+    """Physical RAM of this machine (sysconf; Linux and macOS)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_gpus(text: str) -> Cluster:
+    """Parse the --gpus grammar (module docstring) into a Cluster."""
+    raw = text.strip()
+    m = re.fullmatch(r"(?:(\d+)x)?(\d+)x([A-Za-z0-9][A-Za-z0-9\-_.]*)(?:@(.+))?", raw, re.IGNORECASE)
+    if not m:
+        raise SpecError(f"malformed --gpus {text!r}: {GRAMMAR}")
+    nodes_txt, count_txt, type_txt, mem_txt = m.groups()
+    count = int(count_txt)
+    if count < 1 or (nodes_txt is not None and int(nodes_txt) < 1):
+        raise SpecError(f"malformed --gpus {text!r}: counts must be at least 1; {GRAMMAR}")
+    name, entry = _lookup(type_txt)
+    per_node_max = entry["gpus_per_node"]
+    if nodes_txt is not None:
+        nodes, per_node = int(nodes_txt), count
+    elif count > per_node_max:
+        if count % per_node_max:
+            raise SpecError(f"--gpus {text!r}: {count} {name} do not fill nodes of {per_node_max}; "
+                            f"write NODESxCOUNTx{type_txt} to say how they are split")
+        nodes, per_node = count // per_node_max, per_node_max
+    else:
+        nodes, per_node = 1, count
+    notes = []
+    if type_txt.lower() != name.lower():
+        notes.append(f"{type_txt} read as {name}")
+    if mem_txt is not None:
+        mem = _parse_mem(mem_txt)
+        notes.append(f"memory capped at {mem / GiB:.2f} GiB per device")
+    elif name == "cpu":
+        mem = host_memory_bytes() // per_node
+        notes.append(f"cpu ranks share this machine's RAM: {mem / GiB:.1f} GiB each")
+    else:
+        mem = entry["memory_mib"] * MiB
+    return Cluster(gpu=_spec(name, entry, mem), num_nodes=nodes, gpus_per_node=per_node,
+                   text=raw, note="; ".join(notes))
