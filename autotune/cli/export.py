@@ -1,0 +1,27 @@
+"""`autotune export`: write the winning (or a chosen) trial's DeepSpeed JSON and say how to use it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+ORDER = 50
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write the best (or a given) trial's DeepSpeed config JSON")
+    p.add_argument("--study", default=None, help="study name (default: the most recent one under trials/)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's own)")
+    p.add_argument("--trial", type=int, default=None, help="trial number (default: the fastest successful run)")
+    p.add_argument("--out", required=True, type=Path, help="where to write the JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autotune import study as st
+    from autotune.export import export
+
+    study = st.load_study(args.study, args.storage)
+    _, _, text = export(study, args.out, args.trial)
+    print(text)
+    return 0

@@ -1,0 +1,98 @@
+"""`autotune export`: the winning (or a chosen) trial's DeepSpeed JSON, and how to use it.
+
+The JSON is `deepspeed_config(cfg, model, cluster)`, the same function every trial ran with, so
+what was measured is what is exported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune import study as st
+from autotune.deepspeed_config import ADAMW
+from autotune.deepspeed_config import deepspeed_config
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec, SpecError
+from autotune.space import TrainConfig
+
+
+def pick_trial(study: optuna.Study, number: int | None = None) -> FrozenTrial:
+    """The fastest successful run, or trial `number`, which must have run successfully."""
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    if number is None:
+        if not done:
+            raise SpecError(f"study {study.study_name!r} has no successful run to export yet "
+                            f"(`autotune report --study {study.study_name}` shows why)")
+        return max(done, key=lambda t: (t.value, -t.number))
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    if number not in trials:
+        raise SpecError(f"study {study.study_name!r} has no trial {number} (trials 0..{len(trials) - 1})")
+    t = trials[number]
+    if t.state != TrialState.COMPLETE:
+        why = t.user_attrs.get("reason") or t.user_attrs.get("status", t.state.name.lower())
+        ok = ", ".join(str(d.number) for d in sorted(done, key=lambda d: -d.value)[:5])
+        raise SpecError(f"trial {number} did not run successfully ({t.state.name.lower()}: {why}); "
+                        f"export a completed one{' (fastest: ' + ok + ')' if ok else ''}")
+    return t
+
+
+def export(study: optuna.Study, out: Path, number: int | None = None) -> tuple[FrozenTrial, TrainConfig, str]:
+    """Write the DeepSpeed JSON of the chosen trial to `out`; return the trial, its config, and usage text."""
+    trial = pick_trial(study, number)
+    model, cluster, _ = st.specs_of(study)
+    cfg = st.config_of(trial)
+    ds = deepspeed_config(cfg, model, cluster)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(ds, indent=2) + "\n")
+    source = trial.user_attrs.get("source", "measured")
+    head = (f"wrote {out}: trial {trial.number} of study {study.study_name} ({cfg.short()}), "
+            f"{trial.value:.4g} samples/s ({source})")
+    return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out)
+
+
+def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path) -> str:
+    nodes = f" --num_nodes {cluster.num_nodes} --hostfile HOSTFILE" if cluster.num_nodes > 1 else ""
+    prec = {"bf16": ", bf16=True", "fp16": ", fp16=True", "fp32": ""}[cfg.precision]
+    # The Trainer refuses a DeepSpeed config whose optimizer values differ from its own arguments
+    # (transformers/integrations/deepspeed.py, trainer_config_process: fill_match on lr, betas,
+    # eps, weight_decay, gradient_clipping), so the arguments repeat the JSON's values.
+    opt = (f", learning_rate={ADAMW['lr']}, adam_beta1={ADAMW['betas'][0]}, adam_beta2={ADAMW['betas'][1]}, "
+           f"adam_epsilon={ADAMW['eps']}, weight_decay={ADAMW['weight_decay']}, max_grad_norm=1.0")
+    full = cfg.ckpt_layers >= model.num_layers
+    lines = [
+        "Use it with the DeepSpeed launcher:",
+        f"  deepspeed --num_gpus {cluster.gpus_per_node}{nodes} train.py --deepspeed_config {path}",
+        "  (train.py: engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, "
+        "model_parameters=model.parameters()))",
+        "or with the Hugging Face Trainer:",
+        f"  TrainingArguments(deepspeed=\"{path}\", per_device_train_batch_size={cfg.micro_batch}, "
+        f"gradient_accumulation_steps={cfg.grad_accum}, gradient_checkpointing={full}{prec}{opt})",
+        f"  (transformers >= 5 names it activation_checkpointing; seq len {cfg.seq_len})",
+    ]
+    lines += _ckpt_lines(cfg, model)
+    if cfg.optimizer == "adamw8bit":
+        lines.append("Optimizer: 8-bit AdamW is not a DeepSpeed config type: pass bitsandbytes.optim.AdamW8bit("
+                     "model.parameters(), ...) as deepspeed.initialize(optimizer=...) / Trainer(optim='adamw_bnb_8bit').")
+    return "\n".join(lines)
+
+
+def _ckpt_lines(cfg: TrainConfig, model: ModelSpec) -> list[str]:
+    k, layers = cfg.ckpt_layers, model.num_layers
+    if k == 0:
+        return ["Activation checkpointing: none (every layer keeps its activations)."]
+    if k >= layers:
+        return [f"Activation checkpointing: all {layers} layers (gradient_checkpointing=True above)."]
+    return [
+        f"Activation checkpointing: the first {k} of {layers} layers only. The Trainer's flag covers all layers, "
+        "so keep it False and before training:",
+        '  model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
+        f"  for layer in model.model.layers[{k}:]:",
+        "      layer.gradient_checkpointing = False",
+        "  (transformers' GradientCheckpointingLayer checkpoints a layer only while its flag is set; plain PyTorch: "
+        f"wrap the first {k} blocks in torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))",
+    ]

@@ -1,0 +1,200 @@
+"""Study -> pandas DataFrame -> ranked table (text, CSV, JSON, Markdown), report.md, trials.csv, plots.
+
+Every number carries its origin in its column name: `(measured)` for a real run, `(simulated)`
+for the cost model, `(estimated)` for the memory model. A study is searched with one executor,
+so its runs share one source; a mixed study (possible only by hand) is labelled `(mixed: see
+source)` and keeps a per-row `source` column.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pandas as pd
+
+from autotune import study as st
+from autotune.units import GiB
+
+# (column label, trials_frame column, whether the number comes from the run: labelled with its source)
+_RANKED = (("samples/s", "samples_per_s", True), ("tokens/s", "tokens_per_s", True), ("TFLOPS", "tflops", True),
+           ("MFU %", "mfu_pct", True), ("zero", "zero_stage", False), ("ckpt layers", "ckpt_layers", False),
+           ("micro batch", "micro_batch", False), ("grad accum", "grad_accum", False),
+           ("precision", "precision", False), ("peak GiB (estimated)", "est_gib", False),
+           ("peak GiB", "peak_gib", True), ("status", "status", False))
+
+
+def trials_frame(study: optuna.Study) -> pd.DataFrame:
+    """One row per trial with everything the report needs; bytes as recorded (ints)."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        cfg, a = t.user_attrs.get("config") or {}, t.user_attrs
+        res = a.get("result") or {}
+        status = a.get("status", "running")
+        if status == "running" and t.state != optuna.trial.TrialState.RUNNING:
+            status = "interrupted"
+        rows.append({
+            "trial": t.number, "state": t.state.name, "status": status, "pruned_by": a.get("pruned_by"),
+            "reason": a.get("reason", ""), "source": a.get("source"), **cfg,
+            "samples_per_s": res.get("samples_per_s"), "tokens_per_s": res.get("tokens_per_s"),
+            "tflops": res.get("tflops"), "mfu": res.get("mfu"), "step_time_s": res.get("step_time_s"),
+            "peak_bytes": res.get("peak_bytes"), "est_tensor_bytes": a.get("est_tensor_bytes"),
+            "est_total_bytes": a.get("est_total_bytes"), "capacity_bytes": a.get("capacity_bytes"),
+            "dominant_term": a.get("dominant_term"), "wall_s": res.get("wall_s"),
+            "log_tail": res.get("log_tail", ""),
+        })
+    return pd.DataFrame(rows)
+
+
+def source_label(df: pd.DataFrame) -> str:
+    sources = set(df["source"].dropna()) if "source" in df else set()
+    return sources.pop() if len(sources) == 1 else ("measured" if not sources else "mixed: see source")
+
+
+def ranked(df: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
+    """Successful runs, fastest first, every number labelled with where it came from."""
+    src = source_label(df) if len(df) else "measured"
+    ok = df[df["status"] == "ok"].sort_values("samples_per_s", ascending=False, kind="stable") if len(df) else df
+    ok = ok.assign(mfu_pct=[None if pd.isna(v) else 100 * v for v in ok.get("mfu", [])],
+                   est_gib=[_gib(v) for v in ok.get("est_tensor_bytes", [])],
+                   peak_gib=[_gib(v) for v in ok.get("peak_bytes", [])])
+    out = pd.DataFrame({"rank": range(1, len(ok) + 1), "trial": ok.get("trial", pd.Series(dtype=int)).to_numpy()})
+    for label, col, sourced in _RANKED:
+        values = ok[col].to_numpy() if len(ok) else []
+        # None -> NaN in number columns, so every format prints a missing value the same way
+        out[f"{label} ({src})" if sourced else label] = pd.to_numeric(values, errors="coerce") if sourced else values
+    for col in ("optimizer", "offload_optimizer", "attention", "source"):
+        if len(ok) and df[col].nunique() > 1:
+            out[col.replace("_", " ")] = ok[col].to_numpy()
+    return out.head(top) if top else out
+
+
+def _gib(v) -> float | None:
+    return None if v is None or pd.isna(v) else round(v / GiB, 3)
+
+
+def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
+    """Pruned and failed trials: counts per kind, and per reason (memory prunes grouped by dominant term)."""
+    pruned = df[df["status"] == "pruned"]
+    failed = df[df["status"].isin(["oom", "timeout", "crashed", "diverged", "interrupted"])]
+    out: dict[str, dict[str, int]] = {"pruned": {}, "failed": {}}
+    for _, r in pruned.iterrows():
+        key = (f"memory model: does not fit (largest term {r['dominant_term']})" if r["pruned_by"] == "memory"
+               else {"dominated": "dominated: more checkpointing than needed to fit",
+                     "oom-implied": "implied out of memory: a smaller micro batch already ran out"}
+               .get(r["pruned_by"], f"{r['pruned_by']}: {r['reason']}"))
+        out["pruned"][key] = out["pruned"].get(key, 0) + 1
+    for _, r in failed.iterrows():
+        reason = (r["reason"] or "").strip().splitlines()[0][:120] if r["reason"] else ""
+        key = f"{r['status']}: {reason}" if reason else r["status"]
+        out["failed"][key] = out["failed"].get(key, 0) + 1
+    return out
+
+
+def header(study: optuna.Study) -> list[str]:
+    model, cluster, a = st.specs_of(study)
+    gb = a.get("global_batch")
+    return [f"study {study.study_name}: {model.describe()}",
+            f"on {cluster.describe()}, seq len {a['seq_len']}"
+            + (f", global batch {gb}" if gb else "") + f"; results {a.get('source', 'measured')}"]
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    return str(v)
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    """GitHub Markdown (pandas' to_markdown would need the tabulate package)."""
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def render(study: optuna.Study, fmt: str = "table", top: int | None = None) -> str:
+    df = trials_frame(study)
+    table = ranked(df, top)
+    counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}}
+    if fmt == "csv":
+        return table.to_csv(index=False)
+    if fmt == "json":
+        return json.dumps({"study": study.study_name, "source": source_label(df) if len(df) else None,
+                           "ranked": json.loads(table.to_json(orient="records")), **counts}, indent=1) + "\n"
+    lines = header(study)
+    if fmt == "markdown":
+        lines = [f"# {lines[0]}", "", lines[1], "", markdown_table(table) if len(table) else "_no successful run_"]
+    else:
+        lines += ["", table.map(_fmt).to_string(index=False) if len(table) else "no successful run yet"]
+    for kind in ("pruned", "failed"):
+        total = sum(counts[kind].values())
+        lines += ["", f"{'## ' if fmt == 'markdown' else ''}{kind}: {total}"]
+        lines += [f"{'- ' if fmt == 'markdown' else '  '}{n} x {why}" for why, n in counts[kind].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(study: optuna.Study, out_dir: Path | None = None) -> list[Path]:
+    """trials/<study>/report.md, trials.csv, throughput.png, memory.png."""
+    out_dir = Path(out_dir or st.study_dir(study.study_name))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    df = trials_frame(study)
+    paths = [out_dir / "report.md", out_dir / "trials.csv"]
+    paths[1].write_text(df.drop(columns=["log_tail"], errors="ignore").to_csv(index=False))
+    plots = plot_throughput(df, out_dir / "throughput.png"), plot_memory(df, out_dir / "memory.png")
+    images = "".join(f"\n![{p.stem}]({p.name})\n" for p in plots if p is not None)
+    paths[0].write_text(render(study, "markdown") + images)
+    return paths + [p for p in plots if p is not None]
+
+
+def plot_throughput(df: pd.DataFrame, path: Path) -> Path | None:
+    ok = df[df["status"] == "ok"].sort_values("samples_per_s") if len(df) else df
+    if not len(ok):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(ok)))
+    labels = [f"#{r.trial} z{r.zero_stage} {r.precision} mb{r.micro_batch} ga{r.grad_accum} ckpt{r.ckpt_layers}"
+              for r in ok.itertuples()]
+    ax.barh(labels, ok["samples_per_s"], color=[f"C{z}" for z in ok["zero_stage"]])
+    for z in sorted(ok["zero_stage"].unique()):
+        ax.bar(0, 0, color=f"C{z}", label=f"ZeRO {z}")      # legend entries only
+    ax.set_xlabel(f"samples/s ({source_label(df)})")
+    ax.set_title("throughput per configuration")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(df: pd.DataFrame, path: Path) -> Path | None:
+    runs = df[df["peak_bytes"].notna() & df["est_tensor_bytes"].notna()] if len(df) else df
+    if not len(runs):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    est, meas = runs["est_tensor_bytes"] / GiB, runs["peak_bytes"] / GiB
+    for z in sorted(runs["zero_stage"].unique()):
+        sel = runs["zero_stage"] == z
+        ax.scatter(est[sel], meas[sel], color=f"C{z}", label=f"ZeRO {z}")
+    hi = max(est.max(), meas.max()) * 1.05
+    ax.plot([0, hi], [0, hi], "k--", lw=1, label="estimate = measured")
+    ax.set_xlabel("peak tensor memory per device, GiB (estimated)")
+    ax.set_ylabel(f"peak tensor memory per device, GiB ({source_label(df)})")
+    ax.set_title("memory model vs run")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -1,0 +1,237 @@
+"""Where a search lives: one Optuna study per search, by default one SQLite database per study
+under `trials/<study>/study.db`; any Optuna storage URL is accepted (optuna-dashboard opens it).
+
+Also the record format of a trial, shared by the search (writes) and the report/export (read):
+Optuna params are the TrainConfig fields searched over; user attrs hold the whole config, the
+memory estimate and, for runs, the TrialResult. Every bad input is a SpecError (exit 2) and
+nothing existing is ever overwritten: an existing study is only opened, never re-created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy.exc
+from optuna.distributions import CategoricalDistribution
+from optuna.storages import RDBStorage
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.hardware import Cluster, parse_gpus
+from autotune.models import ModelSpec, SpecError
+from autotune.space import TrainConfig
+
+PARAMS = ("zero_stage", "precision", "micro_batch", "ckpt_layers", "grad_accum", "optimizer",
+          "offload_optimizer", "attention")
+"""TrainConfig fields that are Optuna params (seq_len is fixed per study)."""
+ATTR = "autotune"
+"""Study user attr holding what a resumed search, the report and the export need."""
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def trials_root() -> Path:
+    """Where study folders go: $AUTOTUNE_TRIALS_DIR, else ./trials."""
+    return Path(os.environ.get("AUTOTUNE_TRIALS_DIR", "trials"))
+
+
+def study_dir(name: str) -> Path:
+    return trials_root() / name
+
+
+def check_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise SpecError(f"study name {name!r} must be letters, digits, '.', '_' or '-' (it names a folder)")
+    return name
+
+
+def default_name(model: ModelSpec, cluster: Cluster) -> str:
+    """`llama-2-13b_4xA100`; a config.json model is named after its folder (or file stem)."""
+    p = Path(model.name)
+    base = (p.parent.name or p.stem) if p.suffix == ".json" else model.name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{base}_{cluster.text or cluster.world_size}").strip("-")
+
+
+def _meta_path(name: str) -> Path:
+    return study_dir(name) / "study.json"
+
+
+def storage_url(name: str, url: str | None = None) -> str:
+    """The storage of study `name`: `url` if given, else the one recorded at creation, else the default."""
+    if url:
+        return url
+    meta = _meta_path(name)
+    if meta.exists():
+        return json.loads(meta.read_text())["storage"]
+    return f"sqlite:///{(study_dir(name) / 'study.db').resolve()}"
+
+
+def _sqlite_file(url: str) -> Path | None:
+    if url.startswith("sqlite:///"):
+        return Path(url[len("sqlite:///"):].split("?")[0])
+    return None
+
+
+def _check_sqlite(path: Path) -> None:
+    """Refuse a file that is not an Optuna SQLite database, reading it only (Optuna would add its tables)."""
+    with open(path, "rb") as f:
+        header = f.read(16)
+    if header and header != b"SQLite format 3\x00":
+        raise SpecError(f"{path} is not a SQLite database (corrupt, or another file); it was left untouched. "
+                        f"Move it away or pass another --study/--storage")
+    if not header:
+        return
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+            tables = {r[0] for r in con.execute("select name from sqlite_master where type='table'")}
+    except sqlite3.DatabaseError as e:
+        raise SpecError(f"{path} cannot be read as a SQLite database ({e}); it was left untouched") from None
+    if tables and "studies" not in tables:
+        raise SpecError(f"{path} is a SQLite database but not an Optuna study (tables: "
+                        f"{', '.join(sorted(tables))}); it was left untouched")
+
+
+def open_storage(url: str, *, must_exist: bool) -> RDBStorage:
+    path = _sqlite_file(url)
+    if path is not None:
+        if path.exists():
+            _check_sqlite(path)
+        elif must_exist:
+            raise SpecError(f"no study database at {path}{_known_hint()}")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # timeout: SQLite waits for a lock instead of failing when report and search overlap.
+        kw = {"connect_args": {"timeout": 30}} if path is not None else {}
+        return RDBStorage(url, engine_kwargs=kw)
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError, ValueError) as e:
+        raise SpecError(f"cannot open study storage {url}: {e}") from None
+
+
+def _known_hint() -> str:
+    names = list_studies()
+    return f"; studies under {trials_root()}/: {', '.join(names)}" if names else f"; {trials_root()}/ holds no study"
+
+
+def list_studies() -> list[str]:
+    """Study folders under trials/, most recently changed first."""
+    root = trials_root()
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if (d / "study.json").exists() or (d / "study.db").exists()]
+    return [d.name for d in sorted(dirs, key=_mtime, reverse=True)]
+
+
+def _mtime(d: Path) -> float:
+    return max((f.stat().st_mtime for f in d.iterdir() if f.is_file()), default=d.stat().st_mtime)
+
+
+def create_study(name: str, url: str | None, attrs: dict, sampler: optuna.samplers.BaseSampler) -> optuna.Study:
+    """A new study; an existing one of that name is an error that suggests --resume."""
+    check_name(name)
+    url = storage_url(name, url)
+    storage = open_storage(url, must_exist=False)
+    if name in {s.study_name for s in storage.get_all_studies()}:
+        raise SpecError(f"study {name!r} already exists in {url}; continue it with --resume, or choose "
+                        f"another --study name (nothing was changed)")
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize", sampler=sampler)
+    study.set_user_attr(ATTR, attrs)
+    study_dir(name).mkdir(parents=True, exist_ok=True)
+    if not _meta_path(name).exists():
+        _meta_path(name).write_text(json.dumps({"study": name, "storage": url}, indent=1) + "\n")
+    return study
+
+
+def load_study(name: str | None, url: str | None = None,
+               sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+    """An existing study; `name` None means the most recent one under trials/."""
+    if name is None:
+        names = list_studies()
+        if not names:
+            raise SpecError(f"no study under {trials_root()}/; run `autotune search` first or pass --study")
+        name = names[0]
+    check_name(name)
+    url = storage_url(name, url)
+    storage = open_storage(url, must_exist=True)
+    try:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+    except KeyError:
+        known = [s.study_name for s in storage.get_all_studies()]
+        raise SpecError(f"no study named {name!r} in {url} (it holds: {', '.join(known) or 'none'})"
+                        f"{_known_hint()}") from None
+    if ATTR not in study.user_attrs:
+        raise SpecError(f"study {name!r} in {url} was not made by `autotune search` (no {ATTR!r} attribute)")
+    return study
+
+
+# ---- what a study records ---------------------------------------------------------------------------
+def study_attrs(model: ModelSpec, cluster: Cluster, *, seq_len: int, global_batch: int | None,
+                space_text: str, space_path: str, source: str) -> dict:
+    return {"model": dataclasses.asdict(model), "gpus": cluster.text, "capacity_bytes": cluster.capacity_bytes,
+            "world_size": cluster.world_size, "seq_len": seq_len, "global_batch": global_batch,
+            "space_text": space_text, "space_path": space_path, "source": source}
+
+
+def specs_of(study: optuna.Study) -> tuple[ModelSpec, Cluster, dict]:
+    """The model and cluster a study was searched for (capacity as it was then)."""
+    a = study.user_attrs[ATTR]
+    model = ModelSpec(**a["model"])
+    cluster = parse_gpus(a["gpus"])
+    gpu = dataclasses.replace(cluster.gpu, memory_bytes=a["capacity_bytes"])
+    return model, dataclasses.replace(cluster, gpu=gpu), a
+
+
+def distributions(cands: list[TrainConfig]) -> dict[str, CategoricalDistribution]:
+    """One categorical distribution per searched field, over the values the candidates take."""
+    return {p: CategoricalDistribution(sorted({getattr(c, p) for c in cands}, key=repr)) for p in PARAMS}
+
+
+def params_of(cfg: TrainConfig) -> dict[str, Any]:
+    return {p: getattr(cfg, p) for p in PARAMS}
+
+
+def config_of(trial: FrozenTrial) -> TrainConfig | None:
+    c = trial.user_attrs.get("config")
+    return TrainConfig(**c) if c else None
+
+
+def pruned_record(cfg: TrainConfig, dists: dict, attrs: dict) -> FrozenTrial:
+    """A PRUNED trial for a candidate decided without running (memory, dominated, oom-implied)."""
+    return optuna.trial.create_trial(state=TrialState.PRUNED, params=params_of(cfg), distributions=dists,
+                                     user_attrs={"config": cfg.to_dict(), "status": "pruned", **attrs})
+
+
+def owner() -> str:
+    return f"{os.uname().nodename}:{os.getpid()}"
+
+
+def owner_alive(tag: str) -> bool:
+    """Whether the process that started a RUNNING trial still runs (only knowable on this host)."""
+    host, _, pid = tag.rpartition(":")
+    if host != os.uname().nodename or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def result_attrs(result) -> dict[str, Any]:
+    """User attrs of a finished run: status, reason, source, and the whole TrialResult."""
+    d = result.to_dict()
+    d["log_tail"] = (d.get("log_tail") or "")[-4000:]
+    return {"status": result.status, "reason": result.reason, "source": result.source, "result": d}
+
+
+def jsonable(v: Any) -> Any:
+    return json.loads(v) if isinstance(v, str) else json.loads(json.dumps(v, default=str))
