@@ -139,7 +139,7 @@ class Transformer(nn.Module):
         x = self.norm(x)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, weight)
-        return F.cross_entropy(logits.float().view(-1, s.vocab_size), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, s.vocab_size), targets.reshape(-1))
 
 
 def init_weights(model: Transformer, seed: int = 0) -> None:

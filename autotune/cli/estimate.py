@@ -1,0 +1,58 @@
+"""`autotune estimate`: the memory model's breakdown for one configuration."""
+
+from __future__ import annotations
+
+import json
+
+from autotune.cli.common import add_model_gpus, add_train_config, specs_from_args
+
+ORDER = 10
+
+
+def register(sub) -> None:
+    p = sub.add_parser("estimate", help="per-GPU memory breakdown of one configuration (no GPU needed)",
+                       description="Price one training configuration per GPU, term by term, at the peak "
+                                   "phase of a step. Every figure is estimated by the analytic model.")
+    add_model_gpus(p)
+    add_train_config(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _simulated(model, cluster, cfg) -> dict | None:
+    """The throughput cost model's figures, where that module is present."""
+    try:
+        from autotune.costmodel import simulate
+    except ImportError:
+        return None
+    return simulate(model, cluster, cfg).to_json()
+
+
+def run(args) -> int:
+    from autotune.memory import estimate
+    from autotune.units import GiB, fmt_bytes
+
+    model, cluster, cfg = specs_from_args(args)
+    est = estimate(model, cluster, cfg)
+    if args.json:
+        out = {**est.to_json(), "model": model.name, "gpus": cluster.text, "config": cfg.to_dict()}
+        sim = _simulated(model, cluster, cfg)
+        if sim is not None:
+            out["simulated"] = sim
+        if cluster.note:
+            out["note"] = cluster.note
+        print(json.dumps(out, indent=2))
+        return 0
+    print(model.describe())
+    print(f"on {cluster.describe()}" + (f"  [{cluster.note}]" if cluster.note else ""))
+    print(f"config: {cfg.short()} seq {cfg.seq_len} attention {cfg.attention}\n")
+    print(f"{'term (estimated)':<26} {'bytes':>16} {'GiB':>9} {'share':>6}  phase")
+    for name, b in sorted(est.terms.items(), key=lambda kv: -kv[1]):
+        print(f"{name:<26} {b:>16,} {b / GiB:>9.3f} {100 * b / est.tensor_peak_bytes:>5.1f}%  {est.phase}")
+    print(f"{'tensor peak':<26} {est.tensor_peak_bytes:>16,} {est.tensor_peak_bytes / GiB:>9.3f}")
+    for name, b in est.overhead.items():
+        print(f"{'+ ' + name:<26} {b:>16,} {b / GiB:>9.3f}         framework overhead (allowance)")
+    print(f"{'total per GPU':<26} {est.total_bytes:>16,} {est.total_bytes / GiB:>9.3f}")
+    print("\npeak by phase: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.phases.items()))
+    print(f"verdict: {est.verdict()}")
+    return 0

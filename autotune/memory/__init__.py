@@ -1,0 +1,114 @@
+"""The per-GPU memory model: `estimate(model, cluster, cfg)` -> MemoryEstimate.
+
+The peak is the maximum over the points of a training step where memory is highest, not the sum
+of all terms:
+- forward: states + (stage-3 gathered params) + carried gradients + everything saved + the logits'
+  transient during cross entropy;
+- backward at the loss: the same saved set + the fp32 gradients of log-softmax;
+- backward end: states + gradients + reduce buffers;
+- backward recompute (k > 0): checkpointed inputs + one recomputed block + gradients;
+- optimizer: states + step gradients + the update's temporaries.
+Each phase's terms sum to its total; the estimate reports the terms of the peak phase.
+Framework overhead (GPU only) is added on top, reported apart (memory/overhead.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autotune.deepspeed_config import bucket_sizes
+from autotune.hardware import Cluster
+from autotune.memory import activations as act
+from autotune.memory import buffers, model_states
+from autotune.memory.overhead import overhead_terms
+from autotune.models import ModelSpec
+from autotune.space import TrainConfig
+from autotune.units import GiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    num_params: int
+    tensor_peak_bytes: int
+    """Peak tensor bytes per GPU: what torch.cuda.max_memory_allocated (or the CPU profiler) sees."""
+    overhead_bytes: int
+    capacity_bytes: int
+    phase: str
+    """Where the peak is: forward, backward (loss | end | recompute) or optimizer."""
+    terms: dict[str, int]
+    """Bytes by term at the peak phase; they sum to tensor_peak_bytes."""
+    overhead: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, int] = field(default_factory=dict)
+    """Tensor bytes at each candidate peak point."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tensor_peak_bytes + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.capacity_bytes
+
+    @property
+    def headroom(self) -> float:
+        """Fraction of capacity used."""
+        return self.total_bytes / self.capacity_bytes if self.capacity_bytes else float("inf")
+
+    @property
+    def dominant_term(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+    def to_json(self) -> dict:
+        return {
+            "num_params": self.num_params, "total_bytes": self.total_bytes,
+            "tensor_peak_bytes": self.tensor_peak_bytes, "overhead_bytes": self.overhead_bytes,
+            "capacity_bytes": self.capacity_bytes, "fits": self.fits, "used_fraction": round(self.headroom, 4),
+            "phase": self.phase, "dominant_term": self.dominant_term, "terms": dict(self.terms),
+            "overhead": dict(self.overhead), "phases": dict(self.phases), "source": "estimated",
+        }
+
+    def verdict(self) -> str:
+        pct = 100 * self.headroom
+        if self.fits:
+            return f"fits: {self.total_bytes / GiB:.2f} of {self.capacity_bytes / GiB:.2f} GiB ({pct:.1f}% used)"
+        return (f"does not fit: needs {self.total_bytes / GiB:.2f} GiB, has {self.capacity_bytes / GiB:.2f} GiB "
+                f"({pct:.1f}%); largest term: {self.dominant_term}")
+
+
+def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, dict[str, int]]:
+    threshold = bucket_sizes(model)["stage3_param_persistence_threshold"]
+    fused = not cluster.gpu.is_cpu
+    kw = dict(micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, precision=cfg.precision)
+    static = model_states.states(model, cluster, cfg, threshold)
+    gathered = {"zero3_gathered_params": model_states.zero3_gathered(model, cluster, cfg, threshold)}
+    carried = {"accumulated_gradients": buffers.accumulated_gradients(model, cluster, cfg)}
+    saved = act.activation_bytes(model, ckpt_layers=cfg.ckpt_layers, attention=cfg.attention, **kw)
+    grads = {"gradients": buffers.backward_gradients(model, cluster, cfg)}
+    phases = {
+        "forward": {**static, **gathered, **carried, **saved,
+                    "logits_transient": act.logits_forward_transient_bytes(model, **kw)},
+        "backward (loss)": {**static, **gathered, **carried, **saved,
+                            "logits_transient": act.logits_backward_transient_bytes(model, **kw)},
+        "backward (end)": {**static, **gathered, **grads,
+                           "comm_buffers": buffers.backward_buffers(model, cluster, cfg)},
+        "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused)},
+    }
+    if cfg.ckpt_layers:
+        layer = act.layer_saved_bytes(model, attention=cfg.attention, **kw)
+        phases["backward (recompute)"] = {
+            **static, **gathered, **grads,
+            "checkpointed_inputs": saved["checkpointed_inputs"], "rotary_tables": saved["rotary_tables"],
+            "recomputed_layer": layer}
+    return {name: {k: v for k, v in terms.items() if v} for name, terms in phases.items()}
+
+
+def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEstimate:
+    """Peak bytes per GPU of one training step of `model` under `cfg` on `cluster`."""
+    phases = _phases(model, cluster, cfg)
+    totals = {name: sum(t.values()) for name, t in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    peak = totals[peak_phase]
+    over = overhead_terms(cluster, peak)
+    return MemoryEstimate(num_params=model.num_params, tensor_peak_bytes=peak, overhead_bytes=sum(over.values()),
+                          capacity_bytes=cluster.capacity_bytes, phase=peak_phase, terms=phases[peak_phase],
+                          overhead=over, phases=totals)

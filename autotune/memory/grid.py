@@ -1,0 +1,52 @@
+"""Price a whole (micro batch x checkpointed layers) grid at once, exactly.
+
+For a fixed model, cluster, ZeRO stage, precision and sequence length, every phase total of
+`estimate` is bilinear in the micro batch b and the checkpointed-layer count k:
+    total(b, k) = a + c_b * b + c_k * k + c_bk * b * k
+(activations and logits are b times a per-token constant; checkpointing swaps (L-k) full layers
+for k inputs; the eager mask and all model states do not depend on b). Four calls of `estimate`
+give the coefficients of each phase; numpy then prices thousands of candidates in microseconds.
+tests/test_memory.py checks the grid against `estimate` point by point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from autotune.hardware import Cluster
+from autotune.memory import estimate
+from autotune.memory.overhead import overhead_terms
+from autotune.models import ModelSpec
+from autotune.space import TrainConfig
+
+
+def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,
+                     micro_batches: np.ndarray, ckpt_layers: np.ndarray) -> np.ndarray:
+    """total_bytes (tensor peak + overhead) for every (micro_batch, ckpt_layers) pair:
+    an array of shape (len(micro_batches), len(ckpt_layers))."""
+    layers = model.num_layers
+    ks = sorted({0, min(1, layers), min(2, layers)})
+    pts = {(b, k): estimate(model, cluster, dataclasses.replace(base, micro_batch=b, ckpt_layers=k)).phases
+           for b in (1, 2) for k in ks}
+    b = np.asarray(micro_batches, dtype=np.float64)[:, None]
+    k = np.asarray(ckpt_layers, dtype=np.float64)[None, :]
+    peak = np.zeros((b.shape[0], k.shape[1]))
+    for name in set().union(*(p.keys() for p in pts.values())):
+        # the recompute point exists only for k >= 1: fit it on k = 1, 2
+        k0, k1 = (1, 2) if name == "backward (recompute)" else (0, 1)
+        if k1 not in ks:
+            k1 = k0
+        f = {key: p.get(name, 0) for key, p in pts.items()}
+        c_bk = ((f[(2, k1)] - f[(2, k0)]) - (f[(1, k1)] - f[(1, k0)])) / max(k1 - k0, 1)
+        c_k = (f[(1, k1)] - f[(1, k0)]) / max(k1 - k0, 1) - c_bk
+        c_b = f[(2, k0)] - f[(1, k0)] - c_bk * k0
+        a = f[(1, k0)] - c_b - (c_k + c_bk) * k0
+        total = a + c_b * b + c_k * k + c_bk * b * k
+        if name == "backward (recompute)":
+            total = np.where(k > 0, total, 0)
+        peak = np.maximum(peak, total)
+    fixed = sum(v for n, v in overhead_terms(cluster, 0).items() if n != "allocator_fragmentation")
+    frac = overhead_terms(cluster, 10**12).get("allocator_fragmentation", 0) / 10**12
+    return np.floor(peak) + np.floor(frac * peak) + fixed

@@ -1,0 +1,137 @@
+"""Model states per GPU: parameters, gradients, fp32 master weights, optimizer states, and the
+optimizer step's temporaries, as DeepSpeed 0.19 really allocates them. Bytes in, bytes out.
+
+Where each number comes from (DeepSpeed 0.19.8 source, and measured on CPU with 2 gloo ranks by
+the profiler, tests/test_memory_measured.py):
+- Stage 0, fp32: no wrapper; torch AdamW's exp_avg/exp_avg_sq (8 B/param) appear at the first step.
+- Stage 0, bf16/fp16: engine._configure_fp16_optimizer -> FP16_Optimizer (FusedAdam, GPU) or
+  FP16_UnfusedOptimizer (torch AdamW): a fp32 master copy of every parameter (4 B/param), fp32
+  gradients made from the 16-bit ones at the step (4 B/param, transient).
+- Stage 1 and 2: DeepSpeedZeroOptimizer (runtime/zero/stage_1_and_2.py): params flattened in the
+  model dtype (full), `single_partition_of_fp32_groups` = a fp32 copy of this rank's partition
+  (4/N B/param, also when the model is fp32), Adam states on the partition (8/N), gradients
+  reduced into a partition in the model dtype (stage 2 during backward in buckets of
+  reduce_bucket_size; measured: stage 1 holds the same partition at the step), converted to fp32
+  at the step (4/N, transient).
+- Stage 3: DeepSpeedZeroOptimizer_Stage3 (runtime/zero/stage3.py): a partition of the parameters
+  in the model dtype (pb/N), small parameters (< stage3_param_persistence_threshold elements)
+  kept whole, a flat gradient-partition buffer in the model dtype (pb/N, persistent), fp32 master
+  partition (4/N), Adam states (8/N); gathered parameters stay live up to
+  stage3_max_live_parameters while their reuse distance is below stage3_max_reuse_distance.
+These match Rajbhandari et al. 2020 (ZeRO, arXiv:1910.02054, sec. 5.1: (2+2+K)*Psi/N_d with K=12)
+except where DeepSpeed keeps more: the fp32 partition copy even in fp32 training, and stage 3's
+persistent gradient buffer.
+"""
+
+from __future__ import annotations
+
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec
+from autotune.space import TrainConfig
+
+ADAM_STATE_BYTES = 8
+"""exp_avg + exp_avg_sq in fp32 (torch.optim.AdamW, DeepSpeed FusedAdam and CPUAdam)."""
+ADAM8BIT_STATE_BYTES = 2 + 2 * 4 / 2048
+"""bitsandbytes AdamW8bit: two uint8 states plus one fp32 absmax per 2048-element block for each
+(Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861, sec. 2)."""
+MASTER_BYTES = 4
+STAGE3_MAX_LIVE_PARAMETERS = int(1e9)
+STAGE3_SUB_GROUP_SIZE = int(1e9)
+"""DeepSpeed default sub_group_size: stage 3 converts gradients to fp32 and steps the optimizer one
+sub-group of the partition at a time (stage3.py, step -> _prepare_sub_group)."""
+"""DeepSpeed default (runtime/zero/config.py), also what autotune/deepspeed_config.py writes."""
+
+
+def param_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def persistent_params(spec: ModelSpec, threshold: int) -> int:
+    """Stage 3 keeps parameters with fewer than `threshold` elements whole on every rank: norm
+    weights/biases and linear biases here (stage3.py, persistence_threshold)."""
+    n = 0
+    small = [spec.hidden_size] * (2 if spec.norm_bias else 1)
+    for size in small:
+        if size < threshold:
+            n += size * (2 * spec.num_layers + 1)
+    if spec.linear_bias:
+        per_layer = [spec.q_dim + 2 * spec.kv_dim, spec.hidden_size, spec.ffn_hidden_size, spec.hidden_size]
+        if spec.mlp == "swiglu":
+            per_layer.append(spec.ffn_hidden_size)
+        n += spec.num_layers * sum(s for s in per_layer if s < threshold)
+    return n
+
+
+def largest_param(spec: ModelSpec) -> int:
+    """Elements of the largest single parameter tensor (embedding, LM head, fused qkv, MLP)."""
+    return max(spec.vocab_size * spec.hidden_size, spec.hidden_size * (spec.q_dim + 2 * spec.kv_dim),
+               spec.hidden_size * spec.ffn_hidden_size)
+
+
+def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int) -> dict[str, int]:
+    """Bytes held for the whole run (present at the start of every forward), by term."""
+    p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
+    pb = param_bytes(cfg.precision)
+    state_b = ADAM8BIT_STATE_BYTES if cfg.optimizer == "adamw8bit" else ADAM_STATE_BYTES
+    shard = p / n if z >= 1 else p
+    out = {}
+    if z == 3:
+        keep = persistent_params(spec, persistence_threshold)
+        out["parameters"] = int(pb * ((p - keep) / n + keep))
+        out["gradient_partition"] = int(pb * p / n)
+    else:
+        out["parameters"] = pb * p
+    if cfg.offload_optimizer:
+        out["master_weights"] = 0  # fp32 partition and Adam states live in pinned CPU memory
+        out["optimizer_states"] = 0
+    else:
+        master = MASTER_BYTES * shard if (z >= 1 or cfg.precision != "fp32") else 0
+        out["master_weights"] = int(master)
+        out["optimizer_states"] = int(state_b * shard)
+    return out
+
+
+def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimizer: bool) -> dict[str, int]:
+    """Gradients and temporaries alive at the peak of the optimizer step, on top of `states`.
+
+    - Stage 0: the full gradients in the model dtype, plus their fp32 copy for the master weights
+      when training in 16 bits (4 B/param).
+    - Stages 1-2: this rank's reduced partition; in 16 bits it is converted to fp32 (4/N) and the
+      16-bit partition freed before the update. Stage 3: the persistent buffer (in `states`) is
+      copied to a fp32 partition (4/N).
+    - torch.optim.AdamW single-tensor (the CPU path, foreach=False off CUDA) makes two temporaries
+      the size of the tensor being stepped (`exp_avg_sq.sqrt()` and its division by the bias
+      correction, torch/optim/adamw.py _single_tensor_adam): the largest parameter at stage 0, the
+      flat partition at stages 1-3. FusedAdam and bitsandbytes update in place (0).
+    Measured on CPU (2 ranks): stage 0 fp32 4P + 8*largest; bf16 2P + 4P + 8*largest; stages 1-3
+    12 bytes per partition element.
+    """
+    p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
+    pb = param_bytes(cfg.precision)
+    if cfg.offload_optimizer:
+        # gradients are copied partition by partition to pinned CPU memory, the step runs there
+        return {"gradients": int(pb * p / n) if z in (1, 2) else 0, "optimizer_temporaries": 0}
+    stepped = largest_param(spec) if z == 0 else p / n
+    if z == 3:
+        stepped = min(stepped, STAGE3_SUB_GROUP_SIZE)
+    temps = 0 if (fused_optimizer or cfg.optimizer == "adamw8bit") else int(2 * 4 * stepped)
+    if z == 0:
+        grads = pb * p + (4 * p if pb != 4 else 0)
+        return {"gradients": grads, "optimizer_temporaries": temps}
+    fp32_partition = int(4 * stepped)
+    if z in (1, 2) and pb != 4 and temps < pb * p / n:
+        # the 16-bit partition and its fp32 copy coexist before the update; that is the peak
+        # only when the update itself makes less than the 16-bit partition (fused optimizers)
+        return {"gradients": fp32_partition + int(pb * p / n), "optimizer_temporaries": 0}
+    return {"gradients": fp32_partition, "optimizer_temporaries": temps}
+
+
+def zero3_gathered(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int) -> int:
+    """Stage 3 parameters gathered for forward/backward and kept live: up to
+    stage3_max_live_parameters elements (measured: with the default 1e9 and reuse distance 1e9,
+    a small model keeps every gathered parameter from forward through backward)."""
+    if cfg.zero_stage != 3 or cluster.world_size == 1:
+        return 0
+    p = spec.num_params - persistent_params(spec, persistence_threshold)
+    gathered = min(p, STAGE3_MAX_LIVE_PARAMETERS)
+    return int(param_bytes(cfg.precision) * gathered)
