@@ -21,7 +21,17 @@ LSE_BYTES = 4
 """Flash / memory-efficient SDPA keeps a fp32 log-sum-exp per head and token (PyTorch
 aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_flash_attention_cpu)."""
 INDEX_BYTES = 8
-"""int64 targets, copied contiguous by `targets.reshape(-1)` and kept by nll_loss."""
+"""int64 targets, copied contiguous by `targets.reshape(-1)` and kept by nll_loss; also the int64
+position indices (torch.arange) the learned position embedding keeps."""
+LOSS_SCALARS_BYTES = 4
+"""nll_loss keeps its fp32 total_weight, a 0-dim tensor (aten nll_loss_forward)."""
+EAGER_SCALE_BYTES = 8
+"""The eager path divides by math.sqrt(head_dim): autograd keeps that Python float as a 0-dim
+float64 tensor per layer."""
+CHECKPOINT_RNG_STATE_BYTES = 5056
+"""torch.utils.checkpoint (preserve_rng_state=True) keeps torch.get_rng_state(), a 5056-byte
+uint8 tensor (the mt19937 CPU generator state), per checkpointed call. It is host memory: on a GPU
+it is not in the device's peak, and this term overstates that by 5 KB per layer."""
 
 
 def dtype_bytes(precision: str) -> int:
@@ -80,13 +90,16 @@ def layer_saved_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precis
                  + mlp_saved_per_token(spec, e))
     n = int(per_token * tokens)
     if attention == "eager":
-        n += eager_mask_bytes(seq_len)
+        n += eager_mask_bytes(seq_len) + EAGER_SCALE_BYTES
     return n
 
 
-def checkpointed_layer_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str) -> int:
-    """A block under torch.utils.checkpoint(use_reentrant=False) keeps only its input x."""
-    return dtype_bytes(precision) * spec.hidden_size * micro_batch * seq_len
+def checkpointed_layer_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str,
+                             attention: str = "sdpa") -> int:
+    """A block under torch.utils.checkpoint(use_reentrant=False) keeps only its input x, the RNG
+    state it restores for the recomputation and (eager path, measured) the 0-dim 1/sqrt(d)."""
+    n = dtype_bytes(precision) * spec.hidden_size * micro_batch * seq_len + CHECKPOINT_RNG_STATE_BYTES
+    return n + (EAGER_SCALE_BYTES if attention == "eager" else 0)
 
 
 def rotary_table_bytes(spec: ModelSpec, *, seq_len: int, precision: str) -> int:
@@ -97,11 +110,13 @@ def rotary_table_bytes(spec: ModelSpec, *, seq_len: int, precision: str) -> int:
 
 
 def head_saved_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str) -> int:
-    """Final norm, LM-head input, fp32 log-softmax output (V per token) and int64 targets."""
+    """Final norm, LM-head input, fp32 log-softmax output (V per token), int64 targets, the loss's
+    scalars; with learned positions, the position indices the embedding keeps."""
     e = dtype_bytes(precision)
     tokens = micro_batch * seq_len
     per_token = norm_saved_per_token(spec, e) + 4 * spec.vocab_size + INDEX_BYTES
-    return per_token * tokens
+    positions = INDEX_BYTES * seq_len if spec.position == "learned" else 0
+    return per_token * tokens + positions + LOSS_SCALARS_BYTES
 
 
 def logits_forward_transient_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str) -> int:
@@ -125,7 +140,7 @@ def activation_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precisi
     full = spec.num_layers - ckpt_layers
     return {
         "activations": full * layer_saved_bytes(spec, attention=attention, **kw),
-        "checkpointed_inputs": ckpt_layers * checkpointed_layer_bytes(spec, **kw),
+        "checkpointed_inputs": ckpt_layers * checkpointed_layer_bytes(spec, attention=attention, **kw),
         "rotary_tables": rotary_table_bytes(spec, seq_len=seq_len, precision=precision),
         "logits_and_loss": head_saved_bytes(spec, **kw),
     }

@@ -1,0 +1,46 @@
+"""How fast the memory model prices the whole 13B x 4xA100 space.
+
+Space: ZeRO 0-3 x k in 0..40 x micro batch 1..64 x {fp32, fp16, bf16} = 31,488 candidates.
+Target: under 0.1 s. Prints the grid path (what the search uses) and the point-by-point path,
+and the ratio between them measured in the same run.
+
+    python benchmarks/estimate_speed.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from autotune.hardware import parse_gpus
+from autotune.memory import estimate
+from autotune.memory.grid import grid_total_bytes
+from autotune.models import resolve_model
+from autotune.space import TrainConfig
+
+
+def main() -> None:
+    model, cluster = resolve_model("13b"), parse_gpus("4xA100")
+    mbs, ks = np.arange(1, 65), np.arange(0, model.num_layers + 1)
+    bases = [TrainConfig(zero_stage=z, precision=p, seq_len=2048) for z in range(4) for p in ("fp32", "fp16", "bf16")]
+    n = len(bases) * len(mbs) * len(ks)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fits = sum(int((grid_total_bytes(model, cluster, b, mbs, ks) <= cluster.capacity_bytes).sum()) for b in bases)
+        best = min(best, time.perf_counter() - t0)
+    print(f"grid:        {n:,} candidates in {best * 1e3:.1f} ms ({best / n * 1e6:.2f} us each); {fits:,} fit "
+          f"-> target < 100 ms: {'met' if best < 0.1 else 'MISSED'}")
+    sample = [(b, int(mb), int(k)) for b in bases for mb in mbs[::8] for k in ks[::8]]
+    t0 = time.perf_counter()
+    for b, mb, k in sample:
+        estimate(model, cluster, dataclasses.replace(b, micro_batch=mb, ckpt_layers=k))
+    per = (time.perf_counter() - t0) / len(sample)
+    print(f"pointwise:   {per * 1e6:.1f} us per estimate -> whole space would take {per * n:.2f} s "
+          f"({per * n / best:.0f}x the grid)")
+
+
+if __name__ == "__main__":
+    main()
