@@ -1,0 +1,131 @@
+"""Record a fixed landscape of real trials on this machine's CPU: every config of a small grid,
+each run once by the trial runner (autotune.trial.launch.run_trial, one process group per trial,
+so `wall_s` is what the trial really cost), written to benchmarks/data/cpu_landscape.csv.
+
+    python benchmarks/record_cpu_landscape.py            # ~25 min on 2 idle cores
+    python benchmarks/record_cpu_landscape.py --resume   # keep clean rows, measure the rest again
+    python benchmarks/record_cpu_landscape.py --limit 3  # a quick look
+
+On a shared machine other work would be measured too: a trial starts only once the 1-minute load
+average is below --max-load, and the load after it is recorded; --resume re-measures the rows whose
+load_after exceeds --max-load-after (the trial's own two ranks add about 2).
+
+benchmarks/search_efficiency.py replays the table: a strategy "runs" a config by reading its row.
+The model is small enough for CPU and has a large vocabulary, so per-step costs (optimizer, gloo
+reductions) and the logits' memory shape the landscape: larger micro batches amortise the step
+until the per-rank cap stops them, and only ZeRO-3 with checkpointing fits the largest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import itertools
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from autotune.executors.base import TrialRequest
+from autotune.hardware import parse_gpus
+from autotune.models import ModelSpec
+from autotune.space import TrainConfig
+
+OUT = Path(__file__).parent / "data" / "cpu_landscape.csv"
+GPUS = "2xcpu@640MiB"
+MODEL = ModelSpec(name="landscape-tiny", family="llama", num_layers=4, hidden_size=256, num_heads=4,
+                  num_kv_heads=4, ffn_hidden_size=688, vocab_size=16000, max_seq_len=512, mlp="swiglu",
+                  norm="rmsnorm", norm_bias=False, linear_bias=False, position="rotary",
+                  tied_embeddings=False, source="benchmarks/record_cpu_landscape.py")
+GRID = {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 2, 4]}
+FIXED = {"precision": "fp32", "seq_len": 128, "grad_accum": 1}
+STEPS, WARMUP, TIMEOUT_S = 3, 1, 180.0  # as search_spaces/tiny-cpu.yaml
+COLUMNS = ["zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "precision", "seq_len", "status",
+           "samples_per_s", "step_time_s", "peak_bytes", "wall_s", "load_before", "load_after", "reason"]
+
+
+def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
+    """Other work on a shared machine would be measured too: wait until the 1-minute load average
+    is below `max_load` (or `max_wait_s` passed) and return the load the trial starts under."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= max_load and time.monotonic() - t0 < max_wait_s:
+        time.sleep(10)
+    return os.getloadavg()[0]
+
+
+def grid() -> list[TrainConfig]:
+    keys = list(GRID)
+    return [TrainConfig(**dict(zip(keys, values)), **FIXED) for values in itertools.product(*GRID.values())]
+
+
+def header() -> list[str]:
+    import deepspeed
+    import torch
+
+    meta = {"model": dataclasses.asdict(MODEL), "gpus": GPUS, "steps": STEPS, "warmup_steps": WARMUP,
+            "recorded": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    return [f"# {k}: {json.dumps(v)}" for k, v in meta.items()]
+
+
+def record(configs: list[TrainConfig], out: Path, keep: list[dict], max_load: float, max_wait_s: float) -> None:
+    from autotune.trial.launch import run_trial
+
+    cluster = parse_gpus(GPUS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f, tempfile.TemporaryDirectory() as tmp:
+        f.write("\n".join(header()) + "\n")
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(keep)
+        f.flush()
+        for i, cfg in enumerate(configs):
+            req = TrialRequest(model=MODEL, cluster=cluster, config=cfg, out_dir=Path(tmp, f"trial-{i:03d}"),
+                               steps=STEPS, warmup_steps=WARMUP, timeout_s=TIMEOUT_S, trial_id=i)
+            load = wait_for_quiet(max_load, max_wait_s)
+            res = run_trial(req)
+            w.writerow({**{k: getattr(cfg, k) for k in COLUMNS[:6]}, "status": res.status,
+                        "samples_per_s": res.samples_per_s, "step_time_s": res.step_time_s,
+                        "peak_bytes": res.peak_bytes, "wall_s": round(res.wall_s or 0.0, 3),
+                        "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
+                        "reason": res.reason.replace("\n", " ")[:200]})
+            f.flush()
+            print(f"[{i + 1}/{len(configs)}] {cfg.short()}: {res.status} {res.samples_per_s or 0:.3f} samples/s, "
+                  f"{res.wall_s or 0:.1f} s", flush=True)
+
+
+def clean_rows(path: Path, max_load_after: float) -> list[dict]:
+    """Rows of an earlier recording measured on a quiet machine."""
+    if not path.exists():
+        return []
+    rows = csv.DictReader(ln for ln in path.read_text().splitlines() if not ln.startswith("#"))
+    return [r for r in rows if r.get("load_after") and float(r["load_after"]) <= max_load_after]
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(str(row[k]) for k in COLUMNS[:6])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--limit", type=int, default=None, help="record only the first N configs")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--max-load", type=float, default=1.0,
+                   help="start a trial only when the 1-minute load average is below this (default 1.0)")
+    p.add_argument("--max-wait", type=float, default=6 * 3600.0, help="seconds to wait for that, per trial")
+    p.add_argument("--resume", action="store_true", help="keep the rows of --out measured quietly")
+    p.add_argument("--max-load-after", type=float, default=3.0,
+                   help="with --resume: a row is clean if the load after its trial was at most this")
+    args = p.parse_args()
+    keep = clean_rows(args.out, args.max_load_after) if args.resume else []
+    done = {row_key(r) for r in keep}
+    todo = [c for c in grid() if tuple(str(getattr(c, k)) for k in COLUMNS[:6]) not in done][:args.limit]
+    print(f"{len(keep)} clean rows kept, {len(todo)} configs to measure", flush=True)
+    record(todo, args.out, keep, args.max_load, args.max_wait)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""How many trials, and how many trial-seconds, each search strategy needs to reach within 2% of
+the best throughput, on fixed landscapes where every config's outcome is known in advance.
+
+    python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|sim13b|all]
+
+Landscapes (a config "runs" by reading its outcome; each run is a trial and costs its trial-seconds):
+  cpu     real trials recorded on this machine's CPU (benchmarks/data/cpu_landscape.csv, written by
+          benchmarks/record_cpu_landscape.py); trial-seconds = each trial's measured wall time.
+  sim13b  Llama-2-13B on 4 x A100-80GB over the default search space: the memory model decides OOM,
+          the cost model the throughput; trial-seconds = SIM_STARTUP_S + (warm-up + measured steps)
+          x the simulated step (an OOM costs the start-up and one step).
+
+Strategies: the exhaustive grid (the space's order); random order; DeepSpeed's autotuner (fast mode,
+per ZeRO stage: micro batch 1, its memory-derived largest micro batch, binary search, then its
+micro-batch list; deepspeed/autotuning/autotuner.py, restricted to the space's micro batches,
+no checkpointing, gradient accumulation 1); Optuna TPE over the same space with no memory model
+(an OOM costs its trial and is told as 0 samples/s); and ours (autotune.search.Search, memory model first).
+Random and TPE run once per seed; the others are deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import random
+import statistics
+import tempfile
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Callable
+
+from autotune.executors.base import Executor, TrialResult
+from autotune.hardware import Cluster, parse_gpus
+from autotune.models import ModelSpec, resolve_model
+from autotune.search_space import DEFAULT_SPACE, SearchSpace, expand, load_space
+from autotune.space import TrainConfig
+
+CPU_CSV = Path(__file__).parent / "data" / "cpu_landscape.csv"
+TARGET = 0.98
+"""Reached: a trial within 2% of the landscape's best samples/s."""
+SIM_STARTUP_S = 60.0
+"""Assumed start-up of one real 13B trial on 4 GPUs (spawn, imports, model build, deepspeed.initialize).
+Only the trial-seconds column depends on it; the measured CPU trials spend 5-10 s there."""
+DS_MAX_MICRO_BATCH = 1024  # DeepSpeed AUTOTUNING_MAX_TRAIN_MICRO_BATCH_SIZE_PER_GPU_DEFAULT
+DS_PLATEAU = 0.05          # DeepSpeed METRIC_PERCENT_DIFF_CONST
+DS_NUM_TUNING_MBS = 3      # DeepSpeed AUTOTUNING_NUM_TUNING_MICRO_BATCH_SIZES_DEFAULT
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str
+    samples_per_s: float | None
+    trial_s: float
+    peak_bytes: int | None = None
+
+
+@dataclass
+class Landscape:
+    name: str
+    model: ModelSpec
+    cluster: Cluster
+    space: SearchSpace
+    seq_len: int
+    configs: list[TrainConfig]
+    """Every config of the space, in the space's order."""
+    table: dict[tuple, Outcome]
+    note: str = ""
+
+    def run(self, cfg: TrainConfig) -> Outcome:
+        return self.table[cfg.key()]
+
+    def reached(self, cfg: TrainConfig) -> bool:
+        out = self.run(cfg)
+        return out.status == "ok" and out.samples_per_s >= TARGET * self.best
+
+    @cached_property
+    def best(self) -> float:
+        return max(o.samples_per_s for o in self.table.values() if o.status == "ok")
+
+    def base(self, zero_stage: int, micro_batch: int) -> TrainConfig | None:
+        """The space's config at this stage with no checkpointing and the largest micro batch of
+        the space not above `micro_batch` (DeepSpeed proposes any integer)."""
+        fits = [c for c in self.configs if c.zero_stage == zero_stage and c.ckpt_layers == 0
+                and c.micro_batch <= micro_batch]
+        return max(fits, key=lambda c: c.micro_batch, default=None)
+
+
+# ---- landscapes ------------------------------------------------------------------------------
+def cpu_landscape(path: Path = CPU_CSV) -> Landscape:
+    lines = path.read_text().splitlines()
+    meta = {k: json.loads(v) for k, v in (ln[2:].split(": ", 1) for ln in lines if ln.startswith("# "))}
+    rows = list(csv.DictReader(ln for ln in lines if not ln.startswith("#")))
+    model, cluster = ModelSpec(**meta["model"]), parse_gpus(meta["gpus"])
+    vals = lambda k, f: tuple(sorted({f(r[k]) for r in rows}))  # noqa: E731
+    space = SearchSpace(zero_stage=vals("zero_stage", int), precision=vals("precision", str),
+                        micro_batch=vals("micro_batch", int), ckpt_layers=vals("ckpt_layers", int),
+                        grad_accum=vals("grad_accum", int))
+    seq = int(rows[0]["seq_len"])
+    table = {}
+    for r in rows:
+        cfg = TrainConfig(zero_stage=int(r["zero_stage"]), micro_batch=int(r["micro_batch"]),
+                          ckpt_layers=int(r["ckpt_layers"]), grad_accum=int(r["grad_accum"]),
+                          precision=r["precision"], seq_len=seq)
+        ok = r["status"] == "ok"
+        table[cfg.key()] = Outcome(r["status"], float(r["samples_per_s"]) if ok else None, float(r["wall_s"]),
+                                   int(r["peak_bytes"]) if r["peak_bytes"] else None)
+    configs = [c for c in expand(space, model, cluster, seq_len=seq).candidates if c.key() in table]
+    return Landscape("cpu (measured)", model, cluster, space, seq, configs, table)
+
+
+def sim13b_landscape() -> Landscape:
+    from autotune.costmodel import simulate
+    from autotune.memory import estimate
+
+    model, cluster, space, seq = resolve_model("13b"), parse_gpus("4xA100"), load_space(DEFAULT_SPACE), 2048
+    configs = expand(space, model, cluster, seq_len=seq).candidates
+    steps = space.trial.warmup_steps + space.trial.steps
+    table = {}
+    for cfg in configs:
+        est, step = estimate(model, cluster, cfg), simulate(model, cluster, cfg)
+        if est.fits:
+            table[cfg.key()] = Outcome("ok", step.samples_per_s, SIM_STARTUP_S + steps * step.step_time_s,
+                                       est.total_bytes)
+        else:
+            table[cfg.key()] = Outcome("oom", None, SIM_STARTUP_S + step.step_time_s, est.total_bytes)
+    note = ("out of memory here is the memory model's verdict, the model ours prunes with: its pruning "
+            "is exact by construction on this landscape")
+    return Landscape("13b x 4xA100 (simulated)", model, cluster, space, seq, configs, table, note)
+
+
+# ---- strategies: each returns the distinct configs it ran, in order ---------------------------
+def grid(ls: Landscape, seed: int) -> list[TrainConfig]:
+    return list(ls.configs)
+
+
+def random_order(ls: Landscape, seed: int) -> list[TrainConfig]:
+    order = list(ls.configs)
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def tpe(ls: Landscape, seed: int) -> list[TrainConfig]:
+    """Optuna's TPE over the space's axes with no memory model: an OOM costs its trial and is told
+    as 0 samples/s (so TPE learns to avoid the region; telling FAIL, TPE ignores it and keeps
+    proposing it). A config proposed again is answered from the trials already run, free. Stops
+    at the target (it has no stopping rule of its own) or after 4 x the grid's size of proposals."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    axes = [f for f in ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "precision")
+            if len({getattr(c, f) for c in ls.configs}) > 1]
+    by_params = {tuple(getattr(c, f) for f in axes): c for c in ls.configs}
+    dists = {f: optuna.distributions.CategoricalDistribution(sorted({getattr(c, f) for c in ls.configs}))
+             for f in axes}
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    ran: dict[tuple, TrainConfig] = {}
+    for _ in range(4 * len(ls.configs)):
+        if len(ran) == len(ls.configs) or any(ls.reached(c) for c in ran.values()):
+            break
+        trial = study.ask(dists)
+        cfg = by_params.get(tuple(trial.params[f] for f in axes))
+        out = ls.run(cfg) if cfg else Outcome("excluded", None, 0.0)
+        if cfg is not None:
+            ran.setdefault(cfg.key(), cfg)
+        if out.status == "ok":
+            study.tell(trial, out.samples_per_s)
+        else:
+            study.tell(trial, 0.0)
+    return list(ran.values())
+
+
+class _DeepSpeedAutotuner:
+    """deepspeed/autotuning/autotuner.py, fast mode, with its memory arithmetic, step by step."""
+
+    def __init__(self, ls: Landscape):
+        self.ls, self.ran, self.metric = ls, {}, {}
+
+    def run(self, stage: int, mbs: int) -> float:
+        cfg = self.ls.base(stage, mbs)
+        if cfg is None:
+            return 0.0
+        self.ran.setdefault(cfg.key(), cfg)
+        out = self.ls.run(cfg)
+        self.metric[(stage, mbs)] = out.samples_per_s or 0.0
+        return self.metric[(stage, mbs)]
+
+    def instantiation_bytes(self, stage: int) -> float:
+        """autotuner.get_instantiation_memory_required_per_gpu: Adam, fp16 or not (bf16 counts as not)."""
+        n, w = self.ls.model.num_params, self.ls.cluster.world_size
+        fp16 = self.ls.configs[0].precision == "fp16"
+        params, grads, opt = n * (2 if fp16 else 4), n * (2 if fp16 else 4), n * (16 if fp16 else 8)
+        return params / (w if stage >= 3 else 1) + grads / (w if stage >= 2 else 1) + opt / (w if stage >= 1 else 1)
+
+    def tune(self) -> None:
+        prof = self.ls.base(3, 1)  # model_info_profile_run: DEFAULT_MIN_MEM_CONFIG, stage 3, mbs 1
+        self.ran.setdefault(prof.key(), prof)
+        out = self.ls.run(prof)
+        if out.status != "ok":
+            return
+        self.mem = self.ls.cluster.capacity_bytes
+        self.act = max(1.0, out.peak_bytes - self.instantiation_bytes(3))
+        best_mbs = max_mbs = 0
+        for stage in (0, 1, 2, 3):
+            if self.mem > self.instantiation_bytes(stage) + self.act:
+                nmax, nbest = self.tune_space(stage, max_mbs)
+                if nbest > best_mbs:
+                    best_mbs, max_mbs = nbest, nmax
+
+    def tune_space(self, stage: int, prev_max: int) -> tuple[int, int]:
+        calc = int((self.mem - self.instantiation_bytes(stage)) // self.act)
+        if calc < prev_max:
+            return 0, 0
+        lo, hi = self.min_max(stage, prev_max, calc)
+        if hi < prev_max or hi <= 0:
+            return 0, 0
+        mbs_list = self.tuning_list(lo, hi)
+        for m in mbs_list:
+            self.run(stage, m)
+        self.shrink_max(stage, mbs_list, lo, hi)
+        runs = {m: v for (s, m), v in self.metric.items() if s == stage}
+        return hi, max(runs, key=runs.get)
+
+    def min_max(self, stage: int, prev_min: int, calc: int) -> tuple[int, int]:
+        """get_min_max_micro_batch_size: the smallest runs, then the memory-derived largest (+-5%),
+        else a binary search for the largest that runs, stopping where throughput plateaus."""
+        if prev_min > calc:
+            return -1, -1
+        lo = max(prev_min, 1)
+        if not self.run(stage, lo):
+            return -1, -1
+        used = {lo}
+        top = min(calc, DS_MAX_MICRO_BATCH)
+        for m in (math.ceil(1.05 * top), top, int(0.95 * top)):
+            if m > DS_MAX_MICRO_BATCH:
+                continue
+            if m in used or self.run(stage, m):
+                return lo, m
+        low, high, prev = lo, top, self.metric[(stage, lo)]
+        while low <= high:
+            mid = (low + high) // 2
+            if mid in used:
+                low = mid + 1
+                continue
+            v = self.run(stage, mid)
+            if not v:
+                high = mid - 1
+                continue
+            low = mid + 1
+            used.add(mid)
+            if prev and (v - prev) / prev < DS_PLATEAU:
+                break
+            prev = v
+        return lo, low - 1
+
+    @staticmethod
+    def tuning_list(lo: int, hi: int) -> list[int]:
+        """get_tuning_micro_batch_size_list with gradient accumulation 1."""
+        lo = max(lo, hi // 2)
+        stride = max((hi - lo) // DS_NUM_TUNING_MBS, 1)
+        return [m for m in range(lo, hi, stride) if hi // m != 1] + [hi]
+
+    def shrink_max(self, stage: int, mbs_list: list[int], lo: int, hi: int) -> None:
+        """run_tuning_micro_batch_sizes: try smaller than the largest while it pays 5%."""
+        start = mbs_list[-2] + 1 if len(mbs_list) > 1 else lo
+        best = self.metric.get((stage, hi), 0.0)
+        for m in reversed(range(start, hi, max((hi - start) // 3, 1))):
+            v = self.run(stage, m)
+            if not (v and v > best * (1 + DS_PLATEAU)):
+                break
+            best = v
+
+
+def deepspeed_autotuner(ls: Landscape, seed: int) -> list[TrainConfig]:
+    tuner = _DeepSpeedAutotuner(ls)
+    tuner.tune()
+    return list(tuner.ran.values())
+
+
+class _TableExecutor(Executor):
+    """Answers each trial from the landscape, one at a time, recording the order."""
+
+    source = "measured"
+
+    def __init__(self, ls: Landscape):
+        self.ls, self.order, self.pending = ls, [], {}
+
+    def slots(self) -> int:
+        return 1
+
+    def submit(self, request) -> str:
+        cfg = request.config
+        out = self.ls.run(cfg)
+        self.order.append(cfg)
+        self.pending[str(len(self.order))] = TrialResult(
+            status=out.status, samples_per_s=out.samples_per_s, peak_bytes=out.peak_bytes,
+            reason="" if out.status == "ok" else f"{out.status} (landscape)", wall_s=out.trial_s)
+        return str(len(self.order))
+
+    def wait_any(self, timeout_s=None):
+        done, self.pending = list(self.pending.items()), {}
+        return done
+
+
+def ours(ls: Landscape, seed: int) -> list[TrainConfig]:
+    import optuna
+
+    from autotune.search import Search
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    ex = _TableExecutor(ls)
+    with tempfile.TemporaryDirectory() as tmp:
+        study = optuna.create_study(direction="maximize")
+        Search(study, ls.model, ls.cluster, ls.space, ex, seq_len=ls.seq_len, out_root=Path(tmp)).run(progress=False)
+    return ex.order
+
+
+STRATEGIES: dict[str, tuple[Callable[[Landscape, int], list[TrainConfig]], bool]] = {
+    "grid": (grid, False), "random": (random_order, True), "deepspeed-autotuner": (deepspeed_autotuner, False),
+    "optuna-tpe": (tpe, True), "ours": (ours, False)}
+"""name -> (strategy, whether it depends on the seed)."""
+
+
+# ---- scoring ---------------------------------------------------------------------------------
+def reach(ls: Landscape, order: list[TrainConfig]) -> tuple[int | None, float | None, float]:
+    """(trials, trial-seconds) until the first run within TARGET of the best; total trial-seconds."""
+    spent, target = 0.0, TARGET * ls.best
+    hit = None
+    for i, cfg in enumerate(order):
+        out = ls.run(cfg)
+        spent += out.trial_s
+        if hit is None and out.status == "ok" and out.samples_per_s >= target:
+            hit = (i + 1, spent)
+    total = sum(ls.run(c).trial_s for c in order)
+    return (hit[0], hit[1], total) if hit else (None, None, total)
+
+
+def evaluate(ls: Landscape, seeds: int) -> dict[str, dict]:
+    rows = {}
+    for name, (strategy, seeded) in STRATEGIES.items():
+        runs = [(reach(ls, order), len(order)) for order in
+                (strategy(ls, s) for s in (range(seeds) if seeded else [0]))]
+        hits = [r for (r, _) in runs if r[0] is not None]
+        rows[name] = {"runs": len(runs), "reached": len(hits),
+                      "trials": statistics.median(r[0] for r in hits) if hits else None,
+                      "trial_s": statistics.median(r[1] for r in hits) if hits else None,
+                      "ran": statistics.median(n for _, n in runs),
+                      "ran_s": statistics.median(r[2] for r, _ in runs)}
+    return rows
+
+
+def print_table(ls: Landscape, rows: dict[str, dict]) -> None:
+    oks = sum(o.status == "ok" for o in ls.table.values())
+    print(f"\n{ls.name}: {len(ls.configs)} configs ({oks} ok, {len(ls.configs) - oks} out of memory or failed), "
+          f"best {ls.best:.4g} samples/s, target {TARGET:.0%} of it")
+    if ls.note:
+        print(f"  note: {ls.note}")
+    print(f"  {'strategy':20s} {'reached':>8s} {'trials to target':>17s} {'trial-s to target':>18s} "
+          f"{'trials run':>11s} {'trial-s run':>12s}")
+    for name, r in rows.items():
+        t = "-" if r["trials"] is None else f"{r['trials']:g}"
+        s = "-" if r["trial_s"] is None else f"{r['trial_s']:.0f}"
+        print(f"  {name:20s} {r['reached']:>3d}/{r['runs']:<4d} {t:>17s} {s:>18s} {r['ran']:>11g} {r['ran_s']:>12.0f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=10, help="seeds for the seeded strategies (random, TPE)")
+    p.add_argument("--landscape", choices=["cpu", "sim13b", "all"], default="all")
+    args = p.parse_args()
+    builders = {"cpu": cpu_landscape, "sim13b": sim13b_landscape}
+    for key in (builders if args.landscape == "all" else [args.landscape]):
+        ls = builders[key]()
+        print_table(ls, evaluate(ls, args.seeds))
+    print("\nMedians over seeds. 'reached': runs that got within 2% of the best. 'trials run': all a strategy "
+          "runs when left alone (grid, random: the whole space; TPE: until the target, it has no stopping "
+          "rule). DeepSpeed's autotuner does not tune checkpointing: a best that needs it is out of its reach.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The search-efficiency benchmark's harness: scoring, and the DeepSpeed-autotuner emulation, on a
+landscape small enough to follow by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.hardware import parse_gpus
+from autotune.models import resolve_model
+from autotune.search_space import SearchSpace, expand
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "search_efficiency.py"
+spec = importlib.util.spec_from_file_location("search_efficiency", PATH)
+se = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = se  # dataclasses look their module up
+spec.loader.exec_module(se)
+
+
+@pytest.fixture
+def landscape():
+    """gpt2 (124M), fp32, 2 GiB (2.147 GB) per rank. States take 16 x 124.4M = 1.99 GB at ZeRO-0,
+    half at ZeRO-3 (as DeepSpeed's own arithmetic counts them); activations 100 MB per sequence,
+    halved by checkpointing, which costs 25% of the throughput."""
+    model, cluster = resolve_model("gpt2"), parse_gpus("2xcpu@2GiB")
+    space = SearchSpace(zero_stage=(0, 3), precision=("fp32",), micro_batch=(1, 2, 4, 8, 16), ckpt_layers=(0, 12))
+    configs = expand(space, model, cluster, seq_len=128).candidates
+    states = 16 * model.num_params
+    table = {}
+    for c in configs:
+        need = states / (2 if c.zero_stage == 3 else 1) + c.micro_batch * 100e6 * (0.5 if c.ckpt_layers else 1)
+        ok = need <= cluster.capacity_bytes
+        sps = c.micro_batch / (1 + 0.1 * c.micro_batch) * (0.75 if c.ckpt_layers else 1.0)
+        table[c.key()] = se.Outcome("ok" if ok else "oom", sps if ok else None, 10.0, int(need))
+    return se.Landscape("hand", model, cluster, space, 128, configs, table)
+
+
+def test_best_and_reach(landscape):
+    # mb 16 with checkpointing fits (1.0 GB + 0.8 GB) and is best: 16 / 2.6 * 0.75 = 4.615
+    assert landscape.best == pytest.approx(16 / 2.6 * 0.75)
+    order = se.grid(landscape, 0)
+    trials, spent, total = se.reach(landscape, order)
+    assert order[trials - 1].micro_batch == 16 and order[trials - 1].ckpt_layers == 12
+    assert spent == 10.0 * trials and total == 10.0 * len(order)
+
+
+def test_deepspeed_autotuner_emulation(landscape):
+    """Profile run (ZeRO-3, mb 1: 1.095 GB, so 0.1 GB of activations per sequence). ZeRO-0:
+    it leaves room for (2.147 - 1.99) / 0.1 = 1 sequence: mb 1 runs, 1.05 x 1 -> 2 OOMs.
+    ZeRO-3: (2.147 - 0.995) / 0.1 -> 11; from its previous best 1, 12 (rounded down to the space's
+    8) runs; the list [6, 12] adds mb 6 -> 4; 11 -> 8 does not beat 8 by 5%, so it stops. It never
+    checkpoints: the best (mb 16, k 12) is out of its reach."""
+    order = se.deepspeed_autotuner(landscape, 0)
+    assert [(c.zero_stage, c.micro_batch, c.ckpt_layers) for c in order] == [
+        (3, 1, 0), (0, 1, 0), (0, 2, 0), (3, 8, 0), (3, 4, 0)]
+    assert se.reach(landscape, order)[0] is None
+
+
+def test_tpe_runs_each_config_once_and_stops_at_the_target(landscape):
+    order = se.tpe(landscape, 0)
+    assert len({c.key() for c in order}) == len(order)
+    assert landscape.reached(order[-1])
