@@ -77,7 +77,8 @@ def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path) -> s
     lines += _ckpt_lines(cfg, model)
     if cfg.optimizer == "adamw8bit":
         lines.append("Optimizer: 8-bit AdamW is not a DeepSpeed config type: pass bitsandbytes.optim.AdamW8bit("
-                     "model.parameters(), ...) as deepspeed.initialize(optimizer=...) / Trainer(optim='adamw_bnb_8bit').")
+                     "model.parameters(), ...) as deepspeed.initialize(optimizer=...) / "
+                     "Trainer(optim='adamw_bnb_8bit').")
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     rows = []
     for t in study.get_trials(deepcopy=False):
         cfg, a = t.user_attrs.get("config") or {}, t.user_attrs
-        res = a.get("result") or {}
+        res, est = a.get("result") or {}, a.get("estimate") or {}
         status = a.get("status", "running")
         if status == "running" and t.state != optuna.trial.TrialState.RUNNING:
             status = "interrupted"
@@ -39,9 +39,9 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "reason": a.get("reason", ""), "source": a.get("source"), **cfg,
             "samples_per_s": res.get("samples_per_s"), "tokens_per_s": res.get("tokens_per_s"),
             "tflops": res.get("tflops"), "mfu": res.get("mfu"), "step_time_s": res.get("step_time_s"),
-            "peak_bytes": res.get("peak_bytes"), "est_tensor_bytes": a.get("est_tensor_bytes"),
-            "est_total_bytes": a.get("est_total_bytes"), "capacity_bytes": a.get("capacity_bytes"),
-            "dominant_term": a.get("dominant_term"), "wall_s": res.get("wall_s"),
+            "peak_bytes": res.get("peak_bytes"), "est_tensor_bytes": est.get("tensor_bytes"),
+            "est_total_bytes": est.get("total_bytes"), "capacity_bytes": est.get("capacity_bytes"),
+            "dominant_term": est.get("dominant_term"), "wall_s": res.get("wall_s"),
             "log_tail": res.get("log_tail", ""),
         })
     return pd.DataFrame(rows)
@@ -122,8 +122,9 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None) -> s
     if fmt == "csv":
         return table.to_csv(index=False)
     if fmt == "json":
+        ranked_rows = json.loads(table.to_json(orient="records", double_precision=15))
         return json.dumps({"study": study.study_name, "source": source_label(df) if len(df) else None,
-                           "ranked": json.loads(table.to_json(orient="records")), **counts}, indent=1) + "\n"
+                           "ranked": ranked_rows, **counts}, indent=1) + "\n"
     lines = header(study)
     if fmt == "markdown":
         lines = [f"# {lines[0]}", "", lines[1], "", markdown_table(table) if len(table) else "_no successful run_"]

@@ -45,12 +45,13 @@ def make_study(name: str, source: str = "measured", precision: str = "bf16") -> 
     for cfg, (_, state, status, sps, peak, est, by) in zip(cands, ROWS):
         res = {"status": status, "source": source, "samples_per_s": sps,
                "tokens_per_s": sps and sps * 2048, "peak_bytes": peak and int(peak * GiB), "log_tail": "tail"}
-        ua = {"config": cfg.to_dict(), "status": status, "source": source, "est_tensor_bytes": int(est * GiB),
-              "est_total_bytes": int(est * GiB), "capacity_bytes": 80 * GiB, "dominant_term": "activations",
+        ua = {"config": cfg.to_dict(), "status": status, "source": source,
+              "estimate": {"tensor_bytes": int(est * GiB), "total_bytes": int(est * GiB),
+                           "capacity_bytes": 80 * GiB, "dominant_term": "activations"},
               "reason": "out of memory in backward" if status == "oom" else "", "result": res}
         if by:
             ua["pruned_by"] = by
-        study.add_trial(optuna.trial.create_trial(state=TrialState[state], value=sps, params=st.params_of(cfg),
+        study.add_trial(optuna.trial.create_trial(state=TrialState[state], value=sps, params=st.params_of(cfg, dists),
                                                   distributions=dists, user_attrs=ua))
     return study
 

@@ -1,0 +1,417 @@
+"""The search: Optuna ask/tell over a small discrete space, with the memory model deciding first.
+
+    expand the space -> estimate every candidate -> prune what cannot fit (PRUNED, no trial cost)
+    -> per group of equal settings keep only the smallest checkpointing k that fits (larger k only
+    add recomputation: dominated) -> pick the most promising candidate -> executor -> tell.
+
+Why not a stock Optuna sampler (TPE, GP, CMA-ES, random, grid): the space is a few hundred points
+at most, mixed (stages, precisions, powers of two, a layer count), and after memory pruning and
+dominance only one point per group is worth running - a few dozen. TPE and GP need ~10 random
+start-up trials before they model anything and re-propose points already seen in tiny
+categorical spaces; grid and random ignore structure. What is known before any run is structural:
+recomputation costs about a forward pass per checkpointed layer, larger micro batches amortise
+per-step costs, higher ZeRO stages move more bytes. So the choice is deterministic: enumerate the
+feasible frontier, order it by a prior (structural here, or the simulated cost model), and after
+each measurement shift the prior of neighbouring candidates by the measured/prior ratio (a kernel
+regression on the log residual). The first pick is the prior's best guess, and each result moves
+the search towards where measurements beat expectations. The chosen point reaches Optuna through
+`study.ChosenSampler`, so every trial is an ordinary ask/tell trial in the study.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune import study as st
+from autotune.deepspeed_config import bucket_sizes
+from autotune.executors.base import Executor, TrialRequest, TrialResult
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec, SpecError
+from autotune.search_space import SearchSpace, expand
+from autotune.space import TrainConfig
+from autotune.units import fmt_bytes
+
+RUN_STATUSES = ("ok", "oom", "timeout", "crashed", "diverged")
+
+
+class Corrector(Protocol):
+    """Online correction of the memory model (issue 5): adjusted per-device bytes for a candidate.
+    May also have `observe(est, cfg, result)`, called with every measured result."""
+
+    def __call__(self, est: Any, cfg: TrainConfig) -> int: ...
+
+
+@dataclass
+class Candidate:
+    cfg: TrainConfig
+    est: Any
+    """MemoryEstimate (autotune.memory.estimate)."""
+
+    @property
+    def group(self) -> tuple:
+        return dataclasses.replace(self.cfg, ckpt_layers=0).key()
+
+
+# ---- prior -----------------------------------------------------------------------------------------
+# CPU ranks have no datasheet, so their prior is a step-time sketch with constants measured here
+# (a 4-layer, 197K-parameter Llama on 2 CPU ranks, seq 64, fp32; the runs of the tiny-cpu space).
+_CPU_FLOPS = 2e10
+"""Model FLOP/s per rank: ZeRO-0 steps grow by 77 ms from micro batch 1 to 16 (1.3 GFLOP more)."""
+_CPU_MICRO_S = 0.1
+"""Fixed cost of one forward+backward through DeepSpeed: a ZeRO-0 micro batch 1 step takes 0.128 s,
+of which ~5 ms is arithmetic."""
+_CPU_COLLECTIVE_S = 2.5e-3
+"""Per bucket collective (gloo + DeepSpeed's Python around it): ZeRO-2/3 steps are 0.15-0.45 s slower
+than ZeRO-0's at equal micro batch over ~100 bucket operations. A bare gloo all_reduce of 4K floats
+between the two ranks takes 0.48 ms (measured with torch.distributed)."""
+
+
+def _collectives_per_step(model: ModelSpec, cfg: TrainConfig) -> int:
+    """Collective calls per optimizer step, from the bucket sizes the DeepSpeed config sets.
+
+    ZeRO-0 all-reduces once at the boundary (DeepSpeed's allreduce bucket default 5e8 elements); 1-2
+    reduce per reduce bucket (ZeRO-2 on every micro step) and all-gather the updated partition per
+    all-gather bucket; ZeRO-3 gathers each weight matrix in forward and again in backward on every
+    micro step (norm weights stay below the persistence threshold) and reduce-scatters per bucket."""
+    b = bucket_sizes(model)
+    n = model.num_params
+    reduce, gather = -(-n // b["reduce_bucket_size"]), -(-n // b["allgather_bucket_size"])
+    mats = model.num_layers * (2 + (3 if model.mlp == "swiglu" else 2)) + (1 if model.tied_embeddings else 2)
+    return {0: 1, 1: reduce + gather, 2: cfg.grad_accum * reduce + gather,
+            3: cfg.grad_accum * (reduce + 2 * mats)}[cfg.zero_stage]
+
+
+def structural_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], float]:
+    """Expected samples/s of CPU ranks: arithmetic (+ one forward per checkpointed layer), a fixed cost per
+    micro step, and one per collective call. Used for devices without datasheet numbers."""
+    w = cluster.world_size
+
+    def prior(cfg: TrainConfig) -> float:
+        recompute = 1 + cfg.ckpt_layers / (3 * model.num_layers)   # forward = 1/3 of fwd+bwd FLOPs
+        flops = cfg.tokens_per_micro_batch * model.flops_per_token(cfg.seq_len) * recompute
+        t_micro = flops / _CPU_FLOPS * (1.1 if cfg.attention == "eager" else 1.0) + _CPU_MICRO_S
+        t_step = cfg.grad_accum * t_micro + (_collectives_per_step(model, cfg) * _CPU_COLLECTIVE_S if w > 1 else 0)
+        return cfg.micro_batch * cfg.grad_accum * w / t_step
+
+    return prior
+
+
+def default_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], float]:
+    """The cost model where the device has datasheet numbers (GPUs), the structural prior elsewhere."""
+    fallback = structural_prior(model, cluster)
+    if not (cluster.gpu.peak_tflops and cluster.gpu.hbm_gbps):
+        return fallback
+    from autotune.costmodel import simulate
+
+    def prior(cfg: TrainConfig) -> float:
+        try:
+            return simulate(model, cluster, cfg).samples_per_s
+        except SpecError:
+            return fallback(cfg)
+
+    return prior
+
+
+class PriorGuided:
+    """Pick the candidate with the best prior, corrected by what nearby measurements showed."""
+
+    def __init__(self, prior: Callable[[TrainConfig], float], num_layers: int, shrink: float = 0.3):
+        self.prior, self.layers, self.shrink = prior, num_layers, shrink
+        self.seen: list[tuple[TrainConfig, float]] = []   # (config, log(measured / prior))
+
+    def observe(self, cfg: TrainConfig, samples_per_s: float) -> None:
+        if samples_per_s and samples_per_s > 0:
+            self.seen.append((cfg, math.log(samples_per_s / self.prior(cfg))))
+
+    def _dist2(self, a: TrainConfig, b: TrainConfig) -> float:
+        d = ((a.zero_stage - b.zero_stage) ** 2 + math.log2(a.micro_batch / b.micro_batch) ** 2
+             + (4 * (a.ckpt_layers - b.ckpt_layers) / max(self.layers, 1)) ** 2
+             + math.log2(a.grad_accum / b.grad_accum) ** 2)
+        return d + 4 * sum(getattr(a, f) != getattr(b, f)
+                           for f in ("precision", "optimizer", "offload_optimizer", "attention"))
+
+    def score(self, cfg: TrainConfig) -> float:
+        ws = [(math.exp(-self._dist2(cfg, c) / 2), r) for c, r in self.seen]
+        total = sum(w for w, _ in ws)
+        return math.log(self.prior(cfg)) + sum(w * r for w, r in ws) / (total + self.shrink)
+
+    def pick(self, cands: list[Candidate]) -> Candidate | None:
+        # Ties (equal scores) go to the earlier candidate of the space's fixed order.
+        return max(cands, key=lambda c: self.score(c.cfg), default=None)
+
+
+# ---- structure: groups, dominance, implied out-of-memory --------------------------------------------
+class Plan:
+    """Which candidates are still worth a run. A group is all candidates that differ only in k."""
+
+    def __init__(self, cands: list[Candidate], fits: Callable[[Candidate], bool]):
+        self.fits = fits
+        self.by_key = {c.cfg.key(): c for c in cands}
+        self.groups: dict[tuple, list[Candidate]] = {}
+        for c in cands:
+            self.groups.setdefault(c.group, []).append(c)
+        for g in self.groups.values():
+            g.sort(key=lambda c: c.cfg.ckpt_layers)
+        self.closed: dict[tuple, str] = {}
+        self.settled: set[tuple] = set()
+
+    def head(self, g: tuple) -> Candidate | None:
+        """The smallest k of the group that is neither decided nor known not to fit."""
+        if g in self.settled:
+            return None
+        return next((c for c in self.groups[g] if c.cfg.key() not in self.closed and self.fits(c)), None)
+
+    def available(self, busy: set[tuple]) -> list[Candidate]:
+        heads = (self.head(g) for g in self.groups)
+        return [c for c in heads if c is not None and c.cfg.key() not in busy]
+
+    def unfit(self) -> list[Candidate]:
+        return [c for c in self.by_key.values() if c.cfg.key() not in self.closed and not self.fits(c)]
+
+    def close(self, cfg: TrainConfig, status: str, number: int | None = None) -> list[tuple[Candidate, dict]]:
+        """Record a decided candidate; return the candidates this decides too, with why."""
+        key = cfg.key()
+        self.closed[key] = status
+        cand = self.by_key.get(key)
+        if cand is None or status not in RUN_STATUSES:
+            return []
+        if status == "oom":
+            return self._implied_oom(cand, number)
+        self.settled.add(cand.group)
+        out = []
+        for c in self.groups[cand.group]:
+            if c.cfg.ckpt_layers > cfg.ckpt_layers and c.cfg.key() not in self.closed and self.fits(c):
+                why = (f"dominated: trial {number} ({status}) has the same settings with fewer checkpointed "
+                       f"layers ({cfg.ckpt_layers} < {c.cfg.ckpt_layers}); more recomputation only costs time")
+                out.append((c, {"pruned_by": "dominated", "reason": why}))
+        for c, _ in out:
+            self.closed[c.cfg.key()] = "pruned"
+        return out
+
+    def _implied_oom(self, cand: Candidate, number: int | None) -> list[tuple[Candidate, dict]]:
+        out = []
+        for c in self.by_key.values():
+            o = c.cfg
+            if (c.cfg.key() not in self.closed and o.micro_batch > cand.cfg.micro_batch
+                    and o.ckpt_layers <= cand.cfg.ckpt_layers
+                    and dataclasses.replace(o, micro_batch=1, ckpt_layers=0, grad_accum=1)
+                    == dataclasses.replace(cand.cfg, micro_batch=1, ckpt_layers=0, grad_accum=1)):
+                why = (f"implied out of memory: trial {number} ran out of memory at micro batch "
+                       f"{cand.cfg.micro_batch} with {cand.cfg.ckpt_layers} checkpointed layers; micro batch "
+                       f"{o.micro_batch} with {o.ckpt_layers} needs more")
+                out.append((c, {"pruned_by": "oom-implied", "reason": why}))
+        for c, _ in out:
+            self.closed[c.cfg.key()] = "pruned"
+        return out
+
+
+# ---- the loop ----------------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    """Counts over the whole study (earlier runs included), and why this run stopped."""
+
+    candidates: int = 0
+    excluded: dict[str, int] = field(default_factory=dict)
+    ok: int = 0
+    failed: int = 0
+    pruned: int = 0
+    interrupted: int = 0
+    best_value: float | None = None
+    best_trial: int | None = None
+    stop: str = ""
+    source: str = "measured"
+
+    @property
+    def ran(self) -> int:
+        return self.ok + self.failed
+
+
+class Search:
+    """One invocation of `autotune search` on an open study (new or resumed)."""
+
+    def __init__(self, study: optuna.Study, model: ModelSpec, cluster: Cluster, space: SearchSpace,
+                 executor: Executor, *, seq_len: int, global_batch: int | None = None,
+                 corrector: Corrector | None = None, prior: Callable[[TrainConfig], float] | None = None,
+                 estimate_fn: Callable | None = None, out_root: Path | None = None):
+        if estimate_fn is None:
+            from autotune.memory import estimate as estimate_fn
+        self.study, self.model, self.cluster, self.space, self.executor = study, model, cluster, space, executor
+        self.corrector = corrector
+        exp = expand(space, model, cluster, seq_len=seq_len, global_batch=global_batch)
+        self.dists = st.distributions(exp.candidates)
+        self.plan = Plan([Candidate(c, estimate_fn(model, cluster, c)) for c in exp.candidates], self._fits)
+        self.strategy = PriorGuided(prior or default_prior(model, cluster), model.num_layers)
+        self.sampler = st.ChosenSampler()
+        study.sampler = self.sampler
+        self.out_root = out_root or st.study_dir(study.study_name)
+        self.in_flight: dict[str, tuple[optuna.Trial, Candidate]] = {}
+        self.summary = Summary(candidates=len(exp.candidates), excluded=exp.excluded, source=executor.source)
+        self._replay()
+        self._prune_unfit()
+
+    def _total_bytes(self, c: Candidate) -> int:
+        return int(self.corrector(c.est, c.cfg)) if self.corrector else int(c.est.total_bytes)
+
+    def _fits(self, c: Candidate) -> bool:
+        return c.est.fits if self.corrector is None else self._total_bytes(c) <= c.est.capacity_bytes
+
+    def _est_attrs(self, c: Candidate, detail: bool = False) -> dict[str, Any]:
+        # One attr, not one per number: each user attr is a row written per trial, and hundreds of
+        # pruned ones are written; the full estimate (phases, overhead) only for trials that run.
+        e = {"total_bytes": self._total_bytes(c), "model_total_bytes": int(c.est.total_bytes),
+             "tensor_bytes": int(c.est.tensor_peak_bytes), "capacity_bytes": int(c.est.capacity_bytes),
+             "dominant_term": c.est.dominant_term, "phase": c.est.phase}
+        return {"estimate": {**e, "detail": st.jsonable(c.est.to_json())} if detail else e}
+
+    def _count(self, status: str, value: float | None = None, number: int | None = None) -> None:
+        s = self.summary
+        if status == "ok":
+            s.ok += 1
+            if value is not None and (s.best_value is None or value > s.best_value):
+                s.best_value, s.best_trial = value, number
+        elif status in RUN_STATUSES:
+            s.failed += 1
+        elif status == "pruned":
+            s.pruned += 1
+        elif status == "interrupted":
+            s.interrupted += 1
+
+    def _observe(self, c: Candidate, result: TrialResult) -> None:
+        if result.status == "ok":
+            self.strategy.observe(c.cfg, result.samples_per_s)
+        if self.corrector is not None and hasattr(self.corrector, "observe"):
+            self.corrector.observe(c.est, c.cfg, result)
+
+    def _replay(self) -> None:
+        """Rebuild the plan from a resumed study's trials: nothing decided is decided or run again."""
+        recorded: set[tuple] = set()
+        derived: list[tuple[Candidate, dict]] = []
+        for t in sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number):
+            cfg = st.config_of(t)
+            if cfg is None:
+                continue
+            status = t.user_attrs.get("status", "running")
+            if t.state == TrialState.RUNNING:
+                if st.owner_alive(t.user_attrs.get("owner", "")):
+                    raise SpecError(f"study {self.study.study_name!r} is being searched right now by process "
+                                    f"{t.user_attrs['owner']} (trial {t.number} running); stop it first")
+                self.study.tell(t.number, state=TrialState.FAIL)
+            if status == "running":
+                self._count("interrupted")
+                continue
+            recorded.add(cfg.key())
+            self._count(status, t.value, t.number)
+            derived += self.plan.close(cfg, status, t.number)
+            cand = self.plan.by_key.get(cfg.key())
+            if cand is not None and status in RUN_STATUSES:
+                self._observe(cand, TrialResult.from_dict(t.user_attrs.get("result") or {"status": status}))
+        self._record([(c, a) for c, a in derived if c.cfg.key() not in recorded])
+
+    def _record(self, decided: list[tuple[Candidate, dict]]) -> None:
+        """Store candidates decided without a run as PRUNED trials, in one batch."""
+        if decided:
+            self.study.add_trials([st.pruned_record(c.cfg, self.dists, {**self._est_attrs(c), **a})
+                                   for c, a in decided])
+            for _ in decided:
+                self._count("pruned")
+
+    def _prune_unfit(self) -> None:
+        out = []
+        for c in self.plan.unfit():
+            total, cap = self._total_bytes(c), c.est.capacity_bytes
+            corrected = "" if total == int(c.est.total_bytes) else " (after online correction)"
+            dom = c.est.dominant_term
+            why = (f"memory: estimated {fmt_bytes(total)} per device{corrected} > capacity {fmt_bytes(cap)}; "
+                   f"largest term {dom} = {fmt_bytes(c.est.terms.get(dom, 0))}")
+            out.append((c, {"pruned_by": "memory", "reason": why}))
+            self.plan.closed[c.cfg.key()] = "pruned"
+        self._record(out)
+
+    def _dispatch(self, c: Candidate) -> None:
+        self.sampler.chosen = st.params_of(c.cfg, self.dists)
+        trial = self.study.ask(self.dists)
+        for k, v in {"config": c.cfg.to_dict(), "status": "running", "owner": st.owner(),
+                     **self._est_attrs(c, detail=True)}.items():
+            trial.set_user_attr(k, v)
+        t = self.space.trial
+        req = TrialRequest(model=self.model, cluster=self.cluster, config=c.cfg,
+                           out_dir=self.out_root / f"trial-{trial.number:04d}", steps=t.steps,
+                           warmup_steps=t.warmup_steps, timeout_s=t.timeout_s, trial_id=trial.number)
+        self.in_flight[self.executor.submit(req)] = (trial, c)
+
+    def _finish(self, ticket: str, result: TrialResult) -> None:
+        trial, c = self.in_flight.pop(ticket)
+        if result.status == "ok" and not result.samples_per_s:
+            result = dataclasses.replace(result, status="crashed", reason=f"no throughput reported; {result.reason}")
+        for k, v in st.result_attrs(result).items():
+            trial.set_user_attr(k, v)
+        if result.status == "ok":
+            self.study.tell(trial, result.samples_per_s)
+        else:
+            self.study.tell(trial, state=TrialState.PRUNED if result.status == "pruned" else TrialState.FAIL)
+        self._count(result.status, result.samples_per_s, trial.number)
+        self._record(self.plan.close(c.cfg, result.status, trial.number))
+        self._observe(c, result)
+
+    def _abandon(self) -> None:
+        """On Ctrl-C/kill: running trials are FAIL, status 'running' (= interrupted), to run again on --resume."""
+        for trial, _ in self.in_flight.values():
+            self.study.tell(trial, state=TrialState.FAIL)
+            self._count("interrupted")
+        self.in_flight.clear()
+
+    def _next(self, n_trials: int | None, deadline: float | None) -> Candidate | str:
+        """The next candidate to run, or why none may start now."""
+        if n_trials is not None and self.summary.ran + len(self.in_flight) >= n_trials:
+            return "n-trials"
+        if deadline is not None and time.monotonic() >= deadline:
+            return "timeout"
+        self._prune_unfit()
+        busy = {c.cfg.key() for _, c in self.in_flight.values()}
+        return self.strategy.pick(self.plan.available(busy)) or "exhausted"
+
+    def run(self, *, n_trials: int | None = None, timeout_s: float | None = None,
+            progress: bool = True) -> Summary:
+        """Run until the frontier is exhausted or the budget ends. n_trials counts runs over the whole
+        study (so a resumed search continues the same budget); timeout_s this invocation's time to
+        start trials; as in Optuna's optimize(timeout=), running trials are let finish."""
+        from tqdm import tqdm
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        bar = tqdm(total=n_trials, initial=self.summary.ran, unit="trial", file=sys.stderr, disable=not progress,
+                   desc="search" + (" (simulated)" if self.executor.source == "simulated" else ""))
+        self._progress(bar)
+        try:
+            while True:
+                while len(self.in_flight) < max(1, self.executor.slots()):
+                    nxt = self._next(n_trials, deadline)
+                    if isinstance(nxt, str):
+                        self.summary.stop = nxt
+                        break
+                    self._dispatch(nxt)
+                if not self.in_flight:
+                    break
+                for ticket, result in self.executor.wait_any():
+                    self._finish(ticket, result)
+                    bar.update(1)
+                    self._progress(bar)
+        finally:
+            self._abandon()
+            bar.close()
+        return self.summary
+
+    def _progress(self, bar) -> None:
+        s = self.summary
+        best = "-" if s.best_value is None else f"{s.best_value:.3g}"
+        sim = " simulated" if self.executor.source == "simulated" else ""
+        bar.set_postfix_str(f"done {s.ok}, pruned {s.pruned}, failed {s.failed}, best {best} samples/s{sim}")
