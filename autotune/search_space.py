@@ -119,19 +119,23 @@ def parse_space(text: str, where: str = "<space>") -> SearchSpace:
         raise SpecError(f"search space {where}, line {root.start_mark.line + 1}: expected a mapping of "
                         f"keys ({', '.join(DEFAULTS)}, trial)")
     kw: dict[str, Any] = {}
-    for key_node, value_node in root.value:
+    for key, value_node, _ in _entries(root, where, (*DEFAULTS, "trial")):
+        kw[key] = _trial(value_node, where) if key == "trial" else _values(key, value_node, where)
+    return SearchSpace(**kw, path=where, text=text)
+
+
+def _entries(node: yaml.MappingNode, where: str, allowed, prefix: str = ""):
+    """(key, value node, "search space W, line N") per entry; an unknown or repeated key is an error."""
+    seen: set[str] = set()
+    for key_node, value_node in node.value:
         key = key_node.value
         at = f"search space {where}, line {key_node.start_mark.line + 1}"
-        if key in kw:
-            raise SpecError(f"{at}: key {key!r} given twice")
-        if key == "trial":
-            kw[key] = _trial(value_node, where)
-        elif key in DEFAULTS:
-            kw[key] = _values(key, value_node, where)
-        else:
-            raise SpecError(f"{at}: unknown key {key!r}{_hint(key, [*DEFAULTS, 'trial'])}; "
-                            f"allowed: {', '.join(DEFAULTS)}, trial")
-    return SearchSpace(**kw, path=where, text=text)
+        if key in seen:
+            raise SpecError(f"{at}: key '{prefix}{key}' given twice")
+        if key not in allowed:
+            raise SpecError(f"{at}: unknown key '{prefix}{key}'{_hint(key, allowed)}; allowed: {', '.join(allowed)}")
+        seen.add(key)
+        yield key, value_node, at
 
 
 def _hint(word: str, choices) -> str:
@@ -205,12 +209,8 @@ def _trial(node: yaml.Node, where: str) -> TrialSettings:
         raise SpecError(f"search space {where}, line {node.start_mark.line + 1}: trial: expected a mapping "
                         f"with {', '.join(TRIAL_KEYS)}")
     kw: dict[str, Any] = {}
-    for key_node, value_node in node.value:
-        key = key_node.value
-        at = f"search space {where}, line {key_node.start_mark.line + 1}: trial.{key}"
-        if key not in TRIAL_KEYS:
-            raise SpecError(f"search space {where}, line {key_node.start_mark.line + 1}: unknown key "
-                            f"'trial.{key}'{_hint(key, TRIAL_KEYS)}; allowed: {', '.join(TRIAL_KEYS)}")
+    for key, value_node, at in _entries(node, where, TRIAL_KEYS, prefix="trial."):
+        at += f": trial.{key}"
         v = _scalar(value_node)
         if key == "timeout":
             try:

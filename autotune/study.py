@@ -147,20 +147,23 @@ def _mtime(d: Path) -> float:
     return max((f.stat().st_mtime for f in d.iterdir() if f.is_file()), default=d.stat().st_mtime)
 
 
-def assert_new(name: str, url: str | None) -> tuple[RDBStorage, str]:
-    """Refuse a study name already taken (before anything is started for it)."""
+def assert_new(name: str, url: str | None) -> None:
+    """Refuse a study name already taken, creating nothing (called before anything starts for it)."""
     check_name(name)
     url = storage_url(name, url)
-    storage = open_storage(url, must_exist=False)
-    if name in {s.study_name for s in storage.get_all_studies()}:
+    path = _sqlite_file(url)
+    if path is not None and not path.exists():
+        return
+    if name in {s.study_name for s in open_storage(url, must_exist=False).get_all_studies()}:
         raise SpecError(f"study {name!r} already exists in {url}; continue it with --resume, or choose "
                         f"another --study name (nothing was changed)")
-    return storage, url
 
 
 def create_study(name: str, url: str | None, attrs: dict, sampler: optuna.samplers.BaseSampler) -> optuna.Study:
     """A new study; an existing one of that name is an error that suggests --resume."""
-    storage, url = assert_new(name, url)
+    assert_new(name, url)
+    url = storage_url(name, url)
+    storage = open_storage(url, must_exist=False)
     study = optuna.create_study(study_name=name, storage=storage, direction="maximize", sampler=sampler)
     study.set_user_attr(ATTR, attrs)
     study_dir(name).mkdir(parents=True, exist_ok=True)

@@ -203,6 +203,20 @@ def test_budget_counts_runs_across_resume(env):
     assert len(ex.seen) == 1 and summary.ran == 3 and summary.stop == "n-trials"
 
 
+def test_timeout_stops_starting_trials(env):
+    ex = Landscape()
+    summary = _search(env, ex).run(timeout_s=0, progress=False)
+    assert summary.stop == "timeout" and not ex.seen and summary.pruned > 0
+
+
+def test_resume_refuses_contradicting_flags_and_ray_refuses_absent_gpus(env, capsys):
+    _search(env, Landscape(), name="r").run(n_trials=1, progress=False)
+    assert _cli(env, "--resume", "--study", "r", "--seq-len", "128") == 2
+    assert "was searched with --seq-len 64, not 128" in capsys.readouterr().err
+    assert main(["search", "--model", "13b", "--gpus", "4xA100", "--executor", "ray", "--study", "g"]) == 2
+    assert "--executor ray" in capsys.readouterr().err and not (env["tmp"] / "trials" / "g").exists()
+
+
 def test_corrector_hook_tightens_pruning_and_sees_results(env):
     seen = []
 

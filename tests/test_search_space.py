@@ -59,6 +59,7 @@ def test_bad_value_names_the_line_of_the_item():
     ("trial:\n  timeout: soon\n", 2, ["trial.timeout", "duration"]),
     ("trial:\n  steps: 0\n", 2, ["trial.steps", ">= 1"]),
     ("zero_stage: [0]\nzero_stage: [1]\n", 2, ["twice"]),
+    ("trial:\n  steps: 2\n  steps: 3\n", 3, ["'trial.steps' given twice"]),
     ("zero_stage: [0\nmicro_batch: 1\n", 2, ["not valid YAML"]),
     ("- 1\n- 2\n", 1, ["mapping"]),
 ])

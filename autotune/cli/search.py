@@ -96,16 +96,18 @@ def run(args: argparse.Namespace) -> int:
         timeout_s = parse_duration_s(args.timeout) if args.timeout else None
     except ValueError as e:
         raise SpecError(f"--timeout: {e}") from None
-    if args.n_trials is not None and args.n_trials < 1:
-        raise SpecError(f"--n-trials must be at least 1, got {args.n_trials}")
+    for flag, v in (("--n-trials", args.n_trials), ("--global-batch", args.global_batch)):
+        if v is not None and v < 1:
+            raise SpecError(f"{flag} must be at least 1, got {v}")
     study, (model, cluster, seq, gb, space) = _open_study(args)
     kind = args.executor
     if study is not None:   # a study keeps its executor: measured and simulated numbers do not mix
         kind = {"measured": "ray", "simulated": "simulated"}[study.user_attrs[st.ATTR]["source"]]
+    kind, how = executor_kind(kind, cluster, args.ray_address)
     if study is None:
         name = args.study or st.default_name(model, cluster)
         st.assert_new(name, args.storage)        # before starting Ray: a taken name fails fast
-    executor, how = choose_executor(kind, cluster, args.ray_address)
+    executor = make_executor(kind, cluster, args.ray_address)
     if study is None:
         attrs = st.study_attrs(model, cluster, seq_len=seq, global_batch=gb, space_text=space.text,
                                space_path=space.path, source=executor.source)
@@ -148,8 +150,8 @@ def devices_present(cluster) -> tuple[bool, str]:
     return True, f"{n} x {name} here"
 
 
-def choose_executor(kind: str, cluster, ray_address: str | None):
-    """(executor, a sentence saying which and why)."""
+def executor_kind(kind: str, cluster, ray_address: str | None) -> tuple[str, str]:
+    """Which executor ("ray" or "simulated"), and a sentence saying which and why; starts nothing."""
     here, why = devices_present(cluster)
     if ray_address and not here:
         why = f"{cluster.describe()} expected from the Ray cluster"
@@ -158,17 +160,31 @@ def choose_executor(kind: str, cluster, ray_address: str | None):
         if kind == "simulated":
             why += "; results below are SIMULATED by the cost model, not measured"
     if kind == "ray":
-        from autotune.executors.ray_executor import RayExecutor
-
-        where = f"Ray cluster at {ray_address}" if ray_address else "a local Ray instance"
-        return RayExecutor(cluster, ray_address=ray_address), f"ray: real DeepSpeed trials on {where} ({why})"
+        if not here and not ray_address:
+            raise SpecError(f"--executor ray: {why}; pass --ray-address of a Ray cluster that has them, "
+                            f"or use --executor simulated")
+        where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray instance"
+        return kind, f"ray: real DeepSpeed trials on {where} ({why})"
+    if cluster.gpu.is_cpu:
+        raise SpecError("--executor simulated: the cost model prices GPUs from their datasheets; CPU ranks "
+                        "are run for real (--executor ray or auto)")
     try:
-        from autotune.executors.simulated import SimulatedExecutor
+        import autotune.executors.simulated  # noqa: F401
     except ImportError:
         raise SpecError(f"measured trials are impossible here ({why}), and the simulated executor is not "
                         f"available in this version; run on a machine with those GPUs, or pass "
                         f"--ray-address of a Ray cluster that has them") from None
-    return SimulatedExecutor(), f"simulated: the throughput cost model ({why})"
+    return kind, f"simulated: the throughput cost model ({why})"
+
+
+def make_executor(kind: str, cluster, ray_address: str | None):
+    if kind == "ray":
+        from autotune.executors.ray_executor import RayExecutor
+
+        return RayExecutor(cluster, ray_address=ray_address)
+    from autotune.executors.simulated import SimulatedExecutor
+
+    return SimulatedExecutor()
 
 
 def _print_plan(search, name: str, space_path: str) -> None:
