@@ -76,10 +76,11 @@ class MemoryEstimate:
 
 
 def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, dict[str, int]]:
-    threshold = bucket_sizes(model)["stage3_param_persistence_threshold"]
+    buckets = bucket_sizes(model)
+    threshold = buckets["stage3_param_persistence_threshold"]
     fused = not cluster.gpu.is_cpu
     kw = dict(micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, precision=cfg.precision)
-    static = model_states.states(model, cluster, cfg, threshold)
+    static = model_states.states(model, cluster, cfg, threshold, buckets["reduce_bucket_size"])
     gathered = {"zero3_gathered_params": model_states.zero3_gathered(model, cluster, cfg, threshold)}
     carried = {"accumulated_gradients": buffers.accumulated_gradients(model, cluster, cfg)}
     saved = act.activation_bytes(model, ckpt_layers=cfg.ckpt_layers, attention=cfg.attention, **kw)

@@ -20,7 +20,8 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     - Stages 1-2: the contiguous-gradients bucket `ipg_buffer` (reduce_bucket_size elements in
       the model dtype; stage_1_and_2.py, reduce_gradients / backward_prologue; one bucket because
       autotune sets overlap_comm false).
-    - Stage 3: the reduce bucket plus the parameter prefetch bucket (stage3_prefetch_bucket_size).
+    - Stage 3: the parameter prefetch bucket (stage3_prefetch_bucket_size); its reduce bucket is
+      held for the whole run (model_states.states).
     """
     pb = 4 if cfg.precision == "fp32" else 2
     b = bucket_sizes(spec)
@@ -28,7 +29,7 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
         return pb * min(spec.num_params, STAGE0_ALLREDUCE_ELEMENTS) if cluster.world_size > 1 else 0
     if cfg.zero_stage in (1, 2):
         return pb * b["reduce_bucket_size"]
-    return pb * (b["reduce_bucket_size"] + b["stage3_prefetch_bucket_size"])
+    return pb * b["stage3_prefetch_bucket_size"]
 
 
 def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:

@@ -68,7 +68,8 @@ def largest_param(spec: ModelSpec) -> int:
                spec.hidden_size * spec.ffn_hidden_size)
 
 
-def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int) -> dict[str, int]:
+def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
+           reduce_bucket_elements: int = 0) -> dict[str, int]:
     """Bytes held for the whole run (present at the start of every forward), by term."""
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
     pb = param_bytes(cfg.precision)
@@ -76,9 +77,14 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
     shard = p / n if z >= 1 else p
     out = {}
     if z == 3:
+        # every parameter is partitioned; the small ones are also kept whole (measured: the
+        # persistent ones add their full size on top of p/N)
         keep = persistent_params(spec, persistence_threshold)
-        out["parameters"] = int(pb * ((p - keep) / n + keep))
+        out["parameters"] = int(pb * (p / n + keep))
         out["gradient_partition"] = int(pb * p / n)
+        # the reduce bucket is allocated at the first backward and kept (measured on CPU:
+        # reduce_bucket_size elements in the model dtype live at the start of every later step)
+        out["reduce_bucket"] = pb * reduce_bucket_elements
     else:
         out["parameters"] = pb * p
     if cfg.offload_optimizer:

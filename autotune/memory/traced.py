@@ -1,0 +1,452 @@
+"""Traced tier of the memory model: `trace(model, cluster, cfg)` runs the trial model's own code
+(autotune/trial/model.py) on fake tensors and counts the bytes it really allocates.
+
+How (measured: tests/test_traced.py; ../shared/NOTES.md "Fake tensors"):
+- The model is built in its dtype under torch's FakeTensorMode (CPU fake tensors: shapes, no data,
+  no RAM) and trained two iterations with torch.optim.AdamW; the second is measured (steady state:
+  optimizer states exist, gradients were set to None). `_LiveBytes`, a TorchDispatchMode above the
+  fake mode, counts every storage an op returns or reads until its last reference dies (a weakref
+  on the storage, as torch.distributed._tools.mem_tracker does): the live-bytes curve the CPU
+  profiler records on a real run, to the byte (tested). It is MemTracker without the per-module
+  bookkeeping that makes a 13B trace take minutes.
+- Hooks cut the step into segments: the embedding, each block's forward, the head and loss, the
+  loss's backward, each block's backward (gradient hooks on block outputs), the embedding's
+  backward, the optimizer. Each segment's peak is kept with the storages alive at it, classified
+  afterwards: parameters, gradients, optimizer states, the batch and loss value, rotary tables,
+  activations (what is still alive when forward returns) and temporaries (the rest).
+- An L-layer model is not traced whole. Each segment peak is affine in the number of checkpointed
+  (k) and full (m) layers, every block adding the same tensors, and inside a run of identical
+  blocks memory is affine in the block's position, so the first and last block of each run bound
+  it. Small models are traced, m in {1, 3} (k = 0), k in {1, 3} (k = L), or (k, m) in {(1, 1),
+  (3, 1), (1, 3)}, and each peak is extrapolated; tested equal to direct traces to the byte.
+- Optimizer: the single-process program steps with AdamW foreach=False on CPU clusters (the path
+  DeepSpeed's torch_adam takes off CUDA) and fused=True on GPUs (in place, like DeepSpeed's
+  FusedAdam). The stage-accounted step is traced again on the tensors DeepSpeed steps (fp32 master
+  parameters at stage 0, the flat fp32 partition at stages 1-2, one sub-group at stage 3): the
+  update's temporaries scale with those, not with the module's parameters.
+- ZeRO is accounted analytically: the traced program holds full parameters, gradients and states
+  in one process, so in `phases` those are replaced by autotune.memory's model-state and buffer
+  terms for the stage (`raw_phases` keeps the program as traced); activations, transients and the
+  step's temporaries come from the trace.
+
+Fake tensors do not see kernels' internal scratch (none measured on these CPU kernels), the
+caching allocator, the CUDA context or NCCL buffers (memory/overhead.py's allowance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+import weakref
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autotune.hardware import Cluster
+from autotune.memory import MemoryEstimate, _phases, model_states
+from autotune.models import ModelSpec
+from autotune.space import TrainConfig
+from autotune.trial.model import Transformer
+from autotune.units import fmt_bytes
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "batch_and_loss", "rotary_tables",
+              "activations", "temporaries")
+"""How `raw_phases` splits the single-process program's live bytes."""
+TRACED_TERMS = {"activations", "checkpointed_inputs", "rotary_tables", "logits_and_loss", "logits_transient",
+                "recomputed_layer", "optimizer_temporaries"}
+"""Analytic terms the trace replaces; every other term of a phase (model states, gradients, buffers
+for the ZeRO stage) is taken from autotune.memory as it stands."""
+PHASE_POINTS = {
+    "forward": ("fwd.start", "fwd.ckpt.first", "fwd.ckpt.last", "fwd.full.first", "fwd.full.last", "fwd.head"),
+    "backward (loss)": ("bwd.head",),
+    "backward (layers)": ("bwd.full.first", "bwd.full.last"),
+    "backward (recompute)": ("bwd.ckpt.first", "bwd.ckpt.last"),
+    "backward (end)": ("bwd.end",),
+    "optimizer": ("opt",),
+}
+"""Traced phases, estimate()'s names plus 'backward (layers)' (the backward of the blocks that are
+not checkpointed, which the analytic model does not price), and the segment peaks each is the max of."""
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Live storage bytes after every op, and the peak of the current segment with its storages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.storages: dict[int, tuple[int, int, weakref.ref]] = {}  # id -> (serial, nbytes, ref)
+        self.serials = itertools.count()
+        self.segment: str | None = None
+        self.peaks: dict[str, tuple[int, dict[int, int]]] = {}
+
+    def track(self, t: torch.Tensor) -> int:
+        st = t.untyped_storage()
+        key = id(st)
+        if key not in self.storages:
+            serial, n = next(self.serials), st.nbytes()
+            self.storages[key] = (serial, n, weakref.ref(st, lambda _, k=key: self._free(k)))
+            self.live += n
+        return self.storages[key][0]
+
+    def _free(self, key: int) -> None:
+        self.live -= self.storages.pop(key)[1]
+
+    def live_serials(self) -> dict[int, int]:
+        return {serial: n for serial, n, _ in self.storages.values()}
+
+    def enter(self, segment: str | None) -> None:
+        self.segment = segment
+        if segment is not None:
+            self.peaks[segment] = (self.live, self.live_serials())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # inputs too: a Python scalar wrapped into a 0-dim tensor is an input autograd may keep
+        for t in tree_leaves((out, args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        if self.segment is not None and self.live > self.peaks[self.segment][0]:
+            self.peaks[self.segment] = (self.live, self.live_serials())
+        return out
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Fake parameters cannot be cast after construction (`.to(dtype)` fails on fakes): they are
+    made in the dtype DeepSpeed casts the module to."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@contextlib.contextmanager
+def _host_rng_states(live: _LiveBytes):
+    """torch.utils.checkpoint keeps torch.get_rng_state(), a real 5056-byte CPU tensor made outside
+    the dispatcher, per checkpointed call: counted on CPU clusters, where it is in the measured peak."""
+    original = torch.get_rng_state
+
+    def tracked() -> torch.Tensor:
+        state = original()
+        live.track(state)
+        return state
+
+    torch.get_rng_state = tracked
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+def _dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _adamw(params, fused: bool) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, fused=True) if fused else torch.optim.AdamW(params, foreach=False)
+
+
+def _hooks(model: Transformer, live: _LiveBytes, marks: dict) -> None:
+    """Segment boundaries: module hooks in forward, gradient hooks on block outputs in backward."""
+    def on_grad(segment):
+        return lambda grad: live.enter(segment)
+
+    def measuring_forward() -> bool:  # a checkpointed block's recomputation repeats its hooks in backward
+        return marks["measure"] and not marks["backward"]
+
+    def block_pre(i):
+        def hook(_, args):
+            if measuring_forward():
+                live.enter(f"fwd.block{i}")
+                if i == 0:
+                    args[0].register_hook(on_grad("bwd.end"))
+                    marks["rope"] = {live.track(t) for t in tree_leaves(args[1:]) if isinstance(t, torch.Tensor)}
+        return hook
+
+    def block_post(i):
+        def hook(_, args, out):
+            if measuring_forward():
+                out.register_hook(on_grad(f"bwd.block{i}"))
+        return hook
+
+    def model_post(_, args, loss):
+        if marks["measure"]:
+            marks["loss"] = live.track(loss)
+            marks["saved"] = live.live_serials()
+            live.peaks["fwd.end"] = (live.live, marks["saved"])
+
+    model.register_forward_pre_hook(lambda *_: live.enter("fwd.start") if marks["measure"] else None)
+    model.register_forward_hook(model_post)
+    model.norm.register_forward_pre_hook(lambda *_: live.enter("fwd.head") if marks["measure"] else None)
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(block_pre(i))
+        block.register_forward_hook(block_post(i))
+
+
+def _classify(snapshot: dict[int, int], known: dict[str, set[int]]) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    for serial, n in snapshot.items():
+        out[next((c for c, serials in known.items() if serial in serials), "temporaries")] += n
+    return out
+
+
+def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
+                   host_rng: bool) -> dict[str, dict[str, int]]:
+    """Segment peaks by category of a (ckpt + full)-layer `spec`, its first `ckpt` blocks checkpointed."""
+    marks = {"measure": False, "backward": False}
+    with FakeTensorMode(), _LiveBytes() as live, (_host_rng_states(live) if host_rng else contextlib.nullcontext()):
+        with _default_dtype(_dtype(cfg.precision)):
+            model = Transformer(replace(spec, num_layers=ckpt + full), attention=cfg.attention, ckpt_layers=ckpt)
+        _hooks(model, live, marks)
+        opt = _adamw(model.parameters(), fused)
+        # one (b, s+1) batch sliced into inputs and targets, as tests/test_memory_measured.py does
+        batch = torch.randint(0, spec.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
+        for measure in (False, True):
+            marks["measure"] = measure
+            loss = model(batch[:, :-1], batch[:, 1:])
+            marks["backward"] = True
+            live.enter("bwd.head" if measure else None)
+            loss.backward()
+            marks["backward"] = False
+            live.enter("opt" if measure else None)
+            opt.step()
+            live.enter(None)
+            grads = {live.track(p.grad) for p in model.parameters() if p.grad is not None}
+            opt.zero_grad(set_to_none=True)
+            del loss
+        known = {
+            "parameters": {live.track(p) for p in model.parameters()},
+            "gradients": grads,
+            "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
+                                 if isinstance(t, torch.Tensor)},
+            "batch_and_loss": {live.track(batch), marks["loss"]},
+            "rotary_tables": marks["rope"],
+        }
+        known["activations"] = set(marks["saved"]) - set().union(*known.values())
+    pairs = [(s, s) for s in ("fwd.start", "fwd.head", "fwd.end", "bwd.head", "bwd.end", "opt")]
+    last = ckpt + full - 1  # with one block of a kind, its first and last are the same block
+    if ckpt:
+        pairs += [("fwd.block0", "fwd.ckpt.first"), (f"fwd.block{ckpt - 1}", "fwd.ckpt.last"),
+                  (f"bwd.block{ckpt - 1}", "bwd.ckpt.first"), ("bwd.block0", "bwd.ckpt.last")]
+    if full:
+        pairs += [(f"fwd.block{ckpt}", "fwd.full.first"), (f"fwd.block{last}", "fwd.full.last"),
+                  (f"bwd.block{last}", "bwd.full.first"), (f"bwd.block{ckpt}", "bwd.full.last")]
+    return {name: _classify(live.peaks[segment][1], known) for segment, name in pairs}
+
+
+def _plan(ckpt: int, full: int) -> list[tuple[int, int]]:
+    """(checkpointed, full) layer counts of the small models traced for a (ckpt, full) target."""
+    if not ckpt:
+        return [(0, 1), (0, 3)]
+    if not full:
+        return [(1, 0), (3, 0)]
+    return [(1, 1), (3, 1), (1, 3)]
+
+
+Affine = tuple[Fraction, Fraction, Fraction]
+"""(c, a, b): bytes = c + a * checkpointed layers + b * full layers."""
+
+
+def _fit(traces: dict[tuple[int, int], dict[str, dict[str, int]]]) -> dict[str, dict[str, Affine]]:
+    base = traces[(1, 1)] if (1, 1) in traces else traces[min(traces)]
+    k0, m0 = (1, 1) if (1, 1) in traces else min(traces)
+    out = {}
+    for point, cats in base.items():
+        out[point] = {}
+        for cat, v0 in cats.items():
+            a = Fraction(traces[(3, m0)][point][cat] - v0, 2) if (3, m0) in traces else Fraction(0)
+            b = Fraction(traces[(k0, 3)][point][cat] - v0, 2) if (k0, 3) in traces else Fraction(0)
+            out[point][cat] = (v0 - a * k0 - b * m0, a, b)
+    return out
+
+
+def _at(f: Affine, ckpt: int, full: int) -> int:
+    return round(f[0] + f[1] * ckpt + f[2] * full)
+
+
+def _model_numels(spec: ModelSpec) -> list[int]:
+    with FakeTensorMode():
+        return [p.numel() for p in Transformer(replace(spec, num_layers=1)).parameters()]
+
+
+def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[int, str] | None:
+    """Peak temporaries of AdamW's update on the fp32 tensors DeepSpeed steps (model_states.step_terms'
+    layout); None where torch cannot run that optimizer (offload: CPUAdam; 8-bit: bitsandbytes)."""
+    if cfg.offload_optimizer or cfg.optimizer == "adamw8bit":
+        return None
+    fused = not cluster.gpu.is_cpu
+    part = math.ceil(spec.num_params / cluster.world_size)
+    if cfg.zero_stage == 0:
+        sizes, what = sorted(set(_model_numels(spec))), "each fp32 parameter"
+    elif cfg.zero_stage in (1, 2):
+        sizes, what = [part], f"the flat fp32 partition ({part:,} elements)"
+    else:
+        sizes = [min(part, model_states.STAGE3_SUB_GROUP_SIZE)]
+        what = f"one fp32 sub-group ({sizes[0]:,} elements)"
+    with FakeTensorMode(), _LiveBytes() as live:
+        params = [torch.zeros(n, requires_grad=True) for n in sizes]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = _adamw(params, fused)
+        opt.step()  # creates the states
+        before = live.live
+        live.enter("step")
+        opt.step()
+        live.enter(None)
+    kind = "fused=True (in place, as FusedAdam)" if fused else "foreach=False"
+    return live.peaks["step"][0] - before, f"torch AdamW {kind} over {what}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracedEstimate:
+    """Traced bytes per phase and term, comparable with autotune.memory.estimate (same phase names)."""
+
+    model: str
+    config: TrainConfig
+    phases: dict[str, dict[str, int]]
+    """Per phase, bytes by term on one GPU: traced activations and temporaries + the analytic model's
+    states, gradients and buffers for the ZeRO stage. Extra traced terms: batch_and_loss (the token
+    batch and the loss value), layer_transient, saved_activations, temporaries."""
+    raw_phases: dict[str, dict[str, int]]
+    """The single-process program as traced (full states, plain AdamW), by CATEGORIES."""
+    analytic_phases: dict[str, dict[str, int]]
+    """autotune.memory's terms per phase for the same inputs (what `phases` took its states from)."""
+    points: dict[str, dict[str, int]]
+    """Every segment peak of the raw program (PHASE_POINTS' names, plus 'fwd.end': after forward)."""
+    layer_bytes: dict[str, int]
+    """From the fit at the end of forward: bytes one full / checkpointed layer keeps, and the rest."""
+    optimizer_step: str
+    traced_layers: tuple[tuple[int, int], ...]
+    """(checkpointed, full) layers of each model traced."""
+    trace_s: float
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {name: sum(terms.values()) for name, terms in self.phases.items()}
+
+    @property
+    def phase(self) -> str:
+        return max(self.totals, key=self.totals.get)
+
+    @property
+    def tensor_peak_bytes(self) -> int:
+        return self.totals[self.phase]
+
+    @property
+    def raw_peaks(self) -> dict[str, int]:
+        """Peak of the single-process program's forward, backward and optimizer step, as a profiler
+        around `model(...)`, `loss.backward()` and `opt.step()` measures them."""
+        tot = {name: sum(c.values()) for name, c in self.raw_phases.items()}
+        return {"forward": tot["forward"], "optimizer": tot["optimizer"],
+                "backward": max(v for n, v in tot.items() if n.startswith("backward"))}
+
+
+def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit: dict[str, Affine],
+                 analytic: dict[str, dict[str, int]], cfg: TrainConfig, full: int) -> dict[str, int]:
+    """One phase at one segment peak: traced terms (estimate()'s names where one fits) + the analytic
+    model's states, gradients and buffers for the stage.
+
+    Gradients in backward: stage 0 keeps them in param.grad as the traced program does, so the
+    analytic full-gradient term is scaled by the fraction the trace has at that point; stages 1-2
+    keep the analytic partition (DeepSpeed allocates it at the first reduction), stage 3's is static.
+    """
+    cats, ckpt = points[point], cfg.ckpt_layers
+    source = analytic["backward (end)" if phase == "backward (layers)" else phase]
+    out = {k: v for k, v in source.items() if k not in TRACED_TERMS
+           and not (phase == "backward (layers)" and k == "comm_buffers")}
+    if cfg.zero_stage == 0 and phase.startswith("backward") and points["opt"]["gradients"]:
+        full_grads = analytic["backward (end)"].get("gradients", 0)
+        out["gradients"] = round(Fraction(full_grads * cats["gradients"], points["opt"]["gradients"]))
+    out.update(batch_and_loss=cats["batch_and_loss"], rotary_tables=cats["rotary_tables"])
+    transient = cats["temporaries"]
+    if phase in ("forward", "backward (loss)"):
+        _, a, b = fit["activations"]
+        out.update(activations=round(b * full), checkpointed_inputs=round(a * ckpt),
+                   logits_and_loss=cats["activations"] - round(b * full) - round(a * ckpt))
+        out["logits_transient" if point in ("fwd.head", "bwd.head") else "layer_transient"] = transient
+    elif phase == "backward (recompute)":
+        out.update(checkpointed_inputs=cats["activations"], recomputed_layer=transient)
+    elif phase != "optimizer":
+        out.update(saved_activations=cats["activations"], temporaries=transient)
+    return {k: v for k, v in out.items() if v}
+
+
+def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimate:
+    """Trace one training step of `model` under `cfg` on fake tensors; see the module docstring."""
+    t0 = time.perf_counter()
+    ckpt, full = cfg.ckpt_layers, model.num_layers - cfg.ckpt_layers
+    opts = dict(fused=not cluster.gpu.is_cpu, host_rng=cluster.gpu.is_cpu)
+    traces = {km: _trace_program(model, cfg, ckpt=km[0], full=km[1], **opts) for km in _plan(ckpt, full)}
+    fits = _fit(traces)
+    points = {p: {c: _at(f, ckpt, full) for c, f in cats.items()} for p, cats in fits.items()}
+    analytic = _phases(model, cluster, cfg)
+    step = _trace_step(model, cluster, cfg)
+    phases, raw = {}, {}
+    for phase, names in PHASE_POINTS.items():
+        present = [p for p in names if p in points]
+        if not present:
+            continue
+        raw[phase] = max((points[p] for p in present), key=lambda c: sum(c.values()))
+        # the stage changes which point is highest (stage 3 holds no growing gradients): chosen after
+        options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full) for p in present]
+        phases[phase] = max(options, key=lambda t: sum(t.values()))
+    analytic_step = analytic["optimizer"].get("optimizer_temporaries", 0)
+    phases["optimizer"]["optimizer_temporaries"] = step[0] if step else analytic_step
+    c, a, b = fits["fwd.end"]["activations"]
+    return TracedEstimate(
+        model=model.name, config=cfg, phases=phases, raw_phases=raw, analytic_phases=analytic, points=points,
+        layer_bytes={"full_layer": round(b), "checkpointed_layer": round(a), "head": round(c)},
+        optimizer_step=step[1] if step else "not traced (CPU Adam / bitsandbytes): the analytic term",
+        traced_layers=tuple(traces), trace_s=time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class Row:
+    phase: str
+    term: str
+    analytic: int | None
+    traced: int | None
+
+    @property
+    def diff_pct(self) -> float | None:
+        """(traced - analytic) / analytic in percent; None where the analytic side has no such term."""
+        if not self.analytic:
+            return None
+        return 100.0 * ((self.traced or 0) - self.analytic) / self.analytic
+
+
+@dataclass(frozen=True)
+class Comparison:
+    rows: tuple[Row, ...]
+
+    def __str__(self) -> str:
+        def cell(v):
+            return "-" if v is None else fmt_bytes(v)
+        lines = [f"{'phase':<21} {'term':<24} {'analytic':>12} {'traced':>12} {'diff %':>8}"]
+        for r in self.rows:
+            pct = "" if r.diff_pct is None else f"{r.diff_pct:+.2f}"
+            lines.append(f"{r.phase:<21} {r.term:<24} {cell(r.analytic):>12} {cell(r.traced):>12} {pct:>8}")
+        return "\n".join(lines)
+
+
+def compare(est: MemoryEstimate, traced: TracedEstimate) -> Comparison:
+    """Term by term and phase by phase, analytic (`est`) against traced, then the two peaks."""
+    if {n: sum(t.values()) for n, t in traced.analytic_phases.items()} != est.phases:
+        raise ValueError("the estimate and the trace are for different model/cluster/config inputs")
+    rows = []
+    for phase in [p for p in PHASE_POINTS if p in est.phases or p in traced.phases]:
+        a_terms, t_terms = traced.analytic_phases.get(phase, {}), traced.phases.get(phase, {})
+        for term in list(a_terms) + [t for t in t_terms if t not in a_terms]:
+            rows.append(Row(phase, term, a_terms.get(term), t_terms.get(term)))
+        rows.append(Row(phase, "total", est.phases.get(phase), traced.totals.get(phase)))
+    rows.append(Row(f"peak: {est.phase} / {traced.phase}", "tensor peak", est.tensor_peak_bytes,
+                    traced.tensor_peak_bytes))
+    return Comparison(tuple(rows))
