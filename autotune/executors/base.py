@@ -75,6 +75,17 @@ class TrialResult:
     """wall_s minus the measured steps' time: spawn, init, warm-up, teardown, placement."""
     log_tail: str = ""
     out_dir: str | None = None
+    param_bytes_per_rank: list[int] = field(default_factory=list)
+    """Parameter bytes each rank holds after deepspeed.initialize (its ZeRO-3 partition, or all)."""
+    baseline_bytes: int | None = None
+    """Live tensor bytes before the model was built (rank 0); every peak above is relative to it."""
+    step_end_bytes: list[int] = field(default_factory=list)
+    """Live bytes at the end of each measured step (rank 0): growth across steps is a leak."""
+    nodes: list[str] = field(default_factory=list)
+    """Where each node's ranks ran (Ray node ids, node 0 first); empty for a local run."""
+    timings_s: dict[str, float] = field(default_factory=dict)
+    """Where wall_s went: spawn_s, setup_s, build_s, initialize_s, warmup_s, measured_s,
+    profiler_stop_s, analysis_s, teardown_s, exit_s, and under Ray placement_s and ray_s."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

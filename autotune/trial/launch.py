@@ -1,0 +1,365 @@
+"""Spawning a trial's process group, watching it, killing it, and classifying what happened.
+
+`run_trial(request)` runs one trial here; `run_trials(requests)` runs several configs one after the
+other inside ONE process group (one spawn, one import of torch and DeepSpeed), each measured on its
+own. A config that kills its group (crash, timeout, an exception on one rank) is recorded and a new
+group is started for the configs after it. `run_node` is the per-node half that the Ray executor
+also uses for multi-node trials.
+
+The ranks of a group share one new process group (rank 0 leads it, the others join it), so one
+killpg reaches every rank and whatever they started; the ranks also die with their launcher
+(worker.die_with_parent). Nothing here polls files: the ranks' stdout carries
+their log and the `@@autotune start/done I` markers, read by one thread per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from autotune.deepspeed_config import deepspeed_config
+from autotune.executors.base import TrialRequest, TrialResult
+from autotune.trial.worker import EXIT_ABANDON, MARK
+from autotune.units import TFLOPS, GiB
+
+LOG_TAIL_LINES = 40
+RSS_ALLOWANCE_BYTES = 2 * GiB
+"""Hard guard: a rank whose resident memory exceeds the cap plus this is killed as `oom`. The
+runtime itself (Python, torch, DeepSpeed, gloo) is ~0.25 GiB resident after import (measured:
+psutil rss after `import torch, deepspeed`); the rest is headroom for the allocator's cache."""
+POLL_S = 0.5
+LEAK_TOLERANCE_BYTES = 64 * 1024
+"""Growth of the per-step peak (or end-of-step live bytes) that flags a leak. Measured: on CPU the
+same config's steps differ by up to ~100 bytes (scalars freed in gloo's threads a moment earlier
+or later), so any growth past one small tensor's size is real."""
+EXIT_GRACE_S = 60.0
+"""How long ranks may take to leave after their last config (destroy_process_group, exit)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now on `host` (the OS picks it); the rendezvous binds it a moment later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def prepare(req: TrialRequest) -> None:
+    """The trial's folder with the configs it will run; stale per-rank files removed."""
+    out = Path(req.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("rank*.json"), out / "log.txt", out / "result.json"]:
+        old.unlink(missing_ok=True)
+    (out / "deepspeed_config.json").write_text(
+        json.dumps(deepspeed_config(req.config, req.model, req.cluster), indent=2))
+    config = {"config": req.config.to_dict(), "model": vars(req.model), "cluster": {
+        "text": req.cluster.text, "num_nodes": req.cluster.num_nodes, "gpus_per_node": req.cluster.gpus_per_node,
+        "gpu": vars(req.cluster.gpu), "capacity_bytes": req.cluster.capacity_bytes},
+        "steps": req.steps, "warmup_steps": req.warmup_steps, "timeout_s": req.timeout_s,
+        "fault": req.fault, "trial_id": req.trial_id}
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+
+
+class Group:
+    """The local ranks of one process group, started at config `start` of `requests`."""
+
+    def __init__(self, requests: list[TrialRequest], start: int, *, node_rank: int, num_nodes: int,
+                 master_addr: str, master_port: int, threads: int | None):
+        self.requests, self.events = requests, queue.Queue()
+        cluster = requests[0].cluster
+        # One node runs gpus_per_node ranks of a multi-node trial; alone, it runs them all.
+        self.local = cluster.gpus_per_node if num_nodes > 1 else cluster.world_size
+        world = cluster.world_size
+        payload = Path(requests[start].out_dir, "payload.pkl")
+        payload.write_bytes(pickle.dumps(requests))
+        threads = threads or max(1, (os.cpu_count() or 1) // self.local)
+        self.procs: list[subprocess.Popen] = []
+        self.current = [start] * self.local
+        self.lock = threading.Lock()
+        self.t_spawn = time.monotonic()
+        for lr in range(self.local):
+            rank = node_rank * self.local + lr
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(lr),
+                   "LOCAL_WORLD_SIZE": str(self.local), "MASTER_ADDR": master_addr,
+                   # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE, as its own launcher
+                   # sets it; unset, it runs `numactl --hardware` on every call (93 per ZeRO-3 step).
+                   # The shared-memory comm op it would enable is switched off in the worker.
+                   "LOCAL_SIZE": str(self.local),
+                   "MASTER_PORT": str(master_port), "AUTOTUNE_START": str(start),
+                   "AUTOTUNE_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+                   "AUTOTUNE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+            if cluster.gpu.is_cpu:
+                env["DS_ACCELERATOR"] = "cpu"
+            group = _join_group(self.procs[0].pid if self.procs else 0)
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "autotune.trial.worker", str(payload)],
+                                               env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, **group))
+            threading.Thread(target=self._read, args=(lr, rank), daemon=True).start()
+        self.pids = [p.pid for p in self.procs]
+
+    def _read(self, lr: int, rank: int) -> None:
+        """Route rank `lr`'s output to the log of the config it is running; report its markers."""
+        for raw in self.procs[lr].stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if MARK in line:
+                event, index = line[line.index(MARK):].split()[1:3]
+                self.current[lr] = int(index)
+                self.events.put((event, lr, int(index), time.monotonic()))
+                continue
+            if line:
+                with self.lock, open(Path(self.requests[self.current[lr]].out_dir, "log.txt"), "a") as f:
+                    f.write(f"[rank {rank}] {line}\n")
+        self.events.put(("exit", lr, self.procs[lr].wait(), time.monotonic()))
+
+    def rss_over(self, cap: int) -> str | None:
+        for lr, pid in enumerate(self.pids):
+            try:
+                rss = psutil.Process(pid).memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+            if rss > cap + RSS_ALLOWANCE_BYTES:
+                return (f"hard guard: local rank {lr} resident memory {rss:,} bytes exceeds the cap "
+                        f"{cap:,} + {RSS_ALLOWANCE_BYTES:,} allowed for the runtime; group killed")
+        return None
+
+    def kill(self) -> list[int]:
+        """SIGKILL the whole process group and any descendant that left it; the pids still alive."""
+        family = []
+        for pid in self.pids:
+            try:
+                family += [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(self.pids[0], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in family:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait()
+        return [pid for pid in family if psutil.pid_exists(pid) and
+                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def _join_group(pgid: int) -> dict:
+    """Popen arguments putting the child in process group `pgid` (0: a new group it leads).
+
+    A new group, not a new session: setpgid(2) cannot join a group of another session, and the
+    group stays out of the terminal's foreground, so only the launcher decides when it dies.
+    """
+    if sys.version_info >= (3, 11):
+        return {"process_group": pgid}
+    return {"preexec_fn": lambda: os.setpgid(0, pgid)}  # Python 3.10
+
+
+def read_ranks(req: TrialRequest) -> dict[int, dict]:
+    ranks = {}
+    for path in Path(req.out_dir).glob("rank*.json"):
+        ranks[int(path.stem[4:])] = json.loads(path.read_text())
+    return ranks
+
+
+def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES) -> str:
+    path = Path(req.out_dir, "log.txt")
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int = 1,
+             master_addr: str = "127.0.0.1", master_port: int | None = None,
+             threads: int | None = None, fresh: bool = True) -> list[dict]:
+    """Run `requests` on this node's ranks; per config {"ranks", "status", "reason", "log_tail", timings}.
+
+    Single node: a config that kills the group is recorded and a new group (new port) starts at
+    the next config. Several nodes: no restart (the other nodes cannot follow); what is left is
+    recorded as not run. `fresh`: write each trial's folder anew (prepare); False when the caller
+    (the Ray driver) has done so already.
+    """
+    for req in requests:
+        if fresh:
+            prepare(req)
+        else:
+            Path(req.out_dir).mkdir(parents=True, exist_ok=True)
+    outcomes: list[dict | None] = [None] * len(requests)
+    i = 0
+    while i < len(requests):
+        port = master_port if num_nodes > 1 else (master_port or free_port(master_addr))
+        group = Group(requests, i, node_rank=node_rank, num_nodes=num_nodes, master_addr=master_addr,
+                      master_port=port, threads=threads)
+        i = _watch(group, requests, i, outcomes)
+        master_port = None
+        if num_nodes > 1 and i < len(requests):
+            for j in range(i, len(requests)):
+                outcomes[j] = {"status": "crashed", "reason": "not run: the group was killed by an "
+                               "earlier config", "ranks": {}, "log_tail": "", "wall_s": 0.0}
+            break
+    return outcomes
+
+
+def _watch(group: Group, requests: list[TrialRequest], i: int, outcomes: list) -> int:
+    """Follow `group` from config i until it exits or is killed; returns the next config to run."""
+    n = len(requests)
+    t_ready, started, done, exited = group.t_spawn, {}, {}, set()
+    while True:
+        deadline = t_ready + (requests[i].timeout_s if i < n else EXIT_GRACE_S)
+        try:
+            event, lr, value, t = group.events.get(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+        except queue.Empty:
+            event, t = None, time.monotonic()
+        if event == "start":
+            started[value] = t
+        elif event == "done":
+            done.setdefault(value, set()).add(lr)
+            if value == i and len(done[i]) == group.local:
+                outcomes[i] = _finish(requests[i], "", "", t - t_ready, started.get(i, t_ready) - t_ready)
+                i, t_ready = i + 1, t
+        elif event == "exit":
+            exited.add(lr)
+            if value == 0 and len(exited) < group.local:
+                continue
+            if value == 0 and i == n:
+                outcomes[n - 1]["timings_s"]["exit_s"] = t - t_ready
+                return n
+            left = group.kill()
+            if i == n or (value == EXIT_ABANDON and outcomes[group.current[lr]] is not None):
+                return i  # the failed config is recorded already (every rank reported it)
+            status, reason = _failure(requests[i], lr, value)
+            reason += f"; process group killed{f', still alive: {left}' if left else ''}"
+            return _record(requests, i, outcomes, status, reason, t - t_ready)
+        if time.monotonic() > deadline:
+            left = group.kill()
+            if i == n:
+                return n
+            reason = (f"timed out after {requests[i].timeout_s:g} s; process group {group.pids[0]} killed"
+                      f"{f', still alive: {left}' if left else ', no process left'}")
+            return _record(requests, i, outcomes, "timeout", reason, t - t_ready)
+        if i < n and event is None and (guard := group.rss_over(requests[i].cluster.capacity_bytes)):
+            group.kill()
+            return _record(requests, i, outcomes, "oom", guard, t - t_ready)
+
+
+def _failure(req: TrialRequest, lr: int, code: int) -> tuple[str, str]:
+    """Status and reason of a rank that exited non-zero: its own report if it wrote one."""
+    for rank, d in sorted(read_ranks(req).items()):
+        if d.get("status") not in (None, "ok"):
+            return d["status"], f"rank {rank}: {d.get('reason', '')}"
+    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+    return "crashed", f"local rank {lr} exited with {how}"
+
+
+def _record(requests, i: int, outcomes: list, status: str, reason: str, wall_s: float) -> int:
+    outcomes[i] = _finish(requests[i], status, reason, wall_s, 0.0)
+    return i + 1
+
+
+def _finish(req: TrialRequest, status: str, reason: str, wall_s: float, spawn_s: float) -> dict:
+    return {"ranks": read_ranks(req), "status": status, "reason": reason, "log_tail": log_tail(req),
+            "wall_s": wall_s, "timings_s": {"spawn_s": spawn_s}}
+
+
+# ---- results --------------------------------------------------------------------------------
+def _grows(xs: list[int], min_steps: int) -> bool:
+    """At least min_steps values, never falling, ending more than LEAK_TOLERANCE_BYTES above the start."""
+    return (len(xs) >= min_steps and xs[-1] - xs[0] > LEAK_TOLERANCE_BYTES
+            and all(b >= a - LEAK_TOLERANCE_BYTES for a, b in zip(xs, xs[1:])))
+
+
+def leaks(step_peaks: list[int], step_ends: list[int]) -> bool:
+    """Memory that grows step after step: the live bytes left at the end of each step grow, or the
+    per-step peak grows over at least 3 steps. A single rise of the peak is not enough: with gloo,
+    a communication buffer freed in gloo's thread a moment later can add its size to one step's peak
+    (measured: +2 MiB in one of two steps, ZeRO-0 fp32 tiny-llama with 4 checkpointed layers)."""
+    return _grows(step_ends, 2) or _grows(step_peaks, 3)
+
+
+def aggregate(req: TrialRequest, outcome: dict) -> TrialResult:
+    """One TrialResult from the ranks' reports (rank 0 for per-step detail, max over ranks for peaks)."""
+    ranks = [outcome["ranks"][r] for r in sorted(outcome["ranks"])]
+    r0 = outcome["ranks"].get(0, {})
+    status, reason = outcome["status"], outcome["reason"]
+    if not status:
+        bad = [(r, d) for r, d in sorted(outcome["ranks"].items()) if d.get("status") != "ok"]
+        status, reason = (bad[0][1]["status"], bad[0][1].get("reason", "")) if bad else ("ok", "")
+    res = TrialResult(status=status, reason=reason, log_tail=outcome["log_tail"], out_dir=str(req.out_dir),
+                      wall_s=outcome["wall_s"] + outcome["timings_s"].get("exit_s", 0.0))
+    timed = [d["step_times_s"] for d in ranks if d.get("step_times_s")]
+    if timed and len(timed) == len(ranks):
+        cfg, world = req.config, req.cluster.world_size
+        times = [max(ts) for ts in zip(*timed)]  # a step ends when its slowest rank does
+        res.step_time_s = statistics.median(times)
+        res.step_time_spread_s = max(times) - min(times)
+        res.samples_per_s = cfg.micro_batch * cfg.grad_accum * world / res.step_time_s
+        res.tokens_per_s = res.samples_per_s * cfg.seq_len
+        res.tflops = req.model.flops_per_token(cfg.seq_len) * res.tokens_per_s / world / TFLOPS
+        peak = req.cluster.gpu.peak_flops(cfg.precision)
+        res.mfu = res.tflops * TFLOPS / peak if peak else None
+        res.overhead_s = res.wall_s - sum(times)
+    if ranks and all(d.get("peak_bytes") is not None for d in ranks):
+        res.peak_bytes_per_rank = [d["peak_bytes"] for d in ranks]
+        res.peak_bytes = max(res.peak_bytes_per_rank)
+        res.init_peak_bytes = max(d["init_peak_bytes"] for d in ranks)
+        res.param_bytes_per_rank = [d["param_bytes"] for d in ranks]
+    res.step_peak_bytes, res.step_end_bytes = r0.get("step_peak_bytes", []), r0.get("step_end_bytes", [])
+    res.leak = leaks(res.step_peak_bytes, res.step_end_bytes)
+    res.phase_peak_bytes, res.baseline_bytes = r0.get("phase_peak_bytes", {}), r0.get("baseline_bytes")
+    res.reserved_bytes = max((d.get("reserved_bytes") or 0 for d in ranks), default=0) or None
+    res.losses, res.loss_scale, res.overflow_count = r0.get("losses", []), r0.get("loss_scale"), r0.get("overflow_count")
+    res.timings_s = _timings(outcome, r0)
+    return res
+
+
+def _timings(outcome: dict, r0: dict) -> dict[str, float]:
+    t = dict(outcome["timings_s"])
+    w = r0.get("timings")
+    if w:
+        measured = sum(r0.get("step_times_s", []))
+        t.update(setup_s=w["setup_s"], build_s=w["build_s"], initialize_s=w["init_s"] - w["build_s"],
+                 warmup_s=w["train_s"] - measured, measured_s=measured, profiler_stop_s=w["profiler_stop_s"],
+                 analysis_s=w["analysis_s"], teardown_s=w["teardown_s"])
+    return t
+
+
+def write_result(req: TrialRequest, res: TrialResult, outcome: dict) -> None:
+    """result.json and memory_per_step.json (every rank) in the trial's folder."""
+    out = Path(req.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    per_rank = {str(r): {k: d.get(k) for k in ("step_peak_bytes", "step_end_bytes", "phase_peak_bytes",
+                                                "init_peak_bytes", "peak_bytes", "baseline_bytes")}
+                for r, d in sorted(outcome["ranks"].items())}
+    (out / "memory_per_step.json").write_text(json.dumps({"leak": res.leak, "ranks": per_rank}, indent=2))
+    (out / "result.json").write_text(json.dumps(res.to_dict(), indent=2, default=str))
+
+
+def run_trials(requests: list[TrialRequest], *, threads: int | None = None) -> list[TrialResult]:
+    """Run configs one after the other in one local process group; one TrialResult per request.
+
+    All requests need the same world size. Peaks are relative to the live bytes before each
+    config's model is built, so nothing left over from an earlier config counts.
+    """
+    if len({r.cluster.world_size for r in requests}) > 1:
+        raise ValueError("run_trials: every request must have the same world size (one process group)")
+    results = []
+    for req, outcome in zip(requests, run_node(requests, threads=threads)):
+        res = aggregate(req, outcome)
+        write_result(req, res, outcome)
+        results.append(res)
+    return results
+
+
+def run_trial(request: TrialRequest, *, threads: int | None = None) -> TrialResult:
+    """One trial on this machine: spawn, measure, tear down; never hangs past request.timeout_s."""
+    return run_trials([request], threads=threads)[0]

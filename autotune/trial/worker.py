@@ -1,0 +1,408 @@
+"""One rank of a trial process group: `python -m autotune.trial.worker PAYLOAD`.
+
+The launcher (autotune/trial/launch.py) starts one of these per rank with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT set, and a pickled list of TrialRequests in PAYLOAD. The rank
+imports torch and DeepSpeed once, joins the process group once, then runs the configs from
+AUTOTUNE_START on, one after the other, each measured on its own (see run_config). Per config it
+writes `<out_dir>/rank<R>.json` and prints `@@autotune start I` / `@@autotune done I` lines that the
+launcher reads from its stdout to route the log and to time each config.
+
+Exit codes: 0 all configs ran (whatever their status); EXIT_ABANDON a config failed in a way that
+may leave the other ranks inside a collective (an exception on this rank), so the launcher must kill
+the group and start a new one for the configs that remain.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import math
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+MARK = "@@autotune"
+EXIT_ABANDON = 3
+FAULT_EXIT_CODE = 13
+"""Exit code of the 'exit' test fault: a rank that dies without a Python exception."""
+
+
+def emit(event: str, index: int) -> None:
+    sys.stdout.flush()
+    # A leading newline keeps the marker on its own line even after C-level output without one.
+    os.write(1, f"\n{MARK} {event} {index}\n".encode())
+
+
+def die_with_parent() -> None:
+    """Die with the launcher: PR_SET_PDEATHSIG (Linux prctl(2), option 1) plus a watch on the parent pid,
+    so that a launcher killed with SIGKILL (e.g. its Ray worker) leaves no rank behind."""
+    parent = int(os.environ.get("AUTOTUNE_PARENT_PID", os.getppid()))
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="autotune-parent-watch").start()
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent()
+    t_start = time.perf_counter()
+    # torch.distributed warns on every call of the collectives DeepSpeed uses (reduce_scatter_tensor,
+    # all_gather_into_tensor are "deprecated"): hundreds of lines that would bury the log tail.
+    warnings.filterwarnings("ignore", message=r".* is deprecated\. Please use .*", category=FutureWarning)
+    import torch
+
+    from autotune.trial import memprof
+
+    # Before any tensor that a config's window should see is allocated (memprof docstring).
+    memprof.enable_cpu_memory_reporting()
+    import deepspeed
+    import deepspeed.ops
+
+    # Skip DeepSpeed's shared-memory comm op: compiled at first use (42 s) and leaks /dev/shm files
+    # (../shared/NOTES.md "DeepSpeed on CPU").
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    requests = pickle.loads(Path(argv[1]).read_bytes())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    threads = int(os.environ.get("AUTOTUNE_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+    on_gpu = not requests[0].cluster.gpu.is_cpu
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
+    # Kineto's first start costs ~1 s (measured, 2 cores): pay it once here, not inside a config.
+    warm = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    warm.start()
+    warm.stop()
+    # What is alive now lives as long as the process: keep it out of every later gc.collect()
+    # (measured: 0.2 s per collect on 2 cores without this; each config collects once at teardown).
+    gc.freeze()
+    print(f"rank {rank}/{world}: torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
+          f"{torch.get_num_threads()} threads, ready in {time.perf_counter() - t_start:.2f} s", flush=True)
+    for index in range(int(os.environ.get("AUTOTUNE_START", "0")), len(requests)):
+        req = requests[index]
+        emit("start", index)
+        abandon = False
+        try:
+            result = run_config(req, rank=rank, world=world, local_rank=local_rank)
+        except torch.OutOfMemoryError as e:
+            traceback.print_exc()
+            result, abandon = failure("oom", e), True
+        except Exception as e:  # noqa: BLE001 - recorded with its traceback; the group is then killed
+            traceback.print_exc()
+            result, abandon = failure("crashed", e), True
+        result["index"] = index
+        Path(req.out_dir, f"rank{rank}.json").write_text(json.dumps(result, allow_nan=True))
+        emit("done", index)
+        if abandon:
+            sys.stdout.flush()
+            return EXIT_ABANDON
+    if on_gpu:
+        torch.distributed.destroy_process_group()  # NCCL warns at exit without it
+    # Every result is on disk: skip the interpreter's teardown of torch and DeepSpeed (measured
+    # 0.5-1 s per trial on 2 CPU cores), which no one waits for.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def failure(status: str, e: BaseException) -> dict:
+    return {"status": status, "reason": f"{type(e).__name__}: {e}".strip()[:2000],
+            "traceback": traceback.format_exc()[-4000:]}
+
+
+# ---- one config ---------------------------------------------------------------------------------
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def build_model(req, device, ds_cfg: dict):
+    """The trial's Transformer, initialised, without the full fp32 model ever on this rank.
+
+    ZeRO-3: built under deepspeed.zero.Init, which partitions each module's parameters as soon as
+    its __init__ returns (DeepSpeed docs, "Constructing Massive Models"), then initialised one
+    top-level child at a time under GatheredParameters. ZeRO 0-2 keep a full replica anyway: built
+    on the meta device, cast to the training dtype there (free), then materialised once with
+    to_empty, so a bf16 trial never holds an fp32 copy. Both paths run the same init_weights per
+    child with the same seeds, so every stage starts from the same weights.
+    """
+    import contextlib
+
+    import deepspeed
+    import torch
+
+    from autotune.trial.model import Transformer, init_weights
+
+    cfg = req.config
+    make = lambda: Transformer(req.model, attention=cfg.attention, ckpt_layers=cfg.ckpt_layers)  # noqa: E731
+    if cfg.zero_stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+            model = make()
+        gather = lambda m: deepspeed.zero.GatheredParameters(list(m.parameters()), modifier_rank=0)  # noqa: E731
+    else:
+        with torch.device("meta"):
+            model = make()
+        model = model.to(getattr(torch, DTYPES[cfg.precision])).to_empty(device=device)
+        gather = lambda m: contextlib.nullcontext()  # noqa: E731
+    children = [c for name, c in model.named_children() if name != "blocks"]
+    for seed, child in enumerate([*children, *model.blocks]):
+        with gather(child):
+            init_weights(child, seed=seed)
+    return model
+
+
+def local_param_bytes(model) -> int:
+    """Parameter bytes this rank holds now: the tensor itself, plus for ZeRO-3 its partition
+    (ds_tensor). A ZeRO-3 parameter's own tensor is empty while released (as after initialize);
+    persistent ones (stage3_param_persistence_threshold) are gathered at the first forward."""
+    total = 0
+    for p in model.parameters():
+        t = getattr(p, "ds_tensor", None)
+        total += (p.numel() + (t.numel() if t is not None else 0)) * p.element_size()
+    return total
+
+
+def client_optimizer(req, model):
+    """8-bit AdamW has no DeepSpeed config type: it is passed as a client optimizer (GPU only)."""
+    if req.config.optimizer != "adamw8bit":
+        return None
+    import bitsandbytes as bnb
+
+    from autotune.deepspeed_config import ADAMW
+
+    return bnb.optim.AdamW8bit(model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]),
+                               eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+
+
+class Phases:
+    """record_function ranges per phase; on a GPU also the allocator's peak per phase."""
+
+    def __init__(self, gpu_mem):
+        self.gpu_mem, self.peaks, self.reserved = gpu_mem, {}, 0
+
+    def __call__(self, name: str):
+        import contextlib
+
+        from torch.profiler import record_function
+
+        @contextlib.contextmanager
+        def phase():
+            with record_function("autotune." + name):
+                if self.gpu_mem is not None:
+                    self.gpu_mem.start()
+                yield
+                if self.gpu_mem is not None:
+                    self.peaks[name] = max(self.peaks.get(name, 0), self.gpu_mem.peak())
+                    self.reserved = max(self.reserved, self.gpu_mem.reserved())
+        return phase()
+
+
+def inject(fault: str | None, rank: int) -> None:
+    """TrialRequest.fault, on rank 0 only, so the other ranks are left waiting in a collective."""
+    if rank != 0 or fault is None:
+        return
+    if fault == "hang":
+        print("injected hang: rank 0 sleeps forever", flush=True)
+        while True:
+            time.sleep(60)
+    if fault == "crash":
+        raise RuntimeError("injected crash (TrialRequest.fault='crash')")
+    if fault == "exit":
+        print(f"injected exit: rank 0 exits with code {FAULT_EXIT_CODE}", flush=True)
+        os._exit(FAULT_EXIT_CODE)
+
+
+def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dict:
+    """Warm-up then measured optimizer steps on a fixed batch; the loss is averaged over ranks."""
+    import torch
+    from torch.profiler import record_function
+
+    cfg, tokens, targets = req.config, data[0], data[1]
+    losses, times, step_peaks, step_ends = [], [], [], []
+    for step in range(req.warmup_steps + req.steps):
+        measured = step >= req.warmup_steps
+        if step == req.warmup_steps:
+            inject(req.fault if req.fault != "nan" else None, rank)
+        phases.peaks = {}
+        sync()
+        t0 = time.perf_counter()
+        with record_function(f"autotune.step{step}"):
+            total = torch.zeros((), dtype=torch.float64, device=tokens.device)
+            for _ in range(cfg.grad_accum):
+                with phases("forward"):
+                    loss = engine(tokens, targets)
+                if req.fault == "nan" and rank == 0 and step == req.warmup_steps:
+                    loss = loss * float("nan")
+                total += loss.detach().double()
+                with phases("backward"):
+                    engine.backward(loss)
+                with phases("optimizer"):
+                    engine.step()
+            sync()
+        if measured:
+            times.append(time.perf_counter() - t0)
+            step_peaks.append(dict(phases.peaks))
+            if phases.gpu_mem is not None:
+                step_ends.append(phases.gpu_mem.live())
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / cfg.grad_accum / world)
+        if not math.isfinite(losses[-1]):
+            break
+    return {"losses": losses, "step_times_s": times, "gpu_step_phase_peaks": step_peaks, "gpu_step_ends": step_ends}
+
+
+
+def run_config(req, *, rank: int, world: int, local_rank: int) -> dict:
+    """Build, initialise, train and measure one config on this rank; the per-rank result dict."""
+    import deepspeed
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from autotune.deepspeed_config import deepspeed_config
+    from autotune.trial import memprof
+
+    t_begin = time.perf_counter()
+    cfg, cluster = req.config, req.cluster
+    on_gpu = not cluster.gpu.is_cpu
+    device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
+    sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
+    ds_cfg = deepspeed_config(cfg, req.model, cluster)
+    gen = torch.Generator().manual_seed(1000 + rank)  # a fixed batch per rank: the loss must fall
+    batch = torch.randint(0, req.model.vocab_size, (cfg.micro_batch, cfg.seq_len + 1), generator=gen)
+    data = (batch[:, :-1].contiguous().to(device), batch[:, 1:].contiguous().to(device))
+    del batch
+    prof = None
+    if not on_gpu or req.profile:  # on CPU the profiler IS the memory measurement
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        prof = profile(activities=acts, profile_memory=True)
+        prof.start()
+    gpu_mem = memprof.GpuPhases(device) if on_gpu else None
+    phases = Phases(gpu_mem)
+    t0 = time.perf_counter()
+    timings = {"setup_s": t0 - t_begin}
+    with phases("init"):
+        model = build_model(req, device, ds_cfg)
+        timings["build_s"] = time.perf_counter() - t0
+        # [0]: the engine alone; holding the returned optimizer too would keep it past release().
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg,
+                                      optimizer=client_optimizer(req, model))[0]
+    timings["init_s"] = time.perf_counter() - t0
+    param_bytes = local_param_bytes(engine.module)
+    init_peak_gpu = phases.peaks.pop("init", None)
+    t1 = time.perf_counter()
+    rec = train(engine, req, rank, world, data, phases, sync)
+    timings["train_s"] = time.perf_counter() - t1
+    if prof is not None:
+        prof.stop()
+    t2 = time.perf_counter()
+    timings["profiler_stop_s"] = t2 - t1 - timings["train_s"]
+    if on_gpu:
+        mem = gpu_memory(init_peak_gpu, phases, rec.pop("gpu_step_phase_peaks"), gpu_mem)
+        mem["step_end_bytes"] = rec.pop("gpu_step_ends")
+    else:
+        rec.pop("gpu_step_phase_peaks"), rec.pop("gpu_step_ends")
+        mem = cpu_memory(memprof.CpuCurve.from_profiler(prof), req, rank)
+    if rank == 0 and on_gpu:
+        Path(req.out_dir, "memory_summary.txt").write_text(torch.cuda.memory_summary(device))
+    if req.profile and prof is not None:
+        prof.export_chrome_trace(str(Path(req.out_dir, "trace.json" if rank == 0 else f"trace_rank{rank}.json")))
+    timings["analysis_s"] = time.perf_counter() - t2
+    out = {**rec, **mem, "param_bytes": param_bytes, **classify(req, rec, mem, device)}
+    if cfg.precision == "fp16":
+        out["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", float("nan")))
+        out["overflow_count"] = int(engine.skipped_steps)
+    t3 = time.perf_counter()
+    release(engine)
+    del engine, model, prof
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+    timings["teardown_s"] = time.perf_counter() - t3
+    return {**out, "timings": timings}
+
+
+def release(engine) -> None:
+    """Free what DeepSpeed keeps of an engine after destroy(), so the next config starts from ~0.
+
+    Two module-level references keep a ZeRO-3 model, its partitions and its optimizer alive after
+    destroy() (deepspeed 0.19.8; measured 12.6 MB per tiny-llama config without this):
+    setup_zero_stage3_hooks appends the top module to FWD_MODULE_STACK and never pops it
+    (runtime/zero/parameter_offload.py), and PartitionedParameterCoordinator.__params_to_release is
+    a class-level functools.lru_cache keyed by (coordinator, submodule, step)
+    (runtime/zero/partitioned_param_coordinator.py).
+    """
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    engine.destroy()
+    parameter_offload.FWD_MODULE_STACK.clear()
+    fn = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
+    inner = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]  # under instrument_w_nvtx
+    for f in [fn, *inner]:
+        if hasattr(f, "cache_clear"):
+            f.cache_clear()
+
+
+def cpu_memory(curve, req, rank: int) -> dict:
+    """Init, per-step, per-phase peaks from the profiler's curve (memprof), relative to the baseline."""
+    init_peak, _ = curve.peak(*curve.span("autotune.init"))
+    steps, ends, best = [], [], (0, 0)
+    for step in range(req.warmup_steps, req.warmup_steps + req.steps):
+        name = f"autotune.step{step}"
+        if name not in curve.ranges:
+            break  # diverged before this step
+        peak, t_peak = curve.peak(*curve.span(name))
+        steps.append(peak)
+        ends.append(curve.live_at(curve.span(name)[1]) - curve.baseline_bytes)
+        best = max(best, (peak, t_peak))
+    phase = curve.phase_peaks(f"autotune.step{req.warmup_steps + len(steps) - 1}") if steps else {}
+    if rank == 0 and steps:
+        Path(req.out_dir, "memory_summary.txt").write_text(
+            curve.live_table(best[1]) + "\n\n" + curve.alloc_table())
+    return {"init_peak_bytes": init_peak, "peak_bytes": best[0] if steps else None,
+            "step_peak_bytes": steps, "step_end_bytes": ends, "phase_peak_bytes": phase,
+            "baseline_bytes": curve.baseline_bytes, "reserved_bytes": None}
+
+
+def gpu_memory(init_peak: int | None, phases: Phases, step_phase_peaks: list[dict], gpu_mem) -> dict:
+    steps = [max(p.values()) for p in step_phase_peaks if p]
+    return {"init_peak_bytes": init_peak, "peak_bytes": max(steps) if steps else None,
+            "step_peak_bytes": steps, "step_end_bytes": [],
+            "phase_peak_bytes": {k: v for k, v in (step_phase_peaks or [{}])[-1].items()},
+            "baseline_bytes": gpu_mem.baseline_bytes, "reserved_bytes": phases.reserved}
+
+
+def classify(req, rec: dict, mem: dict, device) -> dict:
+    """ok, diverged, or oom against the per-rank cap; decided on values all ranks agree on."""
+    import torch
+
+    if not math.isfinite(rec["losses"][-1]):
+        return {"status": "diverged", "reason": f"non-finite loss {rec['losses'][-1]} at step "
+                                                f"{len(rec['losses']) - 1} (mean over ranks)"}
+    peaks = torch.tensor([mem["init_peak_bytes"] or 0, mem["peak_bytes"] or 0], dtype=torch.float64,
+                         device=device)
+    torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+    cap = req.cluster.capacity_bytes
+    for what, value in zip(("model build + deepspeed.initialize", "a training step"), peaks.tolist()):
+        if value > cap:
+            return {"status": "oom", "reason": f"measured peak of {int(value):,} tensor bytes in {what} "
+                                               f"exceeds the per-rank cap of {cap:,} bytes "
+                                               f"(--gpus {req.cluster.text or req.cluster.gpu.name})"}
+    return {"status": "ok", "reason": ""}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
