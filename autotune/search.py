@@ -275,16 +275,10 @@ class Search:
 
     def _count(self, status: str, value: float | None = None, number: int | None = None) -> None:
         s = self.summary
-        if status == "ok":
-            s.ok += 1
-            if value is not None and (s.best_value is None or value > s.best_value):
-                s.best_value, s.best_trial = value, number
-        elif status in RUN_STATUSES:
-            s.failed += 1
-        elif status == "pruned":
-            s.pruned += 1
-        elif status == "interrupted":
-            s.interrupted += 1
+        if status == "ok" and value is not None and (s.best_value is None or value > s.best_value):
+            s.best_value, s.best_trial = value, number
+        name = status if status in ("ok", "pruned", "interrupted") else "failed"
+        setattr(s, name, getattr(s, name) + 1)
 
     def _observe(self, c: Candidate, result: TrialResult) -> None:
         if result.status == "ok":
@@ -347,7 +341,12 @@ class Search:
         req = TrialRequest(model=self.model, cluster=self.cluster, config=c.cfg,
                            out_dir=self.out_root / f"trial-{trial.number:04d}", steps=t.steps,
                            warmup_steps=t.warmup_steps, timeout_s=t.timeout_s, trial_id=trial.number)
-        self.in_flight[self.executor.submit(req)] = (trial, c)
+        try:
+            ticket = self.executor.submit(req)
+        except BaseException:
+            self.study.tell(trial, state=TrialState.FAIL)      # never started: status 'running' = rerun later
+            raise
+        self.in_flight[ticket] = (trial, c)
 
     def _finish(self, ticket: str, result: TrialResult) -> None:
         trial, c = self.in_flight.pop(ticket)
