@@ -144,7 +144,9 @@ def list_studies() -> list[str]:
 
 
 def _mtime(d: Path) -> float:
-    return max((f.stat().st_mtime for f in d.iterdir() if f.is_file()), default=d.stat().st_mtime)
+    """When the study last changed: its database (report.md and plots are rewritten by `report`)."""
+    files = [d / n for n in ("study.db", "study.json")]
+    return max((f.stat().st_mtime for f in files if f.exists()), default=d.stat().st_mtime)
 
 
 def assert_new(name: str, url: str | None) -> None:

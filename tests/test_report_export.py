@@ -99,6 +99,10 @@ def test_formats_and_files(trials_dir, capsys):
     for png in ("throughput.png", "memory.png"):
         assert (d / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["report"]) == 0 and "study f:" in capsys.readouterr().out    # default: most recent
+    make_study("later")
+    assert main(["report", "--study", "f"]) == 0        # reading f and rewriting its files does not make it newer
+    capsys.readouterr()
+    assert main(["report"]) == 0 and "study later:" in capsys.readouterr().out
 
 
 def test_export_best_and_given_trial(trials_dir, tmp_path, capsys):
