@@ -322,7 +322,9 @@ def run_config(req, *, rank: int, world: int, local_rank: int) -> dict:
     timings["analysis_s"] = time.perf_counter() - t2
     out = {**rec, **mem, "param_bytes": param_bytes, **classify(req, rec, mem, device)}
     if cfg.precision == "fp16":
-        out["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", float("nan")))
+        # `loss_scale` is a property of every DeepSpeed fp16 optimizer (fp16/fused_optimizer.py,
+        # fp16/unfused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py): the scaler's cur_scale.
+        out["loss_scale"] = float(engine.optimizer.loss_scale)
         out["overflow_count"] = int(engine.skipped_steps)
     t3 = time.perf_counter()
     release(engine)
