@@ -143,6 +143,7 @@ def test_cli_trial_json(tmp_path):
                 "deepspeed_config", "log_tail"):
         assert key in doc, key
     assert doc["config"]["zero_stage"] == 2 and doc["deepspeed_config"]["zero_optimization"]["stage"] == 2
+    assert doc["estimate"] is None or doc["estimate"]["total_bytes"] > 0  # None until autotune.memory exists
     trace = json.loads((tmp_path / "t" / "trace.json").read_text())  # Perfetto / chrome://tracing
     assert any(e.get("name") == "autotune.step1" for e in trace["traceEvents"])
 

@@ -92,7 +92,7 @@ def summary(req, res, estimate: dict | None) -> str:
         lines.append(f"loss        {res.losses[0]:.4f} -> {res.losses[-1]:.4f} over {len(res.losses)} steps "
                      f"({req.warmup_steps} warm-up)")
     if res.overhead_s is not None:
-        parts = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in res.timings_s.items())
+        parts = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in res.timings_s.items() if k != "measured_s")
         lines.append(f"overhead    {res.overhead_s:.2f} s outside the measured steps ({parts})")
     lines.append(f"files       {res.out_dir}")
     if res.status != "ok" and res.log_tail:
