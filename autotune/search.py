@@ -97,8 +97,10 @@ def structural_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfi
     w = cluster.world_size
 
     def prior(cfg: TrainConfig) -> float:
-        recompute = 1 + cfg.ckpt_layers / (3 * model.num_layers)   # forward = 1/3 of fwd+bwd FLOPs
-        flops = cfg.tokens_per_micro_batch * model.flops_per_token(cfg.seq_len) * recompute
+        # checkpointed layers run their forward twice: 2 FLOPs per weight and 4*s*d of attention per token
+        # (the forward third of ModelSpec.flops_per_token's per-layer terms); embeddings and head do not
+        recompute = cfg.ckpt_layers * (2 * model.layer_params + 4 * model.q_dim * cfg.seq_len)
+        flops = cfg.tokens_per_micro_batch * (model.flops_per_token(cfg.seq_len) + recompute)
         t_micro = flops / _CPU_FLOPS * (1.1 if cfg.attention == "eager" else 1.0) + _CPU_MICRO_S
         t_step = cfg.grad_accum * t_micro + (_collectives_per_step(model, cfg) * _CPU_COLLECTIVE_S if w > 1 else 0)
         return cfg.micro_batch * cfg.grad_accum * w / t_step
