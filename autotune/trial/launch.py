@@ -200,7 +200,11 @@ def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int
         port = master_port if num_nodes > 1 else (master_port or free_port(master_addr))
         group = Group(requests, i, node_rank=node_rank, num_nodes=num_nodes, master_addr=master_addr,
                       master_port=port, threads=threads)
-        i = _watch(group, requests, i, outcomes)
+        try:
+            i = _watch(group, requests, i, outcomes)
+        except BaseException:  # KeyboardInterrupt in a caller that lives on: leave no rank behind
+            group.kill()
+            raise
         master_port = None
         if num_nodes > 1 and i < len(requests):
             for j in range(i, len(requests)):
