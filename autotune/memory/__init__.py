@@ -5,7 +5,8 @@ of all terms:
 - forward: states + (stage-3 gathered params) + carried gradients + everything saved + the logits'
   transient during cross entropy;
 - backward at the loss: the same saved set + the fp32 gradients of log-softmax;
-- backward end: states + gradients + reduce buffers;
+- backward at the head: the layers' saved set + the LM head's weight gradient;
+- backward end: states + gradients + reduce buffers + the embedding gradient's transient;
 - backward recompute (k > 0): checkpointed inputs + one recomputed block + gradients;
 - optimizer: states + step gradients + the update's temporaries.
 Each phase's terms sum to its total; the estimate reports the terms of the peak phase.
@@ -90,8 +91,10 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
                     "logits_transient": act.logits_forward_transient_bytes(model, **kw)},
         "backward (loss)": {**static, **gathered, **carried, **saved,
                             "logits_transient": act.logits_backward_transient_bytes(model, **kw)},
-        "backward (end)": {**static, **gathered, **grads,
-                           "comm_buffers": buffers.backward_buffers(model, cluster, cfg)},
+        "backward (head)": {**static, **gathered, **carried,
+                            **{k: v for k, v in saved.items() if k != "logits_and_loss"},
+                            "head_gradient": buffers.head_gradient_bytes(model, cluster, cfg)},
+        "backward (end)": {**static, **gathered, **grads, **buffers.backward_end_extra(model, cluster, cfg)},
         "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused)},
     }
     if cfg.ckpt_layers:

@@ -17,6 +17,7 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     """Buffers live at the end of backward, when gradients are reduced.
 
     - Stage 0 (world > 1): the flattened copy of the gradients being all-reduced.
+    - Stage 1: the reduced partition, filled while the full gradients are still held.
     - Stages 1-2: the contiguous-gradients bucket `ipg_buffer` (reduce_bucket_size elements in
       the model dtype; stage_1_and_2.py, reduce_gradients / backward_prologue; one bucket because
       autotune sets overlap_comm false).
@@ -27,9 +28,23 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     b = bucket_sizes(spec)
     if cfg.zero_stage == 0:
         return pb * min(spec.num_params, STAGE0_ALLREDUCE_ELEMENTS) if cluster.world_size > 1 else 0
-    if cfg.zero_stage in (1, 2):
+    if cfg.zero_stage == 1:
+        return pb * spec.num_params // cluster.world_size
+    if cfg.zero_stage == 2:
         return pb * b["reduce_bucket_size"]
     return pb * b["stage3_prefetch_bucket_size"]
+
+
+def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+    """What the end of backward holds besides states and gradients. At stages 0-1 the embedding
+    gradient's transient is over before the reduction starts, so the larger of the two counts
+    (measured: a tied GPT-2 peaks at the former, an untied Llama at the latter); at stages 2-3
+    the reduction runs during backward and the two add up."""
+    comm = backward_buffers(spec, cluster, cfg)
+    emb = embedding_gradient_transient(spec, cluster, cfg)
+    if cfg.zero_stage <= 1:
+        return {"comm_buffers": comm} if comm >= emb else {"embedding_gradient": emb}
+    return {"comm_buffers": comm, "embedding_gradient": emb}
 
 
 def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
@@ -42,10 +57,45 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
 
 
 def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
-    """Gradients alive at the end of backward (before the step converts them)."""
+    """Gradients alive at the end of backward (before the step converts them).
+
+    Stage 0: the full gradients. Stage 1 (measured on CPU, DeepSpeed 0.19.8): the full gradients
+    too, until the step (stage_1_and_2.py, partition_gradients=False); the reduced partition is
+    filled beside them at the end (see `backward_end_extra`). Stage 2: the reduced partition.
+    """
     pb = 4 if cfg.precision == "fp32" else 2
+    p, n = spec.num_params, cluster.world_size
     if cfg.zero_stage == 0:
-        return pb * spec.num_params
-    if cfg.zero_stage in (1, 2):
-        return pb * spec.num_params // cluster.world_size
+        return pb * p
+    if cfg.zero_stage == 1:
+        return pb * p
+    if cfg.zero_stage == 2:
+        return pb * p // n
     return 0
+
+
+def embedding_gradient_transient(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+    """Extra bytes while the embedding's gradient is produced at the end of backward.
+
+    Tied embeddings: the LM head's gradient and the lookup's gradient (V x h each) coexist with
+    their sum (measured: aten::mm < MmBackward0, embedding_dense_backward, aten::add). Stages 2
+    and 3 also hold the embedding gradient itself until it is reduced (stage 3 reduce-scatters a
+    copy of it: aten::clone < c10d::_reduce_scatter_base_), since neither keeps full gradients.
+    """
+    pb = 4 if cfg.precision == "fp32" else 2
+    vh = pb * spec.vocab_size * spec.hidden_size
+    n = 2 * vh if spec.tied_embeddings else 0
+    if cfg.zero_stage == 2:
+        n += vh
+    elif cfg.zero_stage == 3:
+        n += 2 * vh
+    return n
+
+
+def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+    """The LM head's weight gradient right after the loss's backward, while every layer's
+    activations are still saved; stage 3 reduce-scatters it from a copy (measured:
+    aten::clone < c10d::_reduce_scatter_base_), so it counts twice there."""
+    pb = 4 if cfg.precision == "fp32" else 2
+    vh = pb * spec.vocab_size * spec.hidden_size
+    return 2 * vh if cfg.zero_stage == 3 else vh

@@ -1,0 +1,125 @@
+"""How exact is the memory model? Analytic vs measured DeepSpeed runs, vs the traced tier, and
+the two rules people use instead (DeepSpeed's estimators, the article's 18 B/param rule).
+
+    python benchmarks/memory_accuracy.py            # all sections, a few minutes on 2 cores
+    python benchmarks/memory_accuracy.py --quick    # fewer measured configs
+
+The measured cases use shapes, sequence lengths and micro batches the model was not tuned on
+(the tests use tiny-llama / tiny-gpt2 at seq 64-128, micro batch 2): a 3-layer Llama-style
+model with hidden 192 and GQA 6/2 heads and a 3-layer GPT-2 with hidden 160, seq 96, micro
+batch 1 and 3, on 2 and 4 CPU ranks. The baselines price model states only (DeepSpeed) or
+18 B/param + b*s*h*L*15 (article); their errors are against the same measured peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from autotune.executors.base import TrialRequest
+from autotune.hardware import parse_gpus
+from autotune.memory import estimate
+from autotune.memory.baselines import article_bytes, deepspeed_estimator_bytes
+from autotune.models import _build
+from autotune.space import TrainConfig
+
+UNSEEN = {
+    "llama-h192": _build("llama-h192", "llama", dict(num_layers=3, hidden_size=192, num_heads=6, num_kv_heads=2,
+                                                     ffn_hidden_size=512, vocab_size=3000, max_seq_len=256),
+                         "benchmark shape, not used by any test"),
+    "gpt2-h160": _build("gpt2-h160", "gpt2", dict(num_layers=3, hidden_size=160, num_heads=5, ffn_hidden_size=640,
+                                                  vocab_size=3000, max_seq_len=256),
+                        "benchmark shape, not used by any test"),
+}
+
+
+def measured_cases(quick: bool) -> list[tuple]:
+    cases = []
+    for ranks in (2, 4):
+        stages = range(4)
+        mbs = (1, 3) if ranks == 2 and not quick else (3,)
+        ks = (0, 1, 3) if ranks == 2 and not quick else (0, 3)
+        for name, z, p, k, mb in itertools.product(UNSEEN, stages, ("fp32", "bf16"), ks, mbs):
+            cases.append((ranks, name, TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb,
+                                                   seq_len=96)))
+    return cases
+
+
+def run_measured(cases, root: Path) -> list[dict]:
+    from autotune.trial.launch import run_trials
+
+    rows = []
+    for ranks in sorted({c[0] for c in cases}):
+        cluster = parse_gpus(f"{ranks}xcpu")
+        batch = [c for c in cases if c[0] == ranks]
+        reqs = [TrialRequest(model=UNSEEN[name], cluster=cluster, config=cfg, steps=2, warmup_steps=1,
+                             out_dir=root / f"{ranks}-{name}-{cfg.short().replace(' ', '_')}")
+                for _, name, cfg in batch]
+        t0 = time.perf_counter()
+        results = run_trials(reqs)
+        print(f"  {len(reqs)} configs on {ranks} ranks measured in {time.perf_counter() - t0:.0f} s", flush=True)
+        for req, res in zip(reqs, results):
+            if res.status != "ok" or not res.peak_bytes:
+                print(f"  ! {req.model.name} {req.config.short()}: {res.status} {res.reason}")
+                continue
+            est = estimate(req.model, cluster, req.config)
+            rows.append({"case": f"{ranks}r {req.model.name} {req.config.short()}", "measured": res.peak_bytes,
+                         "ours": est.tensor_peak_bytes, "deepspeed": deepspeed_estimator_bytes(req.model, cluster, req.config),
+                         "article": article_bytes(req.model, cluster, req.config)})
+    return rows
+
+
+def traced_rows(quick: bool) -> list[dict]:
+    from autotune.memory.traced import trace
+    from autotune.models import resolve_model
+
+    rows = []
+    models = ["gpt2", "llama-2-7b", "llama-2-13b"] + ([] if quick else ["llama-2-70b", "mistral-7b"])
+    for name in models:
+        spec = resolve_model(name)
+        cluster = parse_gpus("8xA100")
+        for p, mb, k in itertools.product(("fp32", "bf16"), (1, 4), (0, spec.num_layers // 2, spec.num_layers)):
+            cfg = TrainConfig(zero_stage=3, precision=p, micro_batch=mb, ckpt_layers=k,
+                              seq_len=min(2048, spec.max_seq_len))
+            t0 = time.perf_counter()
+            tr = trace(spec, cluster, cfg)
+            rows.append({"case": f"{name} {cfg.short()}", "traced": tr.tensor_peak_bytes,
+                         "ours": estimate(spec, cluster, cfg).tensor_peak_bytes, "s": time.perf_counter() - t0})
+    return rows
+
+
+def summarize(rows: list[dict], truth: str, columns: list[str]) -> None:
+    print(f"  {'rule':<10} {'median |err|':>13} {'max |err|':>10}   (n = {len(rows)}, against {truth})")
+    for col in columns:
+        errs = [abs(r[col] / r[truth] - 1) for r in rows]
+        print(f"  {col:<10} {100 * statistics.median(errs):>12.2f}% {100 * max(errs):>9.2f}%")
+    worst = sorted(rows, key=lambda r: -abs(r["ours"] / r[truth] - 1))[:10]
+    print("  ten worst cases for ours:")
+    for r in worst:
+        print(f"    {r['case']:<44} {truth} {r[truth]:>13,}  ours {r['ours']:>13,}  {100 * (r['ours'] / r[truth] - 1):+.3f}%")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-traced", action="store_true")
+    args = ap.parse_args()
+    print("== analytic (ours) vs measured DeepSpeed runs on CPU (tensor peak, max over ranks) ==")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run_measured(measured_cases(args.quick), Path(tmp))
+    summarize(rows, "measured", ["ours", "deepspeed", "article"])
+    if not args.skip_traced:
+        print("\n== analytic vs traced (fake tensors, ZeRO-3 on 8xA100, seq 2048) ==")
+        rows = traced_rows(args.quick)
+        summarize(rows, "traced", ["ours"])
+        print(f"  trace time: median {statistics.median(r['s'] for r in rows):.1f} s, max {max(r['s'] for r in rows):.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
