@@ -124,17 +124,38 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None) -> s
     if fmt == "json":
         ranked_rows = json.loads(table.to_json(orient="records", double_precision=15))
         return json.dumps({"study": study.study_name, "source": source_label(df) if len(df) else None,
-                           "ranked": ranked_rows, **counts}, indent=1) + "\n"
+                           "ranked": ranked_rows, **counts,
+                           "memory_correction": study.user_attrs.get("memory_correction")}, indent=1) + "\n"
     lines = header(study)
     if fmt == "markdown":
         lines = [f"# {lines[0]}", "", lines[1], "", markdown_table(table) if len(table) else "_no successful run_"]
     else:
         lines += ["", table.map(_fmt).to_string(index=False) if len(table) else "no successful run yet"]
+    corr = correction_line(study)
+    if corr:
+        lines += ["", corr]
     for kind in ("pruned", "failed"):
         total = sum(counts[kind].values())
         lines += ["", f"{'## ' if fmt == 'markdown' else ''}{kind}: {total}"]
         lines += [f"{'- ' if fmt == 'markdown' else '  '}{n} x {why}" for why, n in counts[kind].items()]
     return "\n".join(lines) + "\n"
+
+
+def correction_line(study: optuna.Study) -> str:
+    """The memory model's online correction (autotune/memory/correction.py) and its effect on the
+    estimate-vs-measured error over this study's measured trials."""
+    c = study.user_attrs.get("memory_correction") or {}
+    if not (c.get("measured_trials") or c.get("oom_trials")):
+        return ""
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.2f}%"
+
+    return (f"memory model correction: x{c['factor']:.3f} on the estimated tensor peak, from "
+            f"{c['measured_trials']} measured and {c['oom_trials']} out-of-memory trials; "
+            f"|estimated/measured - 1| median {pct(c['median_abs_error_before'])} -> "
+            f"{pct(c['median_abs_error_after'])}, max {pct(c['max_abs_error_before'])} -> "
+            f"{pct(c['max_abs_error_after'])}")
 
 
 def write_outputs(study: optuna.Study, out_dir: Path | None = None) -> list[Path]:

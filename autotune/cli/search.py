@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 
+from autotune.memory.correction import Correction
 from autotune.models import SpecError
 
 ORDER = 30
@@ -117,9 +118,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _sigterm)
     try:
         with executor:
-            search = Search(study, model, cluster, space, executor, seq_len=seq, global_batch=gb)
+            correction = Correction()   # replayed from a resumed study's trials by Search
+            search = Search(study, model, cluster, space, executor, seq_len=seq, global_batch=gb,
+                            corrector=correction)
             _print_plan(search, study.study_name, space.path)
-            summary = search.run(n_trials=args.n_trials, timeout_s=timeout_s, progress=not args.no_progress)
+            try:
+                summary = search.run(n_trials=args.n_trials, timeout_s=timeout_s, progress=not args.no_progress)
+            finally:
+                study.set_user_attr("memory_correction", correction.summary())
     except KeyboardInterrupt:
         print(f"\ninterrupted: every completed trial is kept; continue with "
               f"`autotune search --resume --study {study.study_name}`", file=sys.stderr)
@@ -128,10 +134,20 @@ def run(args: argparse.Namespace) -> int:
             "timeout": "--timeout reached"}.get(summary.stop, summary.stop)
     print(f"\nstopped: {stop}. {summary.ok} ok, {summary.failed} failed, {summary.pruned} pruned without a run"
           + (f", {summary.interrupted} interrupted (rerun on --resume)" if summary.interrupted else ""))
+    corr = correction.summary()
+    if corr["measured_trials"] or corr["oom_trials"]:
+        print(f"memory model: x{corr['factor']:.3f} after {corr['measured_trials']} measured and "
+              f"{corr['oom_trials']} out-of-memory trials; |error| median "
+              f"{_pct(corr['median_abs_error_before'])} -> {_pct(corr['median_abs_error_after'])}, max "
+              f"{_pct(corr['max_abs_error_before'])} -> {_pct(corr['max_abs_error_after'])}")
     print(report.render(study, "table", top=10))
     files = report.write_outputs(study)
     print(f"report: {files[0]}; export the winner: autotune export --study {study.study_name} --out ds_config.json")
     return 0
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
 
 
 def devices_present(cluster) -> tuple[bool, str]:

@@ -27,7 +27,22 @@ class Correction:
     """Multiplier on the estimate's tensor peak; 1.0 until evidence says the model under-prices."""
     observations: list[dict] = field(default_factory=list)
 
-    def observe(self, est: MemoryEstimate, measured_peak_bytes: int, label: str = "") -> None:
+    def __call__(self, est: MemoryEstimate, cfg=None) -> int:
+        """The search's corrector protocol (autotune/search.py, Corrector): corrected total bytes."""
+        return self.total_bytes(est)
+
+    def observe(self, est: MemoryEstimate, cfg, result) -> None:
+        """The search's hook: every finished trial. Only measured peaks are evidence; a simulated
+        result's peak is the estimate itself."""
+        if getattr(result, "source", "measured") != "measured":
+            return
+        label = cfg.short() if cfg is not None else ""
+        if result.status == "oom":
+            self.observe_oom(est, label)
+        elif result.status == "ok" and result.peak_bytes:
+            self.observe_measured(est, result.peak_bytes, label)
+
+    def observe_measured(self, est: MemoryEstimate, measured_peak_bytes: int, label: str = "") -> None:
         """A measured trial: record its ratio and tighten if the model under-priced it."""
         ratio = measured_peak_bytes / est.tensor_peak_bytes
         self.observations.append({"label": label, "kind": "measured", "estimated": est.tensor_peak_bytes,
