@@ -122,7 +122,7 @@ def test_failure_classes_are_real_and_leave_no_process(tmp_path):
     assert "non-finite loss nan" in res["nan"].reason and res["nan"].losses[-1] != res["nan"].losses[-1]
     assert "RuntimeError: injected crash" in res["crash"].reason
     assert "RuntimeError: injected crash" in res["crash"].log_tail  # the traceback, from the log
-    assert "exit code 13" in res["exit"].reason and "injected exit" in res["exit"].log_tail
+    assert "rank 0 exited with exit code 13" in res["exit"].reason and "injected exit" in res["exit"].log_tail
     assert "timed out after 10 s" in res["hang"].reason and "no process left" in res["hang"].reason
     assert res["ok"].losses[-1] < res["ok"].losses[0]
     assert time.monotonic() - t0 < 170

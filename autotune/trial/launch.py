@@ -15,6 +15,7 @@ their log and the `@@autotune start/done I` markers, read by one thread per rank
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import queue
@@ -85,11 +86,14 @@ class Group:
         payload.write_bytes(pickle.dumps(requests))
         threads = threads or max(1, (os.cpu_count() or 1) // self.local)
         self.procs: list[subprocess.Popen] = []
+        self.ranks: list[int] = []
+        self.exited: dict[int, int] = {}
         self.current = [start] * self.local
         self.lock = threading.Lock()
         self.t_spawn = time.monotonic()
         for lr in range(self.local):
             rank = node_rank * self.local + lr
+            self.ranks.append(rank)
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(lr),
                    "LOCAL_WORLD_SIZE": str(self.local), "MASTER_ADDR": master_addr,
                    # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE, as its own launcher
@@ -134,7 +138,9 @@ class Group:
         return None
 
     def kill(self) -> list[int]:
-        """SIGKILL the whole process group and any descendant that left it; the pids still alive."""
+        """SIGKILL the whole process group and any descendant that left it; the pids still alive.
+        `exited` keeps the exit codes of the ranks that had ended before (not killed here)."""
+        self.exited = {lr: p.poll() for lr, p in enumerate(self.procs) if p.poll() is not None}
         family = []
         for pid in self.pids:
             try:
@@ -174,9 +180,17 @@ def read_ranks(req: TrialRequest) -> dict[int, dict]:
     return ranks
 
 
-def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES, rank: int | None = None) -> str:
+    """The last lines of log.txt; with `rank`, mostly that rank's (the one that failed first), whose
+    traceback the other ranks' errors (a peer gone from a collective) would push out of the tail."""
     path = Path(req.out_dir, "log.txt")
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    if not path.exists():
+        return ""
+    all_lines = path.read_text(errors="replace").splitlines()
+    if rank is None:
+        return "\n".join(all_lines[-lines:])
+    own = [ln for ln in all_lines if ln.startswith(f"[rank {rank}] ")][-(lines * 3 // 4):]
+    return "\n".join(own + ["--- last lines of all ranks ---"] + all_lines[-(lines // 4):])
 
 
 def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int = 1,
@@ -241,9 +255,9 @@ def _watch(group: Group, requests: list[TrialRequest], i: int, outcomes: list) -
             left = group.kill()
             if i == n or (value == EXIT_ABANDON and outcomes[group.current[lr]] is not None):
                 return i  # the failed config is recorded already (every rank reported it)
-            status, reason = _failure(requests[i], lr, value)
+            status, reason, rank = _failure(requests[i], group, lr, value)
             reason += f"; process group killed{f', still alive: {left}' if left else ''}"
-            return _record(requests, i, outcomes, status, reason, t - t_ready)
+            return _record(requests, i, outcomes, status, reason, t - t_ready, rank)
         if time.monotonic() > deadline:
             left = group.kill()
             if i == n:
@@ -256,22 +270,31 @@ def _watch(group: Group, requests: list[TrialRequest], i: int, outcomes: list) -
             return _record(requests, i, outcomes, "oom", guard, t - t_ready)
 
 
-def _failure(req: TrialRequest, lr: int, code: int) -> tuple[str, str]:
-    """Status and reason of a rank that exited non-zero: its own report if it wrote one."""
-    for rank, d in sorted(read_ranks(req).items()):
-        if d.get("status") not in (None, "ok"):
-            return d["status"], f"rank {rank}: {d.get('reason', '')}"
+def _failure(req: TrialRequest, group: Group, lr: int, code: int) -> tuple[str, str, int]:
+    """(status, reason, rank) of the first failure, when one rank's death makes its peers fail too:
+    a rank that died on its own without a report (exit code, signal) first, else the earliest report."""
+    died = {r: c for r, c in group.exited.items() if c not in (0, EXIT_ABANDON)}
+    if died:
+        lr, code = min(died.items())
+    else:
+        reports = [(d.get("time", math.inf), r, d) for r, d in read_ranks(req).items()
+                   if d.get("status") not in (None, "ok")]
+        if reports:
+            _, rank, d = min(reports, key=lambda x: (x[0], x[1]))
+            return d["status"], f"rank {rank}: {d.get('reason', '')}", rank
     how = f"signal {-code}" if code < 0 else f"exit code {code}"
-    return "crashed", f"local rank {lr} exited with {how}"
+    return "crashed", f"rank {group.ranks[lr]} exited with {how}", group.ranks[lr]
 
 
-def _record(requests, i: int, outcomes: list, status: str, reason: str, wall_s: float) -> int:
-    outcomes[i] = _finish(requests[i], status, reason, wall_s, 0.0)
+def _record(requests, i: int, outcomes: list, status: str, reason: str, wall_s: float,
+            rank: int | None = None) -> int:
+    outcomes[i] = _finish(requests[i], status, reason, wall_s, 0.0, rank)
     return i + 1
 
 
-def _finish(req: TrialRequest, status: str, reason: str, wall_s: float, spawn_s: float) -> dict:
-    return {"ranks": read_ranks(req), "status": status, "reason": reason, "log_tail": log_tail(req),
+def _finish(req: TrialRequest, status: str, reason: str, wall_s: float, spawn_s: float,
+            rank: int | None = None) -> dict:
+    return {"ranks": read_ranks(req), "status": status, "reason": reason, "log_tail": log_tail(req, rank=rank),
             "wall_s": wall_s, "timings_s": {"spawn_s": spawn_s}}
 
 

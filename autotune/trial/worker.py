@@ -110,8 +110,10 @@ def main(argv: list[str]) -> int:
         Path(req.out_dir, f"rank{rank}.json").write_text(json.dumps(result, allow_nan=True))
         emit("done", index)
         if abandon:
+            # os._exit: a normal interpreter exit with gloo's threads and the profiler still live was
+            # seen to segfault (signal 11), which would read as a second, unrelated crash.
             sys.stdout.flush()
-            return EXIT_ABANDON
+            os._exit(EXIT_ABANDON)
     if on_gpu:
         torch.distributed.destroy_process_group()  # NCCL warns at exit without it
     # Every result is on disk: skip the interpreter's teardown of torch and DeepSpeed (measured
@@ -122,7 +124,7 @@ def main(argv: list[str]) -> int:
 
 def failure(status: str, e: BaseException) -> dict:
     return {"status": status, "reason": f"{type(e).__name__}: {e}".strip()[:2000],
-            "traceback": traceback.format_exc()[-4000:]}
+            "traceback": traceback.format_exc()[-4000:], "time": time.time()}
 
 
 # ---- one config ---------------------------------------------------------------------------------
