@@ -97,7 +97,7 @@ class Group:
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(lr),
                    "LOCAL_WORLD_SIZE": str(self.local), "MASTER_ADDR": master_addr,
                    # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE, as its own launcher
-                   # sets it; unset, it runs `numactl --hardware` on every call (93 per ZeRO-3 step).
+                   # sets it; unset, it runs `numactl --hardware` on every call (measured: 93 calls in a 3-step ZeRO-3 trial).
                    # The shared-memory comm op it would enable is switched off in the worker.
                    "LOCAL_SIZE": str(self.local),
                    "MASTER_PORT": str(master_port), "AUTOTUNE_START": str(start),
