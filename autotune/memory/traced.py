@@ -1,36 +1,14 @@
 """Traced tier of the memory model: `trace(model, cluster, cfg)` runs the trial model's own code
-(autotune/trial/model.py) on fake tensors and counts the bytes it really allocates.
+(autotune/trial/model.py) on fake tensors and counts the bytes it allocates; `compare(est, traced)`
+sets it beside `autotune.memory.estimate`. docs/memory.md ("The traced tier") explains it; the
+checks against real CPU runs, the analytic terms and direct traces are in tests/test_traced.py.
 
-How (measured: tests/test_traced.py; ../shared/NOTES.md "Fake tensors"):
-- The model is built in its dtype under torch's FakeTensorMode (CPU fake tensors: shapes, no data,
-  no RAM) and trained two iterations with torch.optim.AdamW; the second is measured (steady state:
-  optimizer states exist, gradients were set to None). `_LiveBytes`, a TorchDispatchMode above the
-  fake mode, counts every storage an op returns or reads until its last reference dies (a weakref
-  on the storage, as torch.distributed._tools.mem_tracker does): the live-bytes curve the CPU
-  profiler records on a real run, to the byte (tested). It is MemTracker without the per-module
-  bookkeeping that makes a 13B trace take minutes.
-- Hooks cut the step into segments: the embedding, each block's forward, the head and loss, the
-  loss's backward, each block's backward (gradient hooks on block outputs), the embedding's
-  backward, the optimizer. Each segment's peak is kept with the storages alive at it, classified
-  afterwards: parameters, gradients, optimizer states, the batch and loss value, rotary tables,
-  activations (what is still alive when forward returns) and temporaries (the rest).
-- An L-layer model is not traced whole. Each segment peak is affine in the number of checkpointed
-  (k) and full (m) layers, every block adding the same tensors, and inside a run of identical
-  blocks memory is affine in the block's position, so the first and last block of each run bound
-  it. Small models are traced, m in {1, 3} (k = 0), k in {1, 3} (k = L), or (k, m) in {(1, 1),
-  (3, 1), (1, 3)}, and each peak is extrapolated; tested equal to direct traces to the byte.
-- Optimizer: the single-process program steps with AdamW foreach=False on CPU clusters (the path
-  DeepSpeed's torch_adam takes off CUDA) and fused=True on GPUs (in place, like DeepSpeed's
-  FusedAdam). The stage-accounted step is traced again on the tensors DeepSpeed steps (fp32 master
-  parameters at stage 0, the flat fp32 partition at stages 1-2, one sub-group at stage 3): the
-  update's temporaries scale with those, not with the module's parameters.
-- ZeRO is accounted analytically: the traced program holds full parameters, gradients and states
-  in one process, so in `phases` those are replaced by autotune.memory's model-state and buffer
-  terms for the stage (`raw_phases` keeps the program as traced); activations, transients and the
-  step's temporaries come from the trace.
-
-Fake tensors do not see kernels' internal scratch (none measured on these CPU kernels), the
-caching allocator, the CUDA context or NCCL buffers (memory/overhead.py's allowance).
+In short: CPU fake tensors (FakeTensorMode: shapes, no data, no RAM), two AdamW iterations, the
+second measured by `_LiveBytes`, a TorchDispatchMode that counts each storage until its last
+reference dies (../shared/NOTES.md "Fake tensors"); the peak of each segment of the step (module
+and gradient hooks) with its storages by category; small models traced and every segment peak
+extrapolated to L layers (affine in the checkpointed and full layer counts); ZeRO accounted with
+autotune.memory's model-state and buffer terms for the stage, on top of the traced activations.
 """
 
 from __future__ import annotations
@@ -41,7 +19,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, replace
-from fractions import Fraction
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -107,8 +85,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # inputs too: a Python scalar wrapped into a 0-dim tensor is an input autograd may keep
-        for t in tree_leaves((out, args, kwargs)):
+        for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
         if self.segment is not None and self.live > self.peaks[self.segment][0]:
@@ -117,37 +94,26 @@ class _LiveBytes(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """Fake parameters cannot be cast after construction (`.to(dtype)` fails on fakes): they are
-    made in the dtype DeepSpeed casts the module to."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-@contextlib.contextmanager
-def _host_rng_states(live: _LiveBytes):
-    """torch.utils.checkpoint keeps torch.get_rng_state(), a real 5056-byte CPU tensor made outside
-    the dispatcher, per checkpointed call: counted on CPU clusters, where it is in the measured peak."""
+def _tracing(host_rng: bool):
+    """Fake tensors with their live bytes counted. With `host_rng` (CPU clusters, where it is in the
+    measured peak) also torch.get_rng_state(), the real 5056-byte CPU tensor made outside the
+    dispatcher that torch.utils.checkpoint keeps per checkpointed call."""
     original = torch.get_rng_state
+    with FakeTensorMode(), _LiveBytes() as live:
+        def get_rng_state() -> torch.Tensor:
+            state = original()
+            live.track(state)
+            return state
+        torch.get_rng_state = get_rng_state if host_rng else original
+        try:
+            yield live
+        finally:
+            torch.get_rng_state = original
 
-    def tracked() -> torch.Tensor:
-        state = original()
-        live.track(state)
-        return state
 
-    torch.get_rng_state = tracked
-    try:
-        yield
-    finally:
-        torch.get_rng_state = original
-
-
-def _dtype(precision: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtype DeepSpeed casts the module to. Fake parameters cannot be cast (`.to(dtype)` fails on
+fakes), so they are made in it: torch's default dtype while the model is built."""
 
 
 def _adamw(params, fused: bool) -> torch.optim.Optimizer:
@@ -201,27 +167,33 @@ def _classify(snapshot: dict[int, int], known: dict[str, set[int]]) -> dict[str,
 def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
                    host_rng: bool) -> dict[str, dict[str, int]]:
     """Segment peaks by category of a (ckpt + full)-layer `spec`, its first `ckpt` blocks checkpointed."""
-    marks = {"measure": False, "backward": False}
-    with FakeTensorMode(), _LiveBytes() as live, (_host_rng_states(live) if host_rng else contextlib.nullcontext()):
-        with _default_dtype(_dtype(cfg.precision)):
+    marks = {"measure": False, "backward": False}  # measure: the module hooks are set before the warm-up
+    with _tracing(host_rng) as live:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(DTYPES[cfg.precision])
+        try:
             model = Transformer(replace(spec, num_layers=ckpt + full), attention=cfg.attention, ckpt_layers=ckpt)
+        finally:
+            torch.set_default_dtype(default)
         _hooks(model, live, marks)
         opt = _adamw(model.parameters(), fused)
         # one (b, s+1) batch sliced into inputs and targets, as tests/test_memory_measured.py does
+        for p in model.parameters():  # a first step makes the optimizer states: the steady state
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         batch = torch.randint(0, spec.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
-        for measure in (False, True):
-            marks["measure"] = measure
-            loss = model(batch[:, :-1], batch[:, 1:])
-            marks["backward"] = True
-            live.enter("bwd.head" if measure else None)
-            loss.backward()
-            marks["backward"] = False
-            live.enter("opt" if measure else None)
-            opt.step()
-            live.enter(None)
-            grads = {live.track(p.grad) for p in model.parameters() if p.grad is not None}
-            opt.zero_grad(set_to_none=True)
-            del loss
+        marks["measure"] = True
+        loss = model(batch[:, :-1], batch[:, 1:])
+        marks["backward"] = True
+        live.enter("bwd.head")
+        loss.backward()
+        marks["backward"] = False
+        live.enter("opt")
+        opt.step()
+        live.enter(None)
+        grads = {live.track(p.grad) for p in model.parameters()}
+        del loss
         known = {
             "parameters": {live.track(p) for p in model.parameters()},
             "gradients": grads,
@@ -243,38 +215,31 @@ def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, f
 
 
 def _plan(ckpt: int, full: int) -> list[tuple[int, int]]:
-    """(checkpointed, full) layer counts of the small models traced for a (ckpt, full) target."""
-    if not ckpt:
-        return [(0, 1), (0, 3)]
-    if not full:
-        return [(1, 0), (3, 0)]
-    return [(1, 1), (3, 1), (1, 3)]
+    """(checkpointed, full) layers of the small models traced for a (ckpt, full) target. A count of
+    up to 3 is traced as it is (and with one more block, for the per-layer split of the terms); a
+    larger one at 2 and 3 and extrapolated. Never from 1: a lone block is both the first and the last
+    of its run, and the last one frees the rotary tables (measured: 70B, the first full block's
+    backward peak at m = 1, 2, 3, 4 is affine from m = 2 on, not from 1)."""
+    def counts(n):
+        return [0] if n == 0 else [n, n + 1] if n <= 3 else [2, 3]
+    ks, ms = counts(ckpt), counts(full)
+    return sorted({(ks[0], ms[0]), (ks[-1], ms[0]), (ks[0], ms[-1])})
 
 
-Affine = tuple[Fraction, Fraction, Fraction]
+Affine = tuple[int, int, int]
 """(c, a, b): bytes = c + a * checkpointed layers + b * full layers."""
 
 
 def _fit(traces: dict[tuple[int, int], dict[str, dict[str, int]]]) -> dict[str, dict[str, Affine]]:
-    base = traces[(1, 1)] if (1, 1) in traces else traces[min(traces)]
-    k0, m0 = (1, 1) if (1, 1) in traces else min(traces)
-    out = {}
-    for point, cats in base.items():
+    k0, m0 = min(traces)
+    out: dict[str, dict[str, Affine]] = {}
+    for point, cats in traces[(k0, m0)].items():
         out[point] = {}
         for cat, v0 in cats.items():
-            a = Fraction(traces[(3, m0)][point][cat] - v0, 2) if (3, m0) in traces else Fraction(0)
-            b = Fraction(traces[(k0, 3)][point][cat] - v0, 2) if (k0, 3) in traces else Fraction(0)
+            a = traces[(k0 + 1, m0)][point][cat] - v0 if (k0 + 1, m0) in traces else 0
+            b = traces[(k0, m0 + 1)][point][cat] - v0 if (k0, m0 + 1) in traces else 0
             out[point][cat] = (v0 - a * k0 - b * m0, a, b)
     return out
-
-
-def _at(f: Affine, ckpt: int, full: int) -> int:
-    return round(f[0] + f[1] * ckpt + f[2] * full)
-
-
-def _model_numels(spec: ModelSpec) -> list[int]:
-    with FakeTensorMode():
-        return [p.numel() for p in Transformer(replace(spec, num_layers=1)).parameters()]
 
 
 def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[int, str] | None:
@@ -285,13 +250,17 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     fused = not cluster.gpu.is_cpu
     part = math.ceil(spec.num_params / cluster.world_size)
     if cfg.zero_stage == 0:
-        sizes, what = sorted(set(_model_numels(spec))), "each fp32 parameter"
+        # in the model's order: single-tensor AdamW's `denom` of one parameter lives on while the
+        # next one's is made; two layers hold every pair of neighbours
+        with FakeTensorMode():
+            two = Transformer(replace(spec, num_layers=min(2, spec.num_layers)))
+            sizes, what = [p.numel() for p in two.parameters()], "each fp32 parameter, in the model's order"
     elif cfg.zero_stage in (1, 2):
         sizes, what = [part], f"the flat fp32 partition ({part:,} elements)"
     else:
         sizes = [min(part, model_states.STAGE3_SUB_GROUP_SIZE)]
         what = f"one fp32 sub-group ({sizes[0]:,} elements)"
-    with FakeTensorMode(), _LiveBytes() as live:
+    with _tracing(host_rng=False) as live:
         params = [torch.zeros(n, requires_grad=True) for n in sizes]
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -348,29 +317,40 @@ class TracedEstimate:
         return {"forward": tot["forward"], "optimizer": tot["optimizer"],
                 "backward": max(v for n, v in tot.items() if n.startswith("backward"))}
 
+    def to_json(self) -> dict:
+        return {"tensor_peak_bytes": self.tensor_peak_bytes, "phase": self.phase, "terms": self.phases[self.phase],
+                "phases": self.totals, "layer_bytes": self.layer_bytes, "optimizer_step": self.optimizer_step,
+                "traced_layers": self.traced_layers, "trace_s": round(self.trace_s, 3), "source": "traced"}
+
 
 def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit: dict[str, Affine],
                  analytic: dict[str, dict[str, int]], cfg: TrainConfig, full: int) -> dict[str, int]:
     """One phase at one segment peak: traced terms (estimate()'s names where one fits) + the analytic
     model's states, gradients and buffers for the stage.
 
-    Gradients in backward: stage 0 keeps them in param.grad as the traced program does, so the
-    analytic full-gradient term is scaled by the fraction the trace has at that point; stages 1-2
-    keep the analytic partition (DeepSpeed allocates it at the first reduction), stage 3's is static.
+    Gradients in backward: stages 0 and 1 keep them in param.grad while backward runs, as the traced
+    program does (DeepSpeed 0.19 stage_1_and_2.py process_gradients reduces during backward only
+    with partition_gradients or overlap_comm, which autotune leaves off), so the analytic
+    end-of-backward gradients are scaled by the fraction the trace holds at that point, and the
+    embedding gradient's transient is the traced one; with grad_accum > 1 the gradients exist from
+    the start and the analytic terms stand. Stage 2 holds the analytic partition from the first
+    reduction on (stage_1_and_2.py copy_grads_in_partition allocates it whole); stage 3's is static.
     """
-    cats, ckpt = points[point], cfg.ckpt_layers
-    source = analytic["backward (end)" if phase == "backward (layers)" else phase]
-    out = {k: v for k, v in source.items() if k not in TRACED_TERMS
-           and not (phase == "backward (layers)" and k == "comm_buffers")}
-    if cfg.zero_stage == 0 and phase.startswith("backward") and points["opt"]["gradients"]:
+    cats, ckpt, in_grad = points[point], cfg.ckpt_layers, cfg.zero_stage <= 1
+    layers = phase == "backward (layers)"  # priced like the recompute point: before the reduction
+    source = analytic["backward (end)" if layers else phase]
+    dropped = TRACED_TERMS | ({"embedding_gradient"} if in_grad or layers else set()) | (
+        {"comm_buffers"} if layers else set())
+    out = {k: v for k, v in source.items() if k not in dropped}
+    if in_grad and cfg.grad_accum == 1 and phase.startswith("backward"):
         full_grads = analytic["backward (end)"].get("gradients", 0)
-        out["gradients"] = round(Fraction(full_grads * cats["gradients"], points["opt"]["gradients"]))
+        out["gradients"] = round(full_grads * cats["gradients"] / points["opt"]["gradients"])
     out.update(batch_and_loss=cats["batch_and_loss"], rotary_tables=cats["rotary_tables"])
     transient = cats["temporaries"]
     if phase in ("forward", "backward (loss)"):
         _, a, b = fit["activations"]
-        out.update(activations=round(b * full), checkpointed_inputs=round(a * ckpt),
-                   logits_and_loss=cats["activations"] - round(b * full) - round(a * ckpt))
+        out.update(activations=b * full, checkpointed_inputs=a * ckpt,
+                   logits_and_loss=cats["activations"] - b * full - a * ckpt)
         out["logits_transient" if point in ("fwd.head", "bwd.head") else "layer_transient"] = transient
     elif phase == "backward (recompute)":
         out.update(checkpointed_inputs=cats["activations"], recomputed_layer=transient)
@@ -386,7 +366,7 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
     opts = dict(fused=not cluster.gpu.is_cpu, host_rng=cluster.gpu.is_cpu)
     traces = {km: _trace_program(model, cfg, ckpt=km[0], full=km[1], **opts) for km in _plan(ckpt, full)}
     fits = _fit(traces)
-    points = {p: {c: _at(f, ckpt, full) for c, f in cats.items()} for p, cats in fits.items()}
+    points = {p: {c: f[0] + f[1] * ckpt + f[2] * full for c, f in cats.items()} for p, cats in fits.items()}
     analytic = _phases(model, cluster, cfg)
     step = _trace_step(model, cluster, cfg)
     phases, raw = {}, {}
@@ -398,18 +378,18 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
         # the stage changes which point is highest (stage 3 holds no growing gradients): chosen after
         options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full) for p in present]
         phases[phase] = max(options, key=lambda t: sum(t.values()))
-    analytic_step = analytic["optimizer"].get("optimizer_temporaries", 0)
-    phases["optimizer"]["optimizer_temporaries"] = step[0] if step else analytic_step
+    step_bytes = step[0] if step else analytic["optimizer"].get("optimizer_temporaries", 0)
+    phases["optimizer"] = {**phases["optimizer"], "optimizer_temporaries": step_bytes}
+    phases["optimizer"] = {k: v for k, v in phases["optimizer"].items() if v}
     c, a, b = fits["fwd.end"]["activations"]
     return TracedEstimate(
         model=model.name, config=cfg, phases=phases, raw_phases=raw, analytic_phases=analytic, points=points,
-        layer_bytes={"full_layer": round(b), "checkpointed_layer": round(a), "head": round(c)},
+        layer_bytes={"full_layer": b, "checkpointed_layer": a, "head": c},
         optimizer_step=step[1] if step else "not traced (CPU Adam / bitsandbytes): the analytic term",
         traced_layers=tuple(traces), trace_s=time.perf_counter() - t0)
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     phase: str
     term: str
     analytic: int | None
@@ -417,15 +397,17 @@ class Row:
 
     @property
     def diff_pct(self) -> float | None:
-        """(traced - analytic) / analytic in percent; None where the analytic side has no such term."""
-        if not self.analytic:
+        """(traced - analytic) / analytic in percent; None where either side has no such term."""
+        if not self.analytic or self.traced is None:
             return None
-        return 100.0 * ((self.traced or 0) - self.analytic) / self.analytic
+        return 100.0 * (self.traced - self.analytic) / self.analytic
 
 
 @dataclass(frozen=True)
 class Comparison:
     rows: tuple[Row, ...]
+    peak_phases: tuple[str, str]
+    """Where the peak is: (analytic, traced)."""
 
     def __str__(self) -> str:
         def cell(v):
@@ -434,7 +416,7 @@ class Comparison:
         for r in self.rows:
             pct = "" if r.diff_pct is None else f"{r.diff_pct:+.2f}"
             lines.append(f"{r.phase:<21} {r.term:<24} {cell(r.analytic):>12} {cell(r.traced):>12} {pct:>8}")
-        return "\n".join(lines)
+        return "\n".join(lines + [f"peak phase: {self.peak_phases[0]} (analytic), {self.peak_phases[1]} (traced)"])
 
 
 def compare(est: MemoryEstimate, traced: TracedEstimate) -> Comparison:
@@ -442,11 +424,10 @@ def compare(est: MemoryEstimate, traced: TracedEstimate) -> Comparison:
     if {n: sum(t.values()) for n, t in traced.analytic_phases.items()} != est.phases:
         raise ValueError("the estimate and the trace are for different model/cluster/config inputs")
     rows = []
-    for phase in [p for p in PHASE_POINTS if p in est.phases or p in traced.phases]:
+    for phase in list(est.phases) + [p for p in traced.phases if p not in est.phases]:
         a_terms, t_terms = traced.analytic_phases.get(phase, {}), traced.phases.get(phase, {})
         for term in list(a_terms) + [t for t in t_terms if t not in a_terms]:
             rows.append(Row(phase, term, a_terms.get(term), t_terms.get(term)))
         rows.append(Row(phase, "total", est.phases.get(phase), traced.totals.get(phase)))
-    rows.append(Row(f"peak: {est.phase} / {traced.phase}", "tensor peak", est.tensor_peak_bytes,
-                    traced.tensor_peak_bytes))
-    return Comparison(tuple(rows))
+    rows.append(Row("peak", "tensor peak", est.tensor_peak_bytes, traced.tensor_peak_bytes))
+    return Comparison(tuple(rows), (est.phase, traced.phase))
