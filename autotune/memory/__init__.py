@@ -93,7 +93,7 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
                             "logits_transient": act.logits_backward_transient_bytes(model, **kw)},
         "backward (head)": {**static, **gathered, **carried,
                             **{k: v for k, v in saved.items() if k != "logits_and_loss"},
-                            "head_gradient": buffers.head_gradient_bytes(model, cluster, cfg)},
+                            **buffers.head_gradient_bytes(model, cluster, cfg)},
         "backward (end)": {**static, **gathered, **grads, **buffers.backward_end_extra(model, cluster, cfg)},
         "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused)},
     }

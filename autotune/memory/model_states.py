@@ -62,6 +62,31 @@ def persistent_params(spec: ModelSpec, threshold: int) -> int:
     return n
 
 
+def param_numels(spec: ModelSpec) -> list[int]:
+    """Element counts of the trial model's parameters in registration order (the order an
+    optimizer's for-loop visits them): embeddings, then per block norm1, qkv, out, norm2, MLP,
+    then the final norm and an untied head (autotune/trial/model.py)."""
+    h, b = spec.hidden_size, spec.linear_bias
+    norm = [h, h] if spec.norm_bias else [h]
+    qkv_out = spec.q_dim + 2 * spec.kv_dim
+    attn = [h * qkv_out] + ([qkv_out] if b else []) + [spec.q_dim * h] + ([h] if b else [])
+    f = spec.ffn_hidden_size
+    lin_in = [h * f] + ([f] if b else [])
+    mlp = (lin_in * 2 if spec.mlp == "swiglu" else lin_in) + [f * h] + ([h] if b else [])
+    out = [spec.vocab_size * h] + ([spec.max_seq_len * h] if spec.position == "learned" else [])
+    out += (norm + attn + norm + mlp) * spec.num_layers + norm
+    if not spec.tied_embeddings:
+        out.append(spec.vocab_size * h)
+    return out
+
+
+def single_tensor_adam_peak(numels: list[int]) -> int:
+    """torch.optim.AdamW(foreach=False) temporaries: for parameter i, `exp_avg_sq.sqrt()` and its
+    division (2 x 4 B/element) while the previous parameter's `denom` (4 B/element) is not yet
+    freed: max_i 8*n_i + 4*n_(i-1) (measured by the traced tier; torch/optim/adamw.py)."""
+    return max(8 * n + 4 * prev for prev, n in zip([0] + numels[:-1], numels))
+
+
 def largest_param(spec: ModelSpec) -> int:
     """Elements of the largest single parameter tensor (embedding, LM head, fused qkv, MLP)."""
     return max(spec.vocab_size * spec.hidden_size, spec.hidden_size * (spec.q_dim + 2 * spec.kv_dim),
@@ -120,7 +145,12 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     stepped = largest_param(spec) if z == 0 else p / n
     if z == 3:
         stepped = min(stepped, STAGE3_SUB_GROUP_SIZE)
-    temps = 0 if (fused_optimizer or cfg.optimizer == "adamw8bit") else int(2 * 4 * stepped)
+    if fused_optimizer or cfg.optimizer == "adamw8bit":
+        temps = 0
+    elif z == 0:
+        temps = single_tensor_adam_peak(param_numels(spec))
+    else:
+        temps = int(2 * 4 * stepped)   # one flat partition (or sub-group) tensor
     if z == 0:
         grads = pb * p + (4 * p if pb != 4 else 0)
         return {"gradients": grads, "optimizer_temporaries": temps}
