@@ -7,7 +7,8 @@ of all terms:
 - backward at the loss: the same saved set + the fp32 gradients of log-softmax;
 - backward at the head: the layers' saved set + the LM head's weight gradient;
 - backward end: states + gradients + reduce buffers + the embedding gradient's transient;
-- backward recompute (k > 0): checkpointed inputs + one recomputed block + gradients;
+- backward recompute (k > 0), first and last checkpointed block: the inputs still held + one
+  recomputed block + the gradients made so far;
 - optimizer: states + step gradients + the update's temporaries.
 Each phase's terms sum to its total; the estimate reports the terms of the peak phase.
 Framework overhead (GPU only) is added on top, reported apart (memory/overhead.py).
@@ -98,11 +99,18 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
         "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused)},
     }
     if cfg.ckpt_layers:
+        # Checkpointed blocks run backward last, from block k-1 down to 0: the first holds all k
+        # inputs and the gradients of the L-k blocks after it, the last one input and nearly every
+        # gradient; memory is linear in between, so the two ends bound it.
         layer = act.layer_saved_bytes(model, attention=cfg.attention, **kw)
-        phases["backward (recompute)"] = {
-            **static, **gathered, **grads,
-            "checkpointed_inputs": saved["checkpointed_inputs"], "rotary_tables": saved["rotary_tables"],
-            "recomputed_layer": layer}
+        one_input = saved["checkpointed_inputs"] // cfg.ckpt_layers
+        L, k = model.num_layers, cfg.ckpt_layers
+        for name, inputs, done in (("first", k, L - k), ("last", 1, L)):
+            phases[f"backward (recompute {name})"] = {
+                **static, **gathered, **carried,
+                "gradients": buffers.gradients_during_backward(model, cluster, cfg, done),
+                "checkpointed_inputs": inputs * one_input, "rotary_tables": saved["rotary_tables"],
+                "recomputed_layer": layer}
     return {name: {k: v for k, v in terms.items() if v} for name, terms in phases.items()}
 
 

@@ -84,12 +84,25 @@ def embedding_gradient_transient(spec: ModelSpec, cluster: Cluster, cfg: TrainCo
     """
     pb = 4 if cfg.precision == "fp32" else 2
     vh = pb * spec.vocab_size * spec.hidden_size
+    if cfg.zero_stage == 3:
+        return 2 * vh   # measured the same with tied and untied embeddings (benchmarks/memory_accuracy.py)
     n = 2 * vh if spec.tied_embeddings else 0
     if cfg.zero_stage == 2:
         n += vh
-    elif cfg.zero_stage == 3:
-        n += 2 * vh
     return n
+
+
+def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layers_done: int) -> int:
+    """Gradients held once the LM head and `layers_done` blocks have run backward: those blocks'
+    and the head's at stages 0-1 (full gradients are kept), the partition and the reduce bucket
+    at stage 2, nothing beyond the persistent buffers at stage 3."""
+    pb = 4 if cfg.precision == "fp32" else 2
+    if cfg.zero_stage <= 1:
+        head = spec.vocab_size * spec.hidden_size + spec.norm_params
+        return pb * (head + layers_done * spec.layer_params)
+    if cfg.zero_stage == 2:
+        return pb * (spec.num_params // cluster.world_size + bucket_sizes(spec)["reduce_bucket_size"])
+    return 0
 
 
 def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:

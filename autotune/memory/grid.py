@@ -35,7 +35,7 @@ def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,
     peak = np.zeros((b.shape[0], k.shape[1]))
     for name in set().union(*(p.keys() for p in pts.values())):
         # the recompute point exists only for k >= 1: fit it on k = 1, 2
-        k0, k1 = (1, 2) if name == "backward (recompute)" else (0, 1)
+        k0, k1 = (1, 2) if name.startswith("backward (recompute") else (0, 1)
         if k1 not in ks:
             k1 = k0
         f = {key: p.get(name, 0) for key, p in pts.items()}
@@ -44,7 +44,7 @@ def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,
         c_b = f[(2, k0)] - f[(1, k0)] - c_bk * k0
         a = f[(1, k0)] - c_b - (c_k + c_bk) * k0
         total = a + c_b * b + c_k * k + c_bk * b * k
-        if name == "backward (recompute)":
+        if name.startswith("backward (recompute"):
             total = np.where(k > 0, total, 0)
         peak = np.maximum(peak, total)
     fixed = sum(v for n, v in overhead_terms(cluster, 0).items() if n != "allocator_fragmentation")

@@ -44,7 +44,8 @@ PHASE_POINTS = {
     "forward": ("fwd.start", "fwd.ckpt.first", "fwd.ckpt.last", "fwd.full.first", "fwd.full.last", "fwd.head"),
     "backward (loss)": ("bwd.head",),
     "backward (layers)": ("bwd.full.first", "bwd.full.last"),
-    "backward (recompute)": ("bwd.ckpt.first", "bwd.ckpt.last"),
+    "backward (recompute first)": ("bwd.ckpt.first",),
+    "backward (recompute last)": ("bwd.ckpt.last",),
     "backward (end)": ("bwd.end",),
     "optimizer": ("opt",),
 }
@@ -352,7 +353,7 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
         out.update(activations=b * full, checkpointed_inputs=a * ckpt,
                    logits_and_loss=cats["activations"] - b * full - a * ckpt)
         out["logits_transient" if point in ("fwd.head", "bwd.head") else "layer_transient"] = transient
-    elif phase == "backward (recompute)":
+    elif phase.startswith("backward (recompute"):
         out.update(checkpointed_inputs=cats["activations"], recomputed_layer=transient)
     elif phase != "optimizer":
         out.update(saved_activations=cats["activations"], temporaries=transient)
