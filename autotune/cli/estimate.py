@@ -16,6 +16,8 @@ def register(sub) -> None:
     add_model_gpus(p)
     add_train_config(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", action="store_true",
+                   help="also trace the step on fake tensors (seconds, no GPU) and print traced vs estimated")
     p.set_defaults(func=run)
 
 
@@ -41,6 +43,10 @@ def run(args) -> int:
             out["simulated"] = sim
         if cluster.note:
             out["note"] = cluster.note
+        if args.trace:
+            from autotune.memory.traced import trace
+
+            out["traced"] = trace(model, cluster, cfg).to_json()
         print(json.dumps(out, indent=2))
         return 0
     print(model.describe())
@@ -55,4 +61,10 @@ def run(args) -> int:
     print(f"{'total per GPU':<26} {est.total_bytes:>16,} {est.total_bytes / GiB:>9.3f}")
     print("\npeak by phase: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.phases.items()))
     print(f"verdict: {est.verdict()}")
+    if args.trace:
+        from autotune.memory.traced import compare, trace
+
+        traced = trace(model, cluster, cfg)
+        print(f"\ntraced (the trial model's step on fake tensors, {traced.trace_s:.1f} s) vs estimated:")
+        print(compare(est, traced))
     return 0
