@@ -71,9 +71,11 @@ class CpuCurve:
     """record_function name -> [(start_ns, end_ns)] for the autotune.* ranges."""
 
     @classmethod
-    def from_profiler(cls, prof: torch.profiler.profile) -> "CpuCurve":
+    def from_profiler(cls, prof) -> "CpuCurve":
+        """From a stopped torch.autograd.profiler.profile or torch.profiler.profile (memory on)."""
+        results = prof.kineto_results if hasattr(prof, "kineto_results") else prof.profiler.kineto_results
         allocs, ranges = [], defaultdict(list)
-        for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
+        for e in _walk(results.experimental_event_tree()):
             if e.tag == _EventType.Allocation:
                 f = e.extra_fields
                 if isinstance(f, _ExtraFields_Allocation) and f.device.type == "cpu":

@@ -85,10 +85,6 @@ def main(argv: list[str]) -> int:
     if on_gpu:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
-    # Kineto's first start costs ~1 s (measured, 2 cores): pay it once here, not inside a config.
-    warm = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    warm.start()
-    warm.stop()
     # What is alive now lives as long as the process: keep it out of every later gc.collect()
     # (measured: 0.2 s per collect on 2 cores without this; each config collects once at teardown).
     gc.freeze()
@@ -269,9 +265,11 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
 
 def run_config(req, *, rank: int, world: int, local_rank: int) -> dict:
     """Build, initialise, train and measure one config on this rank; the per-rank result dict."""
+    import contextlib
+
     import deepspeed
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.autograd.profiler import profile
 
     from autotune.deepspeed_config import deepspeed_config
     from autotune.trial import memprof
@@ -286,29 +284,29 @@ def run_config(req, *, rank: int, world: int, local_rank: int) -> dict:
     batch = torch.randint(0, req.model.vocab_size, (cfg.micro_batch, cfg.seq_len + 1), generator=gen)
     data = (batch[:, :-1].contiguous().to(device), batch[:, 1:].contiguous().to(device))
     del batch
-    prof = None
-    if not on_gpu or req.profile:  # on CPU the profiler IS the memory measurement
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-        prof = profile(activities=acts, profile_memory=True)
-        prof.start()
+    # On CPU the profiler IS the memory measurement. torch.autograd.profiler.profile rather than
+    # torch.profiler.profile: the latter's first start imports torch._inductor (measured: 1.2-4 s of
+    # CPU per rank on 2 cores) for a CUDA-graphs flag a trial never uses.
+    measuring = not on_gpu or req.profile
+    window = profile(use_cpu=True, use_device="cuda" if on_gpu else None, profile_memory=True) \
+        if measuring else contextlib.nullcontext()
     gpu_mem = memprof.GpuPhases(device) if on_gpu else None
     phases = Phases(gpu_mem)
     t0 = time.perf_counter()
     timings = {"setup_s": t0 - t_begin}
-    with phases("init"):
-        model = build_model(req, device, ds_cfg)
-        timings["build_s"] = time.perf_counter() - t0
-        # [0]: the engine alone; holding the returned optimizer too would keep it past release().
-        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg,
-                                      optimizer=client_optimizer(req, model))[0]
-    timings["init_s"] = time.perf_counter() - t0
-    param_bytes = local_param_bytes(engine.module)
-    init_peak_gpu = phases.peaks.pop("init", None)
-    t1 = time.perf_counter()
-    rec = train(engine, req, rank, world, data, phases, sync)
-    timings["train_s"] = time.perf_counter() - t1
-    if prof is not None:
-        prof.stop()
+    with window as prof:
+        with phases("init"):
+            model = build_model(req, device, ds_cfg)
+            timings["build_s"] = time.perf_counter() - t0
+            # [0]: the engine alone; holding the returned optimizer too would keep it past release().
+            engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg,
+                                          optimizer=client_optimizer(req, model))[0]
+        timings["init_s"] = time.perf_counter() - t0
+        param_bytes = local_param_bytes(engine.module)
+        init_peak_gpu = phases.peaks.pop("init", None)
+        t1 = time.perf_counter()
+        rec = train(engine, req, rank, world, data, phases, sync)
+        timings["train_s"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     timings["profiler_stop_s"] = t2 - t1 - timings["train_s"]
     if on_gpu:
@@ -319,7 +317,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int) -> dict:
         mem = cpu_memory(memprof.CpuCurve.from_profiler(prof), req, rank)
     if rank == 0 and on_gpu:
         Path(req.out_dir, "memory_summary.txt").write_text(torch.cuda.memory_summary(device))
-    if req.profile and prof is not None:
+    if req.profile:
         prof.export_chrome_trace(str(Path(req.out_dir, "trace.json" if rank == 0 else f"trace_rank{rank}.json")))
     timings["analysis_s"] = time.perf_counter() - t2
     out = {**rec, **mem, "param_bytes": param_bytes, **classify(req, rec, mem, device)}
