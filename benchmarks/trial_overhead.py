@@ -10,6 +10,8 @@ named phase accounts for (the launcher's reading, writing result files, process 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import tempfile
 import time
@@ -23,9 +25,9 @@ from autotune.space import TrainConfig
 TARGET_S = 5.0
 ORDER = ["spawn_s", "setup_s", "build_s", "initialize_s", "warmup_s", "profiler_stop_s", "analysis_s",
          "teardown_s", "exit_s", "placement_s", "ray_s"]
-WHAT = {"spawn_s": "start ranks: python, import torch+deepspeed, gloo rendezvous, profiler warm-up",
+WHAT = {"spawn_s": "start ranks: python, import torch+deepspeed, gloo rendezvous",
         "setup_s": "DeepSpeed config, batch, profiler start",
-        "build_s": "build + init the model (meta device / zero.Init)",
+        "build_s": "build + init the model (meta device / zero.Init; imports torch._dynamo once)",
         "initialize_s": "deepspeed.initialize (optimizer states allocated here)",
         "warmup_s": "warm-up steps (and the per-step loss all-reduce)",
         "profiler_stop_s": "stop the profiler (collects the events)",
@@ -42,10 +44,18 @@ def request(out: Path, args) -> TrialRequest:
                         out_dir=out, steps=args.steps, warmup_steps=1, timeout_s=300)
 
 
-def local(args, root: Path) -> list[TrialResult]:
+def local(args, root: Path) -> tuple[list[TrialResult], float]:
+    """The trials, and the median CPU seconds (user + system) all ranks of one trial used: unlike wall
+    time, that does not grow when other work shares the cores."""
     from autotune.trial import run_trial
 
-    return [run_trial(request(root / f"local{i}", args)) for i in range(args.repeats)]
+    results, cpu = [], []
+    for i in range(args.repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        results.append(run_trial(request(root / f"local{i}", args)))
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return results, statistics.median(cpu)
 
 
 def on_ray(args, root: Path) -> tuple[list[TrialResult], float, float]:
@@ -101,7 +111,10 @@ def main() -> None:
     print(f"{args.model} on {args.gpus}, ZeRO-{args.zero} bf16, seq {args.seq_len}, 1 warm-up + {args.steps} "
           f"measured steps")
     with tempfile.TemporaryDirectory() as tmp:
-        table("local (autotune.trial.run_trial)", local(args, Path(tmp)))
+        results, cpu_s = local(args, Path(tmp))
+        table("local (autotune.trial.run_trial)", results)
+        print(f"  CPU time of all ranks together: {cpu_s:.2f} s per trial ({os.cpu_count()} cores here; "
+              f"load average {os.getloadavg()[0]:.1f})")
         if not args.no_ray:
             results, start_s, stop_s = on_ray(args, Path(tmp))
             table("Ray executor (local Ray, one trial at a time)", results)
