@@ -79,6 +79,25 @@ def test_matrix_config_trains_and_is_measured(matrix, key):
     assert ds == deepspeed_config(req.config, req.model, req.cluster)
 
 
+# The memory model against every measured peak of the matrix. Tolerance held: the estimate may be
+# at most 1% under the measured peak (an under-estimate admits a candidate that then runs out of
+# memory) and at most 3% over (an over-estimate only prunes early). Worst seen when written:
+# tiny-gpt2 ZeRO-3 fp32 +2.3% (end-of-backward buffers freed late by gloo threads are priced as held),
+# tiny-gpt2 ZeRO-1 fp32 -0.7% (rank 0 holds a few KB more than rank 1).
+UNDER, OVER = 0.01, 0.03
+
+
+@pytest.mark.parametrize("key", MATRIX, ids=["-".join(map(str, k)) for k in MATRIX])
+def test_matrix_measured_peak_matches_estimate(matrix, key):
+    from autotune.memory import estimate
+
+    req, res = matrix[key]
+    est = estimate(req.model, req.cluster, req.config)
+    err = est.tensor_peak_bytes / res.peak_bytes - 1
+    assert -UNDER <= err <= OVER, (f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
+                                   f"{res.peak_bytes:,} {res.phase_peak_bytes}: {100 * err:+.2f}%")
+
+
 @pytest.mark.parametrize("name", SHAPES)
 def test_parameter_bytes_per_rank(matrix, name):
     """After deepspeed.initialize, ZeRO 0-2 hold the whole model in the training dtype; ZeRO-3, built
