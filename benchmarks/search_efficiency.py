@@ -196,6 +196,8 @@ class _DeepSpeedAutotuner:
 
     def tune(self) -> None:
         prof = self.ls.base(3, 1)  # model_info_profile_run: DEFAULT_MIN_MEM_CONFIG, stage 3, mbs 1
+        if prof is None:
+            return
         self.ran.setdefault(prof.key(), prof)
         out = self.ls.run(prof)
         if out.status != "ok":
