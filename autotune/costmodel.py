@@ -63,10 +63,11 @@ LOGIT_PASSES = 8.0
 """Per vocabulary logit per token: LM-head write, shift copy (2), log-softmax (2), its backward
 (read 2, write 1), counted from transformers' causal-LM loss."""
 
-ADAM_BYTES_PER_PARAM = {"fused": 28.0, "unfused": 88.0}
-"""The Adam update itself, fp32 state. fused (DeepSpeed FusedAdam, multi-tensor): read p, g, m, v,
-write p, m, v = 7 x 4. unfused (per-tensor torch ops: transformers.AdamW, Composer's
-DecoupledAdamW): mul_, add_, mul_, addcmul_, sqrt, add_, addcdiv_, add_ read 14 and write 8 x 4."""
+ADAM_BYTES_PER_PARAM = {"fused": 28.0, "unfused": 88.0, "8bit": 16.0}
+"""The Adam update itself. fused (DeepSpeed FusedAdam, multi-tensor): read p, g, m, v, write p, m,
+v = 7 x 4. unfused (per-tensor torch ops: transformers.AdamW, Composer's DecoupledAdamW): mul_,
+add_, mul_, addcmul_, sqrt, add_, addcdiv_, add_ read 14 and write 8 x 4. 8bit (bitsandbytes
+AdamW8bit, one kernel): read p, g (4 + 4), m, v (1 + 1), write p (4), m, v (1 + 1)."""
 
 MIXED_PRECISION_STEP_BYTES = 24.0
 """Around a 16-bit step, per parameter: gradient to fp32 (read 2, write 4), norm (read 4),
@@ -146,7 +147,6 @@ class SimulatedStep:
 def _calibration() -> dict:
     return yaml.safe_load(resources.files("autotune").joinpath("data/calibration.yaml").read_text())
 
-
 def gemm_efficiency(gpu: GpuSpec) -> float:
     """Fraction of the datasheet peak a large GEMM reaches: measured per GPU where a measurement
     exists (data/calibration.yaml, `gemm_efficiency`), else that table's `default`."""
@@ -169,7 +169,7 @@ def peak_flops(gpu: GpuSpec, precision: str) -> float:
 
 
 def hbm_bytes_per_s(gpu: GpuSpec) -> float:
-    return gpu.hbm_gbps * GB_PER_S * HBM_EFFICIENCY
+    return gpu.hbm_gbps * GB_PER_S * HBM_EFFICIENCY  # achieved, not datasheet
 
 
 def gemm_time_s(m: int, k: int, n: int, gpu: GpuSpec, precision: str) -> float:
@@ -195,10 +195,6 @@ def layer_gemm_shapes(model: ModelSpec) -> list[tuple[int, int]]:
 def layer_matmul_s(model: ModelSpec, tokens: int, gpu: GpuSpec, precision: str) -> float:
     """One block's weight GEMMs, forward and backward."""
     return sum(gemm_time_s(tokens, k, n, gpu, precision) for k, n in layer_gemm_shapes(model))
-
-
-def lm_head_s(model: ModelSpec, tokens: int, gpu: GpuSpec, precision: str) -> float:
-    return gemm_time_s(tokens, model.hidden_size, model.vocab_size, gpu, precision)
 
 
 def layer_attention_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec) -> float:
@@ -307,9 +303,8 @@ def optimizer_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runtim
     optimizer's per-tensor op overhead."""
     if cfg.offload_optimizer:
         return 0.0
-    adam = ADAM_BYTES_PER_PARAM["fused" if rt.fused_optimizer else "unfused"]
-    if cfg.optimizer == "adamw8bit":
-        adam *= 10.0 / 28.0  # 1-byte moments: read p, g (4+4), m, v (1+1); write p (4), m, v (1+1)
+    kind = "8bit" if cfg.optimizer == "adamw8bit" else "fused" if rt.fused_optimizer else "unfused"
+    adam = ADAM_BYTES_PER_PARAM[kind]
     extra = 12.0 if cfg.precision == "fp32" else MIXED_PRECISION_STEP_BYTES
     t = optimizer_params_per_gpu(model, cfg, cluster) * (adam + extra) / hbm_bytes_per_s(cluster.gpu)
     if not rt.fused_optimizer:
@@ -344,7 +339,8 @@ def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: 
     mm = layer_matmul_s(model, tokens, gpu, cfg.precision)
     attn = layer_attention_s(model, cfg, gpu)
     elt = layer_elementwise_s(model, cfg, gpu, rt, c)
-    return {"matmul": L * mm + lm_head_s(model, tokens, gpu, cfg.precision), "attention": L * attn,
+    head = gemm_time_s(tokens, model.hidden_size, model.vocab_size, gpu, cfg.precision)
+    return {"matmul": L * mm + head, "attention": L * attn,
             "elementwise": L * elt, "logits": logits_s(model, cfg, gpu), "recompute": recompute_s(cfg, mm + attn + elt)}
 
 
@@ -390,8 +386,7 @@ class CalibrationPoint:
     cluster: Cluster
     config: TrainConfig
     runtime: Runtime
-    metric: str
-    """The SimulatedStep field the measurement is compared on."""
+    metric: str  # the SimulatedStep field the measurement is compared on
     measured: float
     source: str
 

@@ -114,6 +114,9 @@ def test_optimizer_step_memory_bound_by_hand():
     s = cm.simulate(L13B, A100x8, cfg(zero_stage=1))
     expect = L13B.num_params / 8 * 52 / (2039e9 * 0.83)
     assert s.breakdown_s["optimizer"] == pytest.approx(expect)
+    # 8-bit moments: 16 bytes for the update itself instead of 28
+    s8 = cm.simulate(L13B, A100x8, cfg(zero_stage=1, optimizer="adamw8bit"))
+    assert s8.breakdown_s["optimizer"] == pytest.approx(expect * 40 / 52)
 
 
 def test_offload_by_hand():
