@@ -33,14 +33,10 @@ def _estimate(request: TrialRequest):
     return estimate(request.model, request.cluster, request.config)
 
 
-def _tensor_bytes(est) -> int:
-    """What a real trial's peak_bytes measures: tensor bytes, without the framework's overhead."""
-    return int(getattr(est, "tensor_peak_bytes", est.total_bytes))
-
-
 def simulated_result(request: TrialRequest) -> TrialResult:
     """What the trial would report, from the models: oom if the memory estimate exceeds the
-    device, else the cost model's throughput. Invalid configs come back crashed, with why."""
+    device, else the cost model's throughput. Invalid configs come back crashed, with why.
+    peak_bytes is the estimate's tensor bytes: what a measured trial's peak_bytes counts."""
     cfg, cluster = request.config, request.cluster
     if request.fault in _FAULTS:
         status, reason = _FAULTS[request.fault]
@@ -52,7 +48,7 @@ def simulated_result(request: TrialRequest) -> TrialResult:
             log = (f"simulated: memory model estimates {fmt_bytes(est.total_bytes)} per device, capacity "
                    f"{fmt_bytes(est.capacity_bytes)}; no process was run")
             return TrialResult(status="oom", reason=OOM_REASON, source="simulated",
-                               peak_bytes=_tensor_bytes(est), log_tail=log)
+                               peak_bytes=est.tensor_peak_bytes, log_tail=log)
         step = simulate(request.model, cluster, cfg)
     except SpecError as e:
         return TrialResult(status="crashed", reason=f"simulated: {e}", source="simulated",
@@ -63,7 +59,7 @@ def simulated_result(request: TrialRequest) -> TrialResult:
     return TrialResult(status="ok", reason="simulated (cost model)", source="simulated",
                        samples_per_s=step.samples_per_s, tokens_per_s=step.samples_per_s * cfg.seq_len,
                        step_time_s=step.step_time_s, step_time_spread_s=0.0, tflops=step.tflops_per_gpu,
-                       mfu=step.mfu, peak_bytes=_tensor_bytes(est), log_tail=log)
+                       mfu=step.mfu, peak_bytes=est.tensor_peak_bytes, log_tail=log)
 
 
 class SimulatedExecutor(Executor):
