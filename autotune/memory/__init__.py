@@ -52,7 +52,7 @@ class MemoryEstimate:
         return self.total_bytes <= self.capacity_bytes
 
     @property
-    def headroom(self) -> float:
+    def used_fraction(self) -> float:
         """Fraction of capacity used."""
         return self.total_bytes / self.capacity_bytes if self.capacity_bytes else float("inf")
 
@@ -64,13 +64,13 @@ class MemoryEstimate:
         return {
             "num_params": self.num_params, "total_bytes": self.total_bytes,
             "tensor_peak_bytes": self.tensor_peak_bytes, "overhead_bytes": self.overhead_bytes,
-            "capacity_bytes": self.capacity_bytes, "fits": self.fits, "used_fraction": round(self.headroom, 4),
+            "capacity_bytes": self.capacity_bytes, "fits": self.fits, "used_fraction": round(self.used_fraction, 4),
             "phase": self.phase, "dominant_term": self.dominant_term, "terms": dict(self.terms),
             "overhead": dict(self.overhead), "phases": dict(self.phases), "source": "estimated",
         }
 
     def verdict(self) -> str:
-        pct = 100 * self.headroom
+        pct = 100 * self.used_fraction
         if self.fits:
             return f"fits: {self.total_bytes / GiB:.2f} of {self.capacity_bytes / GiB:.2f} GiB ({pct:.1f}% used)"
         return (f"does not fit: needs {self.total_bytes / GiB:.2f} GiB, has {self.capacity_bytes / GiB:.2f} GiB "
