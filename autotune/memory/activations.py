@@ -59,8 +59,8 @@ def attention_saved_per_token(spec: ModelSpec, e: int, seq_len: int, attention: 
     sdpa: the fused qkv output stays alive (v is a view of it), rotary adds the rotated q and k,
     SDPA keeps its output (which the out-projection reads as a view) and a fp32 log-sum-exp.
     eager: rotated q, the contiguous k^T and v the batched matmuls keep (after GQA repeat), the
-    softmax probabilities (heads * s per token), the re-laid-out output, and the bool causal mask
-    (s*s bytes per layer, here spread over the T tokens: s / micro_batch per token... see below).
+    softmax probabilities (heads * s per token) and the re-laid-out output. The bool causal mask
+    (s*s bytes per layer, whatever the micro batch) is `eager_mask_bytes`.
     """
     q, kv, heads = spec.q_dim, spec.kv_dim, spec.num_heads
     if attention == "sdpa":
