@@ -21,7 +21,6 @@ the search towards where measurements beat expectations. The chosen point reache
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
