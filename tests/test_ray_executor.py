@@ -36,6 +36,17 @@ def ranks_of(out: Path) -> list[psutil.Process]:
             if str(out) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
+def ray_worker_of(proc: psutil.Process) -> psutil.Process:
+    """The Ray worker process (named `ray::...`) above a rank. Never its parent blindly: a rank
+    reparented to the raylet (Ray's subreaper) would make that the raylet, and killing it takes
+    the test's own Ray driver down with exit code 1 (seen once in a full CI run)."""
+    for anc in proc.parents():
+        label = anc.name() + " " + " ".join(anc.cmdline()[:1])
+        if "ray::" in label:
+            return anc
+    raise AssertionError(f"no ray:: worker above rank {proc.pid}: {[a.name() for a in proc.parents()]}")
+
+
 def wait_all(ex: RayExecutor, n: int, watch: list[Path] = (), limit_s: float = 150.0):
     """Results of n trials; also whether every trial in `watch` had live ranks at one moment."""
     results, together, end = {}, False, time.monotonic() + limit_s
@@ -100,7 +111,7 @@ class TestTwoNodes:
             time.sleep(0.2)  # mid-trial: both ranks built the model and trained the warm-up step
         assert len(ranks_of(out)) == 2
         rank0 = next(p for p in ranks_of(out) if p.environ().get("RANK") == "0")
-        psutil.Process(rank0.ppid()).kill()  # the Ray worker running node 0's launcher
+        ray_worker_of(rank0).kill()  # the Ray worker running node 0's launcher
         results, _ = wait_all(cluster, 1, limit_s=60)
         res = results[ticket]
         assert res.status == "crashed" and "Ray worker lost: node 0" in res.reason

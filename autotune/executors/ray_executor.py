@@ -89,7 +89,9 @@ class RayExecutor(Executor):
         if ray_address:
             ray.init(address=ray_address, logging_level="warning", log_to_driver=False)
         else:
-            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+            # address="local": always a new local cluster, never a stray one this machine still runs
+            # (ray.init() alone would join it and then refuse num_cpus)
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                      object_store_memory=OBJECT_STORE_BYTES, logging_level="warning", log_to_driver=False)
         self._connected = True
 
