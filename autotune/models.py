@@ -169,11 +169,16 @@ def _build(name: str, family: str, shape: dict[str, Any], source: str) -> ModelS
 
 
 @cache
+def _raw() -> dict[str, dict]:
+    """autotune/data/models.yaml, read once."""
+    return yaml.safe_load(resources.files("autotune").joinpath("data/models.yaml").read_text())["models"]
+
+
+@cache
 def presets() -> dict[str, ModelSpec]:
     """Canonical name -> ModelSpec, from autotune/data/models.yaml."""
-    raw = yaml.safe_load(resources.files("autotune").joinpath("data/models.yaml").read_text())
     out = {}
-    for name, entry in raw["models"].items():
+    for name, entry in _raw().items():
         entry = dict(entry)
         family, source = entry.pop("family"), entry.pop("source")
         entry.pop("aliases", None)
@@ -184,9 +189,8 @@ def presets() -> dict[str, ModelSpec]:
 
 @cache
 def aliases() -> dict[str, str]:
-    raw = yaml.safe_load(resources.files("autotune").joinpath("data/models.yaml").read_text())
     out = {}
-    for name, entry in raw["models"].items():
+    for name, entry in _raw().items():
         for a in entry.get("aliases", []):
             out[str(a).lower()] = name
     return out
@@ -194,8 +198,7 @@ def aliases() -> dict[str, str]:
 
 def published_params() -> dict[str, int]:
     """Preset name -> parameter count its model card publishes (for tests)."""
-    raw = yaml.safe_load(resources.files("autotune").joinpath("data/models.yaml").read_text())
-    return {n: e["published_params"] for n, e in raw["models"].items() if "published_params" in e}
+    return {n: e["published_params"] for n, e in _raw().items() if "published_params" in e}
 
 
 def resolve_model(text: str) -> ModelSpec:

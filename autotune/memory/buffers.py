@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
+from autotune.memory.activations import dtype_bytes
 from autotune.models import ModelSpec
 from autotune.space import TrainConfig
 
@@ -24,7 +25,7 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     - Stage 3: the parameter prefetch bucket (stage3_prefetch_bucket_size); its reduce bucket is
       held for the whole run (model_states.states).
     """
-    pb = 4 if cfg.precision == "fp32" else 2
+    pb = dtype_bytes(cfg.precision)
     b = bucket_sizes(spec)
     if cfg.zero_stage == 0:
         return pb * min(spec.num_params, STAGE0_ALLREDUCE_ELEMENTS) if cluster.world_size > 1 else 0
@@ -52,7 +53,7 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     at stage 0, the reduced partition at stages 1-2 (stage 3's buffer is always held)."""
     if cfg.grad_accum == 1 or cfg.zero_stage == 3:
         return 0
-    pb = 4 if cfg.precision == "fp32" else 2
+    pb = dtype_bytes(cfg.precision)
     return pb * spec.num_params // (1 if cfg.zero_stage == 0 else cluster.world_size)
 
 
@@ -63,7 +64,7 @@ def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     too, until the step (stage_1_and_2.py, partition_gradients=False); the reduced partition is
     filled beside them at the end (see `backward_end_extra`). Stage 2: the reduced partition.
     """
-    pb = 4 if cfg.precision == "fp32" else 2
+    pb = dtype_bytes(cfg.precision)
     p, n = spec.num_params, cluster.world_size
     if cfg.zero_stage == 0:
         return pb * p
@@ -82,7 +83,7 @@ def embedding_gradient_transient(spec: ModelSpec, cluster: Cluster, cfg: TrainCo
     and 3 also hold the embedding gradient itself until it is reduced (stage 3 reduce-scatters a
     copy of it: aten::clone < c10d::_reduce_scatter_base_), since neither keeps full gradients.
     """
-    pb = 4 if cfg.precision == "fp32" else 2
+    pb = dtype_bytes(cfg.precision)
     vh = pb * spec.vocab_size * spec.hidden_size
     if cfg.zero_stage == 3:
         return 2 * vh   # measured the same with tied and untied embeddings (benchmarks/memory_accuracy.py)
@@ -96,7 +97,7 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
     """Gradients held once the LM head and `layers_done` blocks have run backward: those blocks'
     and the head's at stages 0-1 (full gradients are kept), the partition and the reduce bucket
     at stage 2, nothing beyond the persistent buffers at stage 3."""
-    pb = 4 if cfg.precision == "fp32" else 2
+    pb = dtype_bytes(cfg.precision)
     if cfg.zero_stage <= 1:
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
         return pb * (head + layers_done * spec.layer_params)
@@ -112,7 +113,7 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
     reduction allocates the whole gradient partition and the reduce bucket (stage_1_and_2.py,
     copy_grads_in_partition; found by the traced tier on a 55.6M Llama, stage 2: 5.9% under
     without it)."""
-    pb = 4 if cfg.precision == "fp32" else 2
+    pb = dtype_bytes(cfg.precision)
     vh = pb * spec.vocab_size * spec.hidden_size
     out = {"head_gradient": 2 * vh if cfg.zero_stage == 3 else vh}
     if cfg.zero_stage == 2:

@@ -26,6 +26,7 @@ persistent gradient buffer.
 from __future__ import annotations
 
 from autotune.hardware import Cluster
+from autotune.memory.activations import dtype_bytes
 from autotune.models import ModelSpec
 from autotune.space import TrainConfig
 
@@ -40,10 +41,6 @@ STAGE3_SUB_GROUP_SIZE = int(1e9)
 """DeepSpeed default sub_group_size: stage 3 converts gradients to fp32 and steps the optimizer one
 sub-group of the partition at a time (stage3.py, step -> _prepare_sub_group)."""
 """DeepSpeed default (runtime/zero/config.py), also what autotune/deepspeed_config.py writes."""
-
-
-def param_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
 
 
 def persistent_params(spec: ModelSpec, threshold: int) -> int:
@@ -97,7 +94,7 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
            reduce_bucket_elements: int = 0) -> dict[str, int]:
     """Bytes held for the whole run (present at the start of every forward), by term."""
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
-    pb = param_bytes(cfg.precision)
+    pb = dtype_bytes(cfg.precision)
     state_b = ADAM8BIT_STATE_BYTES if cfg.optimizer == "adamw8bit" else ADAM_STATE_BYTES
     shard = p / n if z >= 1 else p
     out = {}
@@ -138,7 +135,7 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     12 bytes per partition element.
     """
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
-    pb = param_bytes(cfg.precision)
+    pb = dtype_bytes(cfg.precision)
     if cfg.offload_optimizer:
         # gradients are copied partition by partition to pinned CPU memory, the step runs there
         return {"gradients": int(pb * p / n) if z in (1, 2) else 0, "optimizer_temporaries": 0}
@@ -170,4 +167,4 @@ def zero3_gathered(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persiste
         return 0
     p = spec.num_params - persistent_params(spec, persistence_threshold)
     gathered = min(p, STAGE3_MAX_LIVE_PARAMETERS)
-    return int(param_bytes(cfg.precision) * gathered)
+    return int(dtype_bytes(cfg.precision) * gathered)
