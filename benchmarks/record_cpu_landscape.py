@@ -1,8 +1,9 @@
 """Record a fixed landscape of real trials on this machine's CPU: every config of a small grid,
 each run once by the trial runner (autotune.trial.launch.run_trial, one process group per trial,
-so `wall_s` is what the trial really cost), written to benchmarks/data/cpu_landscape.csv.
+so `wall_s` is what the trial really cost), written to benchmarks/data/<landscape>.csv.
 
     python benchmarks/record_cpu_landscape.py            # ~25 min on 2 idle cores
+    python benchmarks/record_cpu_landscape.py --landscape cpu_landscape_gpt2   # the held-out one
     python benchmarks/record_cpu_landscape.py --resume   # keep clean rows, measure the rest again
     python benchmarks/record_cpu_landscape.py --best-of benchmarks/data/cpu_landscape.csv
                                                          # measure again, keep the faster of the two
@@ -14,9 +15,12 @@ load_after exceeds --max-load-after (the trial's own two ranks add about 2). Con
 slows a trial down, so --best-of keeps, per config, the faster of two measurements.
 
 benchmarks/search_efficiency.py replays the table: a strategy "runs" a config by reading its row.
-The model is small enough for CPU and has a large vocabulary, so per-step costs (optimizer, gloo
-reductions) and the logits' memory shape the landscape: larger micro batches amortise the step
-until the per-rank cap stops them, and only ZeRO-3 with checkpointing fits the largest.
+Two landscapes (SETUPS). `cpu_landscape`: a Llama-style model small enough for CPU with a large
+vocabulary, so per-step costs (optimizer, gloo reductions) and the logits' memory shape it: larger
+micro batches amortise the step until the per-rank cap stops them, and micro batch 16 fits only
+with checkpointing. `cpu_landscape_gpt2`: a GPT-2-style model of another shape (LayerNorm, GELU,
+biases, learned positions, tied embeddings, longer sequences), recorded after the CPU prior of
+autotune/search.py was written, to judge that prior on a landscape it was not developed on.
 """
 
 from __future__ import annotations
@@ -37,14 +41,33 @@ from autotune.hardware import parse_gpus
 from autotune.models import ModelSpec
 from autotune.space import TrainConfig
 
-OUT = Path(__file__).parent / "data" / "cpu_landscape.csv"
-GPUS = "2xcpu@640MiB"
-MODEL = ModelSpec(name="landscape-tiny", family="llama", num_layers=4, hidden_size=256, num_heads=4,
+DATA = Path(__file__).parent / "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    model: ModelSpec
+    gpus: str
+    grid: dict
+    fixed: dict
+
+
+SETUPS = {
+    "cpu_landscape": Setup(
+        ModelSpec(name="landscape-tiny", family="llama", num_layers=4, hidden_size=256, num_heads=4,
                   num_kv_heads=4, ffn_hidden_size=688, vocab_size=16000, max_seq_len=512, mlp="swiglu",
                   norm="rmsnorm", norm_bias=False, linear_bias=False, position="rotary",
-                  tied_embeddings=False, source="benchmarks/record_cpu_landscape.py")
-GRID = {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 2, 4]}
-FIXED = {"precision": "fp32", "seq_len": 128, "grad_accum": 1}
+                  tied_embeddings=False, source="benchmarks/record_cpu_landscape.py"),
+        "2xcpu@640MiB", {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 2, 4]},
+        {"precision": "fp32", "seq_len": 128, "grad_accum": 1}),
+    "cpu_landscape_gpt2": Setup(
+        ModelSpec(name="landscape-gpt2", family="gpt2", num_layers=6, hidden_size=192, num_heads=6,
+                  num_kv_heads=6, ffn_hidden_size=768, vocab_size=8192, max_seq_len=512, mlp="gelu",
+                  norm="layernorm", norm_bias=True, linear_bias=True, position="learned",
+                  tied_embeddings=True, source="benchmarks/record_cpu_landscape.py"),
+        "2xcpu@560MiB", {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 3, 6]},
+        {"precision": "fp32", "seq_len": 256, "grad_accum": 1}),
+}
 STEPS, WARMUP, TIMEOUT_S = 3, 1, 180.0  # as search_spaces/tiny-cpu.yaml
 COLUMNS = ["zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "precision", "seq_len", "status",
            "samples_per_s", "step_time_s", "peak_bytes", "wall_s", "load_before", "load_after", "reason"]
@@ -59,35 +82,35 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
     return os.getloadavg()[0]
 
 
-def grid() -> list[TrainConfig]:
-    keys = list(GRID)
-    return [TrainConfig(**dict(zip(keys, values)), **FIXED) for values in itertools.product(*GRID.values())]
+def grid(setup: Setup) -> list[TrainConfig]:
+    keys = list(setup.grid)
+    return [TrainConfig(**dict(zip(keys, values)), **setup.fixed) for values in itertools.product(*setup.grid.values())]
 
 
-def header() -> list[str]:
+def header(setup: Setup) -> list[str]:
     import deepspeed
     import torch
 
-    meta = {"model": dataclasses.asdict(MODEL), "gpus": GPUS, "steps": STEPS, "warmup_steps": WARMUP,
+    meta = {"model": dataclasses.asdict(setup.model), "gpus": setup.gpus, "steps": STEPS, "warmup_steps": WARMUP,
             "recorded": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__, "deepspeed": deepspeed.__version__}
     return [f"# {k}: {json.dumps(v)}" for k, v in meta.items()]
 
 
-def record(configs: list[TrainConfig], out: Path, keep: list[dict], max_load: float, max_wait_s: float,
+def record(setup: Setup, configs: list[TrainConfig], out: Path, keep: list[dict], max_load: float, max_wait_s: float,
            earlier: dict[tuple, dict] | None = None) -> None:
     from autotune.trial.launch import run_trial
 
-    cluster = parse_gpus(GPUS)
+    cluster = parse_gpus(setup.gpus)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f, tempfile.TemporaryDirectory() as tmp:
-        f.write("\n".join(header()) + "\n")
+        f.write("\n".join(header(setup)) + "\n")
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(keep)
         f.flush()
         for i, cfg in enumerate(configs):
-            req = TrialRequest(model=MODEL, cluster=cluster, config=cfg, out_dir=Path(tmp, f"trial-{i:03d}"),
+            req = TrialRequest(model=setup.model, cluster=cluster, config=cfg, out_dir=Path(tmp, f"trial-{i:03d}"),
                                steps=STEPS, warmup_steps=WARMUP, timeout_s=TIMEOUT_S, trial_id=i)
             load = wait_for_quiet(max_load, max_wait_s)
             res = run_trial(req)
@@ -126,7 +149,8 @@ def row_key(row: dict) -> tuple:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", type=int, default=None, help="record only the first N configs")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--landscape", choices=list(SETUPS), default="cpu_landscape")
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/data/<landscape>.csv")
     p.add_argument("--max-load", type=float, default=1.0,
                    help="start a trial only when the 1-minute load average is below this (default 1.0)")
     p.add_argument("--max-wait", type=float, default=6 * 3600.0, help="seconds to wait for that, per trial")
@@ -136,12 +160,14 @@ def main() -> None:
     p.add_argument("--best-of", type=Path, default=None,
                    help="an earlier recording: measure every config again and keep the faster row")
     args = p.parse_args()
+    setup = SETUPS[args.landscape]
+    args.out = args.out or DATA / f"{args.landscape}.csv"
     earlier = {row_key(r): r for r in clean_rows(args.best_of, float("inf"))} if args.best_of else None
     keep = clean_rows(args.out, args.max_load_after) if args.resume else []
     done = {row_key(r) for r in keep}
-    todo = [c for c in grid() if tuple(str(getattr(c, k)) for k in COLUMNS[:6]) not in done][:args.limit]
+    todo = [c for c in grid(setup) if tuple(str(getattr(c, k)) for k in COLUMNS[:6]) not in done][:args.limit]
     print(f"{len(keep)} clean rows kept, {len(todo)} configs to measure", flush=True)
-    record(todo, args.out, keep, args.max_load, args.max_wait, earlier)
+    record(setup, todo, args.out, keep, args.max_load, args.max_wait, earlier)
 
 
 if __name__ == "__main__":
