@@ -11,7 +11,8 @@ start-up trials before they model anything and re-propose points already seen in
 categorical spaces; grid and random ignore structure. What is known before any run is structural:
 recomputation costs about a forward pass per checkpointed layer, larger micro batches amortise
 per-step costs, higher ZeRO stages move more bytes. So the choice is deterministic: enumerate the
-feasible frontier, order it by a prior (structural here, or the simulated cost model), and after
+feasible frontier, order it by a prior (the cost model on GPUs; on CPU ranks the model's own step
+timed here, autotune.cpu_prior), and after
 each measurement shift the prior of neighbouring candidates by the measured/prior ratio (a kernel
 regression on the log residual). The first pick is the prior's best guess, and each result moves
 the search towards where measurements beat expectations. The chosen point reaches Optuna through
@@ -32,7 +33,6 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import study as st
-from autotune.deepspeed_config import bucket_sizes
 from autotune.executors.base import Executor, TrialRequest, TrialResult
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec, SpecError
@@ -62,54 +62,12 @@ class Candidate:
 
 
 # ---- prior -----------------------------------------------------------------------------------------
-# CPU ranks have no datasheet, so their prior is a step-time sketch with constants measured here
-# (a 4-layer, 197K-parameter Llama on 2 CPU ranks, seq 64, fp32; the runs of the tiny-cpu space).
-_CPU_FLOPS = 2e10
-"""Model FLOP/s per rank: ZeRO-0 steps grow by 77 ms from micro batch 1 to 16 (1.3 GFLOP more)."""
-_CPU_MICRO_S = 0.1
-"""Fixed cost of one forward+backward through DeepSpeed: a ZeRO-0 micro batch 1 step takes 0.128 s,
-of which ~5 ms is arithmetic."""
-_CPU_COLLECTIVE_S = 2.5e-3
-"""Per bucket collective (gloo + DeepSpeed's Python around it): ZeRO-2/3 steps are 0.15-0.45 s slower
-than ZeRO-0's at equal micro batch over ~100 bucket operations. A bare gloo all_reduce of 4K floats
-between the two ranks takes 0.48 ms (measured with torch.distributed)."""
-
-
-def _collectives_per_step(model: ModelSpec, cfg: TrainConfig) -> int:
-    """Collective calls per optimizer step, from the bucket sizes the DeepSpeed config sets.
-
-    ZeRO-0 all-reduces once at the boundary (DeepSpeed's allreduce bucket default 5e8 elements); 1-2
-    reduce per reduce bucket (ZeRO-2 on every micro step) and all-gather the updated partition per
-    all-gather bucket; ZeRO-3 gathers each weight matrix in forward and again in backward on every
-    micro step (norm weights stay below the persistence threshold) and reduce-scatters per bucket."""
-    b = bucket_sizes(model)
-    n = model.num_params
-    reduce, gather = -(-n // b["reduce_bucket_size"]), -(-n // b["allgather_bucket_size"])
-    mats = model.num_layers * (2 + (3 if model.mlp == "swiglu" else 2)) + (1 if model.tied_embeddings else 2)
-    return {0: 1, 1: reduce + gather, 2: cfg.grad_accum * reduce + gather,
-            3: cfg.grad_accum * (reduce + 2 * mats)}[cfg.zero_stage]
-
-
-def structural_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], float]:
-    """Expected samples/s of CPU ranks: arithmetic (+ one forward per checkpointed layer), a fixed cost per
-    micro step, and one per collective call. Used for devices without datasheet numbers."""
-    w = cluster.world_size
-
-    def prior(cfg: TrainConfig) -> float:
-        # checkpointed layers run their forward twice: 2 FLOPs per weight and 4*s*d of attention per token
-        # (the forward third of ModelSpec.flops_per_token's per-layer terms); embeddings and head do not
-        recompute = cfg.ckpt_layers * (2 * model.layer_params + 4 * model.q_dim * cfg.seq_len)
-        flops = cfg.tokens_per_micro_batch * (model.flops_per_token(cfg.seq_len) + recompute)
-        t_micro = flops / _CPU_FLOPS * (1.1 if cfg.attention == "eager" else 1.0) + _CPU_MICRO_S
-        t_step = cfg.grad_accum * t_micro + (_collectives_per_step(model, cfg) * _CPU_COLLECTIVE_S if w > 1 else 0)
-        return cfg.micro_batch * cfg.grad_accum * w / t_step
-
-    return prior
-
-
 def default_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], float]:
-    """The cost model where the device has datasheet numbers (GPUs), the structural prior elsewhere."""
-    fallback = structural_prior(model, cluster)
+    """The cost model where the device has datasheet numbers (GPUs); elsewhere (CPU ranks) the
+    model's own step timed here (autotune.cpu_prior)."""
+    from autotune.cpu_prior import cpu_prior
+
+    fallback = cpu_prior(model, cluster)
     if not (cluster.gpu.peak_tflops and cluster.gpu.hbm_gbps):
         return fallback
     from autotune.costmodel import simulate

@@ -1,11 +1,13 @@
 """How many trials, and how many trial-seconds, each search strategy needs to reach within 2% of
 the best throughput, on fixed landscapes where every config's outcome is known in advance.
 
-    python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|sim13b|all]
+    python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|cpu-gpt2|sim13b|all]
 
 Landscapes (a config "runs" by reading its outcome; each run is a trial and costs its trial-seconds):
   cpu     real trials recorded on this machine's CPU (benchmarks/data/cpu_landscape.csv, written by
           benchmarks/record_cpu_landscape.py); trial-seconds = each trial's measured wall time.
+  cpu-gpt2  the same for a GPT-2-style model of another shape (cpu_landscape_gpt2.csv), recorded
+          after ours' CPU prior (autotune/cpu_prior.py) was written: the held-out landscape.
   sim13b  Llama-2-13B on 4 x A100-80GB over the default search space: the memory model decides OOM,
           the cost model the throughput; trial-seconds = SIM_STARTUP_S + (warm-up + measured steps)
           x the simulated step (an OOM costs the start-up and one step).
@@ -15,7 +17,9 @@ per ZeRO stage: micro batch 1, its memory-derived largest micro batch, binary se
 micro-batch list; deepspeed/autotuning/autotuner.py, restricted to the space's micro batches,
 no checkpointing, gradient accumulation 1); Optuna TPE over the same space with no memory model
 (an OOM costs its trial and is told as 0 samples/s); and ours (autotune.search.Search, memory model first).
-Random and TPE run once per seed; the others are deterministic.
+Random and TPE run once per seed; the others are deterministic, except that ours' CPU prior times
+the model here, so its order can move with this machine's noise. Ours is charged the seconds it
+spends before and between trials (memory model, prior probes) on top of the trials' own.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import math
 import random
 import statistics
 import tempfile
+import dataclasses
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -38,7 +44,7 @@ from autotune.models import ModelSpec, resolve_model
 from autotune.search_space import DEFAULT_SPACE, SearchSpace, expand, load_space
 from autotune.space import TrainConfig
 
-CPU_CSV = Path(__file__).parent / "data" / "cpu_landscape.csv"
+DATA = Path(__file__).parent / "data"
 TARGET = 0.98
 """Reached: a trial within 2% of the landscape's best samples/s."""
 SIM_STARTUP_S = 60.0
@@ -68,6 +74,8 @@ class Landscape:
     """Every config of the space, in the space's order."""
     table: dict[tuple, Outcome]
     note: str = ""
+    planning_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Strategy name -> seconds it spent outside trials (its last run), charged to its trial-seconds."""
 
     def run(self, cfg: TrainConfig) -> Outcome:
         return self.table[cfg.key()]
@@ -89,7 +97,7 @@ class Landscape:
 
 
 # ---- landscapes ------------------------------------------------------------------------------
-def cpu_landscape(path: Path = CPU_CSV) -> Landscape:
+def cpu_landscape(path: Path = DATA / "cpu_landscape.csv", name: str = "cpu (measured)") -> Landscape:
     lines = path.read_text().splitlines()
     meta = {k: json.loads(v) for k, v in (ln[2:].split(": ", 1) for ln in lines if ln.startswith("# "))}
     rows = list(csv.DictReader(ln for ln in lines if not ln.startswith("#")))
@@ -108,7 +116,7 @@ def cpu_landscape(path: Path = CPU_CSV) -> Landscape:
         table[cfg.key()] = Outcome(r["status"], float(r["samples_per_s"]) if ok else None, float(r["wall_s"]),
                                    int(r["peak_bytes"]) if r["peak_bytes"] else None)
     configs = [c for c in expand(space, model, cluster, seq_len=seq).candidates if c.key() in table]
-    return Landscape("cpu (measured)", model, cluster, space, seq, configs, table)
+    return Landscape(name, model, cluster, space, seq, configs, table)
 
 
 def sim13b_landscape() -> Landscape:
@@ -311,11 +319,17 @@ def ours(ls: Landscape, seed: int) -> list[TrainConfig]:
 
     from autotune.search import Search
 
+    from autotune.cpu_prior import probe_adamw_s_per_param, probe_model
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for probe in (probe_model, probe_adamw_s_per_param):
+        probe.cache_clear()   # a probe's seconds count on every run
     ex = _TableExecutor(ls)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         study = optuna.create_study(direction="maximize")
         Search(study, ls.model, ls.cluster, ls.space, ex, seq_len=ls.seq_len, out_root=Path(tmp)).run(progress=False)
+    ls.planning_s["ours"] = time.perf_counter() - t0
     return ex.order
 
 
@@ -326,24 +340,27 @@ STRATEGIES: dict[str, tuple[Callable[[Landscape, int], list[TrainConfig]], bool]
 
 
 # ---- scoring ---------------------------------------------------------------------------------
-def reach(ls: Landscape, order: list[TrainConfig]) -> tuple[int | None, float | None, float]:
-    """(trials, trial-seconds) until the first run within TARGET of the best; total trial-seconds."""
-    spent, target = 0.0, TARGET * ls.best
+def reach(ls: Landscape, order: list[TrainConfig], planning_s: float = 0.0) -> tuple[int | None, float | None, float]:
+    """(trials, trial-seconds) until the first run within TARGET of the best; total trial-seconds.
+    A strategy's planning seconds are charged in full before its first trial."""
+    spent, target = planning_s, TARGET * ls.best
     hit = None
     for i, cfg in enumerate(order):
         out = ls.run(cfg)
         spent += out.trial_s
         if hit is None and out.status == "ok" and out.samples_per_s >= target:
             hit = (i + 1, spent)
-    total = sum(ls.run(c).trial_s for c in order)
+    total = planning_s + sum(ls.run(c).trial_s for c in order)
     return (hit[0], hit[1], total) if hit else (None, None, total)
 
 
 def evaluate(ls: Landscape, seeds: int) -> dict[str, dict]:
     rows = {}
     for name, (strategy, seeded) in STRATEGIES.items():
-        runs = [(reach(ls, order), len(order)) for order in
-                (strategy(ls, s) for s in (range(seeds) if seeded else [0]))]
+        runs = []
+        for s in range(seeds) if seeded else [0]:
+            order = strategy(ls, s)
+            runs.append((reach(ls, order, ls.planning_s.get(name, 0.0)), len(order)))
         hits = [r for (r, _) in runs if r[0] is not None]
         rows[name] = {"runs": len(runs), "reached": len(hits),
                       "trials": statistics.median(r[0] for r in hits) if hits else None,
@@ -370,9 +387,11 @@ def print_table(ls: Landscape, rows: dict[str, dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=10, help="seeds for the seeded strategies (random, TPE)")
-    p.add_argument("--landscape", choices=["cpu", "sim13b", "all"], default="all")
+    p.add_argument("--landscape", choices=["cpu", "cpu-gpt2", "sim13b", "all"], default="all")
     args = p.parse_args()
-    builders = {"cpu": cpu_landscape, "sim13b": sim13b_landscape}
+    builders = {"cpu": cpu_landscape,
+                "cpu-gpt2": lambda: cpu_landscape(DATA / "cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)"),
+                "sim13b": sim13b_landscape}
     for key in (builders if args.landscape == "all" else [args.landscape]):
         ls = builders[key]()
         print_table(ls, evaluate(ls, args.seeds))

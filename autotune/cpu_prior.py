@@ -1,0 +1,161 @@
+"""The search's prior for CPU ranks, which have no datasheet: the model's own forward and backward,
+timed here, plus what DeepSpeed adds to a step.
+
+    step = grad_accum x (forward+backward [probe] + recompute [probe] + DeepSpeed per micro step)
+           + collectives (gloo: per call + per byte) + AdamW over the rank's parameters [probe]
+
+The probe builds the trial's own model (autotune.trial.model.Transformer) in this process, with
+the threads one rank gets, and times a forward+backward and one block's forward per micro batch
+(the recompute of a checkpointed block is a forward; Narayanan et al. 2021, SC'21, sec. 5.1), and
+one AdamW step. A first version used FLOPs at a fixed 20 GFLOP/s measured on a 197K-parameter
+model; on a model of 11M parameters the same cores reach ~120 GFLOP/s in its GEMMs, so that prior
+ranked micro batches backwards. Timing the model itself needs no per-machine constant for
+the arithmetic. It is a prior, used only to order candidates: nothing it returns is reported.
+
+Not probed: gloo (it needs a process group) and DeepSpeed's own Python per micro step, two constants
+measured on this machine type (below), and the slowdown of two ranks sharing the memory bus.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import cache
+from typing import Callable
+
+from autotune.deepspeed_config import bucket_sizes
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec
+from autotune.space import TrainConfig
+
+GLOO_CALL_S = 0.31e-3
+"""One gloo collective's fixed cost: all_reduce of 4096 fp32 between 2 ranks (one thread each,
+torch.distributed gloo over loopback, x86_64 2-core machine, torch 2.13): 0.31 ms, best of 5."""
+GLOO_BUS_BYTES_PER_S = 1.43e9
+"""gloo ring bus bandwidth on the same machine: all_reduce of 11.4M fp32 (45 MB; a ring moves
+2(n-1)/n of it per rank) in 31.7 ms, best of 5. A 1M-element all_reduce reaches 2.0 GB/s."""
+DEEPSPEED_MICRO_S = 7.4e-3
+"""DeepSpeed's own Python around one micro step on CPU (engine forward/backward/step hooks, the
+trial's phase marks), beyond the model's compute, the optimizer and the collectives: a ZeRO-0
+micro batch 1 step of a 197K-parameter Llama on 2 ranks takes 16.1 ms, of which the probed model
+6.5, AdamW 1.2 and one gloo all-reduce 0.9 (`python benchmarks/cpu_prior.py`, best of 3; neither
+search-efficiency landscape's model). At micro batch 4 the remainder is 11.5 ms: two ranks share
+the memory bus, which the single-process probe does not see."""
+
+
+def _collectives_per_step(model: ModelSpec, cfg: TrainConfig) -> int:
+    """Collective calls per optimizer step, from the bucket sizes the DeepSpeed config sets.
+
+    ZeRO-0 all-reduces once at the boundary (DeepSpeed's allreduce bucket default 5e8 elements); 1-2
+    reduce per reduce bucket (ZeRO-2 on every micro step) and all-gather the updated partition per
+    all-gather bucket; ZeRO-3 gathers each weight matrix in forward and again in backward on every
+    micro step (norm weights stay below the persistence threshold) and reduce-scatters per bucket."""
+    b = bucket_sizes(model)
+    n = model.num_params
+    reduce, gather = -(-n // b["reduce_bucket_size"]), -(-n // b["allgather_bucket_size"])
+    mats = model.num_layers * (2 + (3 if model.mlp == "swiglu" else 2)) + (1 if model.tied_embeddings else 2)
+    return {0: 1, 1: reduce + gather, 2: cfg.grad_accum * reduce + gather,
+            3: cfg.grad_accum * (reduce + 2 * mats)}[cfg.zero_stage]
+
+
+def _ring_volumes_per_step(cfg: TrainConfig) -> float:
+    """Gradient-sized volumes each rank sends per step, times (n-1)/n: an all-reduce is 2 (ZeRO-0;
+    ZeRO-1/2's reduce-scatter + all-gather of the update too), ZeRO-2 reduce-scatters every micro
+    step, ZeRO-3 also gathers the parameters twice per micro step (Rajbhandari et al. 2020, "ZeRO",
+    sec. 7.2)."""
+    ga = cfg.grad_accum
+    return {0: 2.0, 1: 2.0, 2: ga + 1.0, 3: 3.0 * ga}[cfg.zero_stage]
+
+
+def rank_threads(cluster: Cluster) -> int:
+    """Threads each rank gets: the trial launcher splits the node's cores (autotune.trial.launch)."""
+    return max(1, (os.cpu_count() or 1) // cluster.gpus_per_node)
+
+
+@cache
+def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str, attention: str,
+                threads: int) -> tuple[float, float]:
+    """(forward+backward of the whole model, forward of one block) in seconds, timed once each
+    after a warm-up at micro batch 1 (first calls pay allocator and kernel selection)."""
+    import torch
+
+    from autotune.trial.model import rotary_tables
+    from autotune.trial.worker import DTYPES
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        dtype = getattr(torch, DTYPES[precision])
+        net = _probe_net(model, attention, dtype)
+        block = net.blocks[0]
+
+        def run(mb: int) -> tuple[float, float]:
+            tokens = torch.randint(0, model.vocab_size, (mb, seq_len))
+            t0 = time.perf_counter()
+            net(tokens, tokens).backward()
+            t1 = time.perf_counter()
+            x = torch.randn(mb, seq_len, model.hidden_size, dtype=dtype)
+            rope = rotary_tables(seq_len, model.head_dim, dtype) if model.position == "rotary" else None
+            t2 = time.perf_counter()
+            block(x, rope)
+            t3 = time.perf_counter()
+            net.zero_grad(set_to_none=True)
+            return t1 - t0, t3 - t2
+
+        run(1)
+        return run(micro_batch)
+    finally:
+        torch.set_num_threads(before)
+
+
+@cache
+def _probe_net(model: ModelSpec, attention: str, dtype):
+    from autotune.trial.model import Transformer, init_weights
+
+    net = Transformer(model, attention=attention)
+    # The trial's own initialisation: with nn.Linear's default one, the tied GPT-2 head's backward
+    # meets denormal floats and its GEMMs run ~7x slower on x86 (0.43 vs 0.06 s, landscape-gpt2).
+    init_weights(net)
+    return net.to(dtype)
+
+
+@cache
+def probe_adamw_s_per_param(threads: int, n: int = 1 << 22) -> float:
+    """One torch.optim.AdamW step (what the DeepSpeed config asks for on CPU: torch_adam) over
+    `n` fp32 parameters, per parameter, after a first step that allocates the moments."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        p = torch.nn.Parameter(torch.zeros(n))
+        p.grad = torch.ones(n)
+        opt = torch.optim.AdamW([p], lr=1e-3)
+        opt.step()
+        t0 = time.perf_counter()
+        opt.step()
+        return (time.perf_counter() - t0) / n
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], float]:
+    """Expected samples/s of a config on CPU ranks (the sum in the module docstring)."""
+    w, threads = cluster.world_size, rank_threads(cluster)
+
+    def prior(cfg: TrainConfig) -> float:
+        from autotune.memory.activations import dtype_bytes
+
+        fwd_bwd, block_fwd = probe_model(model, cfg.seq_len, cfg.micro_batch, cfg.precision, cfg.attention, threads)
+        t_micro = fwd_bwd + cfg.ckpt_layers * block_fwd + DEEPSPEED_MICRO_S
+        comm = 0.0
+        if w > 1:
+            grad_bytes = model.num_params * dtype_bytes(cfg.precision)
+            comm = (_collectives_per_step(model, cfg) * GLOO_CALL_S
+                    + _ring_volumes_per_step(cfg) * (w - 1) / w * grad_bytes / GLOO_BUS_BYTES_PER_S)
+        params = model.num_params / (w if cfg.zero_stage >= 1 else 1)
+        t_step = cfg.grad_accum * t_micro + comm + params * probe_adamw_s_per_param(threads)
+        return cfg.micro_batch * cfg.grad_accum * w / t_step
+
+    return prior

@@ -1,0 +1,105 @@
+"""The search's CPU prior (autotune/cpu_prior.py) against measured trials.
+
+    python benchmarks/cpu_prior.py              # ~1 min on 2 idle cores
+    python benchmarks/cpu_prior.py --no-trials  # only the recorded landscapes (~15 s)
+
+1. DeepSpeed's own seconds per micro step (cpu_prior.DEEPSPEED_MICRO_S): real trials of a tiny
+   Llama (h64, 4 layers, vocab 256, seq 64; neither landscape's model) on 2 CPU ranks at ZeRO-0,
+   minus what the prior probes or prices (the model's forward+backward, AdamW, one gloo all-reduce).
+2. The prior against each recorded landscape (benchmarks/data/cpu_landscape*.csv): Spearman rank
+   correlation over the configs that ran, whether its first pick among the configs the memory model
+   lets through is within 2% of the best, and the step time it expects against the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from search_efficiency import DATA, TARGET, cpu_landscape  # noqa: E402
+
+from autotune import cpu_prior as cp  # noqa: E402
+from autotune.hardware import parse_gpus  # noqa: E402
+from autotune.memory import estimate  # noqa: E402
+from autotune.models import ModelSpec  # noqa: E402
+from autotune.space import TrainConfig  # noqa: E402
+
+TINY = ModelSpec(name="tiny-llama-probe", family="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
+                 ffn_hidden_size=128, vocab_size=256, max_seq_len=256, mlp="swiglu", norm="rmsnorm", norm_bias=False,
+                 linear_bias=False, position="rotary", tied_embeddings=False, source="benchmarks/cpu_prior.py")
+
+
+def deepspeed_micro_s(repeats: int) -> None:
+    from autotune.executors.base import TrialRequest
+    from autotune.trial.launch import run_trials
+
+    cluster = parse_gpus("2xcpu")
+    threads = cp.rank_threads(cluster)
+    print(f"DeepSpeed per micro step: {TINY.num_params:,}-parameter Llama, 2 CPU ranks, ZeRO-0 fp32, seq 64")
+    for mb in (1, 4):
+        cfg = TrainConfig(zero_stage=0, micro_batch=mb, precision="fp32", seq_len=64)
+        with tempfile.TemporaryDirectory() as tmp:
+            reqs = [TrialRequest(model=TINY, cluster=cluster, config=cfg, out_dir=Path(tmp, f"t{i}"), steps=5,
+                                 warmup_steps=2, timeout_s=120.0, trial_id=i) for i in range(repeats)]
+            steps = [r.step_time_s for r in run_trials(reqs) if r.status == "ok"]
+        step = min(steps)
+        fwd_bwd = cp.probe_model(TINY, 64, mb, "fp32", cfg.attention, threads)[0]
+        adam = TINY.num_params * cp.probe_adamw_s_per_param(threads)
+        gloo = cp.GLOO_CALL_S + TINY.num_params * 4 / cp.GLOO_BUS_BYTES_PER_S
+        print(f"  mb {mb:2d}: step {step * 1e3:6.1f} ms (best of {len(steps)}) - model {fwd_bwd * 1e3:5.1f} - "
+              f"AdamW {adam * 1e3:4.2f} - gloo {gloo * 1e3:4.2f} = DeepSpeed {(step - fwd_bwd - adam - gloo) * 1e3:6.1f} ms"
+              f"   (DEEPSPEED_MICRO_S = {cp.DEEPSPEED_MICRO_S * 1e3:.0f} ms)")
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        for i, j in enumerate(order):
+            r[j] = float(i)
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return num / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def against_landscape(path: Path) -> None:
+    ls = cpu_landscape(path, path.stem)
+    prior = cp.cpu_prior(ls.model, ls.cluster)
+    ran = [c for c in ls.configs if ls.run(c).samples_per_s]
+    measured = [ls.run(c).samples_per_s for c in ran]
+    expected = [prior(c) for c in ran]
+    fits = [c for c in ls.configs if estimate(ls.model, ls.cluster, c).fits]
+    first = max(fits, key=prior)
+    out = ls.run(first)
+    ratio = [m / e for m, e in zip(measured, expected)]
+    print(f"\n{path.name}: {ls.model.name}, {ls.model.num_params:,} parameters, seq {ls.seq_len}, {ls.cluster.describe()}")
+    print(f"  Spearman(prior, measured) over {len(ran)} configs that ran: {spearman(expected, measured):.3f}")
+    print(f"  measured / prior samples/s: median {statistics.median(ratio):.2f}, range {min(ratio):.2f}-{max(ratio):.2f}")
+    print(f"  prior's first pick among the {len(fits)} that fit: {first.short()}: {out.status} "
+          f"{out.samples_per_s or 0:.2f} samples/s; best {ls.best:.2f} "
+          f"({'within' if out.samples_per_s and out.samples_per_s >= TARGET * ls.best else 'not within'} 2%)")
+    best = sorted(ran, key=lambda c: -ls.run(c).samples_per_s)[:5]
+    print("  the five fastest measured:  " + ", ".join(f"{c.short()} {ls.run(c).samples_per_s:.2f} "
+                                                       f"(prior {prior(c):.2f})" for c in best))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--no-trials", action="store_true", help="skip the DeepSpeed measurement (real trials)")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    if not args.no_trials:
+        deepspeed_micro_s(args.repeats)
+    for path in sorted(DATA.glob("cpu_landscape*.csv")):
+        against_landscape(path)
+
+
+if __name__ == "__main__":
+    main()
