@@ -3,9 +3,10 @@
     python benchmarks/cpu_prior.py              # ~1 min on 2 idle cores
     python benchmarks/cpu_prior.py --no-trials  # only the recorded landscapes (~15 s)
 
-1. DeepSpeed's own seconds per micro step (cpu_prior.DEEPSPEED_MICRO_S): real trials of a tiny
-   Llama (h64, 4 layers, vocab 256, seq 64; neither landscape's model) on 2 CPU ranks at ZeRO-0,
-   minus what the prior probes or prices (the model's forward+backward, AdamW, one gloo all-reduce).
+1. DeepSpeed's own time per step (cpu_prior.DEEPSPEED_MICRO_S, DEEPSPEED_S_PER_PARAM): real trials
+   of two Llamas (197K and 15.1M parameters, seq 64; neither landscape's model) on 2 CPU ranks at
+   ZeRO-0, minus what the prior probes or prices (the model's forward+backward, AdamW, one gloo
+   all-reduce).
 2. The prior against each recorded landscape (benchmarks/data/cpu_landscape*.csv): Spearman rank
    correlation over the configs that ran, whether its first pick among the configs the memory model
    lets through is within 2% of the best, and the step time it expects against the measured one.
@@ -29,31 +30,35 @@ from autotune.memory import estimate  # noqa: E402
 from autotune.models import ModelSpec  # noqa: E402
 from autotune.space import TrainConfig  # noqa: E402
 
+MID = ModelSpec(name="mid-llama-probe", family="llama", num_layers=6, hidden_size=320, num_heads=5, num_kv_heads=5,
+                ffn_hidden_size=864, vocab_size=12000, max_seq_len=256, mlp="swiglu", norm="rmsnorm", norm_bias=False,
+                linear_bias=False, position="rotary", tied_embeddings=False, source="benchmarks/cpu_prior.py")
 TINY = ModelSpec(name="tiny-llama-probe", family="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
                  ffn_hidden_size=128, vocab_size=256, max_seq_len=256, mlp="swiglu", norm="rmsnorm", norm_bias=False,
                  linear_bias=False, position="rotary", tied_embeddings=False, source="benchmarks/cpu_prior.py")
 
 
-def deepspeed_micro_s(repeats: int) -> None:
+def deepspeed_micro_s(model: ModelSpec, repeats: int) -> None:
     from autotune.executors.base import TrialRequest
     from autotune.trial.launch import run_trials
 
     cluster = parse_gpus("2xcpu")
     threads = cp.rank_threads(cluster)
-    print(f"DeepSpeed per micro step: {TINY.num_params:,}-parameter Llama, 2 CPU ranks, ZeRO-0 fp32, seq 64")
+    print(f"DeepSpeed per step: {model.num_params:,}-parameter Llama, 2 CPU ranks, ZeRO-0 fp32, seq 64")
     for mb in (1, 4):
         cfg = TrainConfig(zero_stage=0, micro_batch=mb, precision="fp32", seq_len=64)
         with tempfile.TemporaryDirectory() as tmp:
-            reqs = [TrialRequest(model=TINY, cluster=cluster, config=cfg, out_dir=Path(tmp, f"t{i}"), steps=5,
+            reqs = [TrialRequest(model=model, cluster=cluster, config=cfg, out_dir=Path(tmp, f"t{i}"), steps=5,
                                  warmup_steps=2, timeout_s=120.0, trial_id=i) for i in range(repeats)]
             steps = [r.step_time_s for r in run_trials(reqs) if r.status == "ok"]
         step = min(steps)
-        fwd_bwd = cp.probe_model(TINY, 64, mb, "fp32", cfg.attention, threads)[0]
-        adam = TINY.num_params * cp.probe_adamw_s_per_param(threads)
-        gloo = cp.GLOO_CALL_S + TINY.num_params * 4 / cp.GLOO_BUS_BYTES_PER_S
+        fwd_bwd = cp.probe_model(model, 64, mb, "fp32", cfg.attention, threads)[0]
+        adam = model.num_params * cp.probe_adamw_s_per_param(threads)
+        gloo = cp.GLOO_CALL_S + model.num_params * 4 / cp.GLOO_BUS_BYTES_PER_S
+        priced = cp.DEEPSPEED_MICRO_S + model.num_params * cp.DEEPSPEED_S_PER_PARAM
         print(f"  mb {mb:2d}: step {step * 1e3:6.1f} ms (best of {len(steps)}) - model {fwd_bwd * 1e3:5.1f} - "
               f"AdamW {adam * 1e3:4.2f} - gloo {gloo * 1e3:4.2f} = DeepSpeed {(step - fwd_bwd - adam - gloo) * 1e3:6.1f} ms"
-              f"   (DEEPSPEED_MICRO_S = {cp.DEEPSPEED_MICRO_S * 1e3:.0f} ms)")
+              f"   (priced: {priced * 1e3:.1f} ms)")
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -96,7 +101,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     if not args.no_trials:
-        deepspeed_micro_s(args.repeats)
+        for model in (TINY, MID):
+            deepspeed_micro_s(model, args.repeats)
     for path in sorted(DATA.glob("cpu_landscape*.csv")):
         against_landscape(path)
 

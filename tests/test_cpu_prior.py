@@ -36,7 +36,8 @@ def test_adamw_probe_is_per_parameter():
 
 def test_prior_is_the_documented_sum(monkeypatch):
     """With probes fixed (pure glue: the arithmetic is what is checked here), the prior is
-    samples / (ga x (model + k x block + DeepSpeed) + gloo calls and bytes + AdamW on the rank's share)."""
+    samples / (ga x (model + k x block + DeepSpeed) + gloo calls and bytes + AdamW on the rank's share
+    + DeepSpeed per parameter)."""
     monkeypatch.setattr(cp, "probe_model", lambda m, s, mb, p, a, th: (0.01 * mb, 0.001 * mb))
     monkeypatch.setattr(cp, "probe_adamw_s_per_param", lambda th: 1e-8)
     cluster = parse_gpus("2xcpu")
@@ -48,7 +49,8 @@ def test_prior_is_the_documented_sum(monkeypatch):
         comm = (cp._collectives_per_step(TINY, cfg) * cp.GLOO_CALL_S
                 + cp._ring_volumes_per_step(cfg) / 2 * 4 * n / cp.GLOO_BUS_BYTES_PER_S)
         adam = (n if z == 0 else n / 2) * 1e-8
-        assert prior(cfg) == pytest.approx(mb * ga * 2 / (ga * micro + comm + adam))
+        ds = n * cp.DEEPSPEED_S_PER_PARAM
+        assert prior(cfg) == pytest.approx(mb * ga * 2 / (ga * micro + comm + adam + ds))
 
 
 def test_ring_volumes_and_calls_follow_the_stage():
