@@ -43,6 +43,12 @@ def bucket_sizes(model: ModelSpec) -> dict[str, int]:
 
 
 def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
+    """The zero_optimization section. overlap_comm is DeepSpeed's own default per stage
+    (runtime/zero/config.py overlap_comm_valid: true at stage 3 only). At stage 3 it only moves the
+    gathers and reduce-scatters to side streams (stage3.py reduce_and_partition_stream,
+    parameter_offload.py allgather stream; no stream at all on CPU) and allocates nothing more. At
+    stages 1-2 it would add a second reduce bucket and, at stage 1, reduce during backward: a
+    different memory profile the memory model is not measured against, so it stays off there."""
     b = bucket_sizes(model)
     z: dict = {"stage": cfg.zero_stage}
     if cfg.zero_stage in (1, 2):
@@ -53,7 +59,7 @@ def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
                  stage3_prefetch_bucket_size=b["stage3_prefetch_bucket_size"],
                  stage3_param_persistence_threshold=b["stage3_param_persistence_threshold"],
                  stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
-                 contiguous_gradients=True, overlap_comm=False,
+                 contiguous_gradients=True, overlap_comm=True,
                  stage3_gather_16bit_weights_on_model_save=True)
     if cfg.offload_optimizer:
         z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

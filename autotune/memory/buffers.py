@@ -21,7 +21,7 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     - Stage 1: the reduced partition, filled while the full gradients are still held.
     - Stages 1-2: the contiguous-gradients bucket `ipg_buffer` (reduce_bucket_size elements in
       the model dtype; stage_1_and_2.py, reduce_gradients / backward_prologue; one bucket because
-      autotune sets overlap_comm false).
+      autotune sets overlap_comm false at these stages).
     - Stage 3: the parameter prefetch bucket (stage3_prefetch_bucket_size); its reduce bucket is
       held for the whole run (model_states.states).
     """

@@ -331,7 +331,7 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
 
     Gradients in backward: stages 0 and 1 keep them in param.grad while backward runs, as the traced
     program does (DeepSpeed 0.19 stage_1_and_2.py process_gradients reduces during backward only
-    with partition_gradients or overlap_comm, which autotune leaves off), so the analytic
+    with partition_gradients or overlap_comm, which autotune leaves off below stage 3), so the analytic
     end-of-backward gradients are scaled by the fraction the trace holds at that point, and the
     embedding gradient's transient is the traced one; with grad_accum > 1 the gradients exist from
     the start and the analytic terms stand. Stage 2 holds the analytic partition from the first
