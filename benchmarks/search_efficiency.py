@@ -180,17 +180,30 @@ def tpe(ls: Landscape, seed: int) -> list[TrainConfig]:
     return list(ran.values())
 
 
+@dataclass(frozen=True)
+class ProfileRun:
+    """DeepSpeed's autotuner's model-info run (autotuner.model_info_profile_run): the engine records
+    parameters and activation memory at the first forward and exits there (runtime/engine.py,
+    autotuning_profile_model_info), so it measures no throughput and cannot be the tuner's answer.
+    It costs a launch: charged here the config's whole trial-seconds, an upper bound."""
+
+    cfg: TrainConfig
+
+
 class _DeepSpeedAutotuner:
     """deepspeed/autotuning/autotuner.py, fast mode, with its memory arithmetic, step by step."""
 
     def __init__(self, ls: Landscape):
         self.ls, self.ran, self.metric = ls, {}, {}
+        self.order: list[TrainConfig | ProfileRun] = []
 
     def run(self, stage: int, mbs: int) -> float:
         cfg = self.ls.base(stage, mbs)
         if cfg is None:
             return 0.0
-        self.ran.setdefault(cfg.key(), cfg)
+        if cfg.key() not in self.ran:
+            self.ran[cfg.key()] = cfg
+            self.order.append(cfg)
         out = self.ls.run(cfg)
         self.metric[(stage, mbs)] = out.samples_per_s or 0.0
         return self.metric[(stage, mbs)]
@@ -206,7 +219,7 @@ class _DeepSpeedAutotuner:
         prof = self.ls.base(3, 1)  # model_info_profile_run: DEFAULT_MIN_MEM_CONFIG, stage 3, mbs 1
         if prof is None:
             return
-        self.ran.setdefault(prof.key(), prof)
+        self.order.append(ProfileRun(prof))
         out = self.ls.run(prof)
         if out.status != "ok":
             return
@@ -283,10 +296,10 @@ class _DeepSpeedAutotuner:
             best = v
 
 
-def deepspeed_autotuner(ls: Landscape, seed: int) -> list[TrainConfig]:
+def deepspeed_autotuner(ls: Landscape, seed: int) -> list[TrainConfig | ProfileRun]:
     tuner = _DeepSpeedAutotuner(ls)
     tuner.tune()
-    return list(tuner.ran.values())
+    return tuner.order
 
 
 class _TableExecutor(Executor):
@@ -345,13 +358,12 @@ def reach(ls: Landscape, order: list[TrainConfig], planning_s: float = 0.0) -> t
     A strategy's planning seconds are charged in full before its first trial."""
     spent, target = planning_s, TARGET * ls.best
     hit = None
-    for i, cfg in enumerate(order):
-        out = ls.run(cfg)
+    for i, item in enumerate(order):
+        out = ls.run(item.cfg if isinstance(item, ProfileRun) else item)
         spent += out.trial_s
-        if hit is None and out.status == "ok" and out.samples_per_s >= target:
+        if hit is None and not isinstance(item, ProfileRun) and out.status == "ok" and out.samples_per_s >= target:
             hit = (i + 1, spent)
-    total = planning_s + sum(ls.run(c).trial_s for c in order)
-    return (hit[0], hit[1], total) if hit else (None, None, total)
+    return (hit[0], hit[1], spent) if hit else (None, None, spent)
 
 
 def evaluate(ls: Landscape, seeds: int) -> dict[str, dict]:

@@ -48,15 +48,23 @@ def test_best_and_reach(landscape):
 
 
 def test_deepspeed_autotuner_emulation(landscape):
-    """Profile run (ZeRO-3, mb 1: 1.095 GB, so 0.1 GB of activations per sequence). ZeRO-0:
-    it leaves room for (2.147 - 1.99) / 0.1 = 1 sequence: mb 1 runs, 1.05 x 1 -> 2 OOMs.
-    ZeRO-3: (2.147 - 0.995) / 0.1 -> 11; from its previous best 1, 12 (rounded down to the space's
-    8) runs; the list [6, 12] adds mb 6 -> 4; 11 -> 8 does not beat 8 by 5%, so it stops. It never
-    checkpoints: the best (mb 16, k 12) is out of its reach."""
+    """Profile run (ZeRO-3, mb 1: 1.095 GB, so 0.1 GB of activations per sequence; it stops at the
+    first forward and measures no throughput). ZeRO-0: it leaves room for (2.147 - 1.99) / 0.1 = 1
+    sequence: mb 1 runs, 1.05 x 1 -> 2 OOMs. ZeRO-3: (2.147 - 0.995) / 0.1 -> 11; from its previous
+    best, mb 1 runs as an experiment of its own, then 12 (rounded down to the space's 8); the list
+    [6, 12] adds mb 6 -> 4; 11 -> 8 does not beat 8 by 5%, so it stops. It never checkpoints: the
+    best (mb 16, k 12) is out of its reach."""
     order = se.deepspeed_autotuner(landscape, 0)
-    assert [(c.zero_stage, c.micro_batch, c.ckpt_layers) for c in order] == [
-        (3, 1, 0), (0, 1, 0), (0, 2, 0), (3, 8, 0), (3, 4, 0)]
+    assert isinstance(order[0], se.ProfileRun) and (order[0].cfg.zero_stage, order[0].cfg.micro_batch) == (3, 1)
+    assert [(c.zero_stage, c.micro_batch, c.ckpt_layers) for c in order[1:]] == [
+        (0, 1, 0), (0, 2, 0), (3, 1, 0), (3, 8, 0), (3, 4, 0)]
     assert se.reach(landscape, order)[0] is None
+
+
+def test_a_profile_run_costs_its_trial_but_reaches_nothing(landscape):
+    best = max(landscape.configs, key=lambda c: landscape.run(c).samples_per_s or 0)
+    assert se.reach(landscape, [se.ProfileRun(best)]) == (None, None, 10.0)
+    assert se.reach(landscape, [se.ProfileRun(best), best]) == (2, 20.0, 20.0)
 
 
 def test_tpe_runs_each_config_once_and_stops_at_the_target(landscape):
