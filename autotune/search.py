@@ -63,20 +63,21 @@ class Candidate:
 
 # ---- prior -----------------------------------------------------------------------------------------
 def default_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], float]:
-    """The cost model where the device has datasheet numbers (GPUs); elsewhere (CPU ranks) the
-    model's own step timed here (autotune.cpu_prior)."""
-    from autotune.cpu_prior import cpu_prior
+    """On CPU ranks the model's own step timed here (autotune.cpu_prior); on GPUs the cost model.
+    A GPU the cost model cannot price for a precision (no datasheet peak) gets no preference there:
+    its candidates keep the space's order. Never the CPU probe for a GPU: it would build the model
+    in host memory, and a host is no stand-in for the GPU's speed."""
+    if cluster.gpu.is_cpu:
+        from autotune.cpu_prior import cpu_prior
 
-    fallback = cpu_prior(model, cluster)
-    if not (cluster.gpu.peak_tflops and cluster.gpu.hbm_gbps):
-        return fallback
+        return cpu_prior(model, cluster)
     from autotune.costmodel import simulate
 
     def prior(cfg: TrainConfig) -> float:
         try:
             return simulate(model, cluster, cfg).samples_per_s
         except SpecError:
-            return fallback(cfg)
+            return 1.0
 
     return prior
 
