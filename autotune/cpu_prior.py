@@ -27,6 +27,7 @@ from typing import Callable
 
 from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
+from autotune.memory.activations import dtype_bytes
 from autotune.models import ModelSpec
 from autotune.space import TrainConfig
 
@@ -91,17 +92,17 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)  # fixed inputs, the process's own RNG left alone
         dtype = getattr(torch, DTYPES[precision])
         net = _probe_net(model, attention, dtype)
         block = net.blocks[0]
 
         def run(mb: int) -> tuple[float, float]:
-            tokens = torch.randint(0, model.vocab_size, (mb, seq_len))
+            tokens = torch.randint(0, model.vocab_size, (mb, seq_len), generator=gen)
             t0 = time.perf_counter()
             net(tokens, tokens).backward()
             t1 = time.perf_counter()
-            x = torch.randn(mb, seq_len, model.hidden_size, dtype=dtype)
+            x = torch.randn(mb, seq_len, model.hidden_size, dtype=dtype, generator=gen)
             rope = rotary_tables(seq_len, model.head_dim, dtype) if model.position == "rotary" else None
             t2 = time.perf_counter()
             block(x, rope)
@@ -156,8 +157,6 @@ def cpu_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], flo
     w, threads = cluster.world_size, rank_threads(cluster)
 
     def prior(cfg: TrainConfig) -> float:
-        from autotune.memory.activations import dtype_bytes
-
         fwd_bwd, block_fwd = probe_model(model, cfg.seq_len, cfg.micro_batch, cfg.precision, cfg.attention, threads)
         t_micro = fwd_bwd + cfg.ckpt_layers * block_fwd + DEEPSPEED_MICRO_S
         comm = 0.0

@@ -168,6 +168,11 @@ def _build(name: str, family: str, shape: dict[str, Any], source: str) -> ModelS
         raise SpecError(f"model {name}: {e}") from None
 
 
+def from_shape(name: str, family: str, *, source: str = "", **shape: Any) -> ModelSpec:
+    """A ModelSpec from its family and shape, the family's defaults filling the rest (as presets)."""
+    return _build(name, family, shape, source)
+
+
 @cache
 def _raw() -> dict[str, dict]:
     """autotune/data/models.yaml, read once."""

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pandas as pd
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from search_efficiency import DATA, TARGET, cpu_landscape  # noqa: E402
@@ -27,18 +29,16 @@ from search_efficiency import DATA, TARGET, cpu_landscape  # noqa: E402
 from autotune import cpu_prior as cp  # noqa: E402
 from autotune.hardware import parse_gpus  # noqa: E402
 from autotune.memory import estimate  # noqa: E402
-from autotune.models import ModelSpec  # noqa: E402
+from autotune.models import ModelSpec, from_shape  # noqa: E402
 from autotune.space import TrainConfig  # noqa: E402
 
-MID = ModelSpec(name="mid-llama-probe", family="llama", num_layers=6, hidden_size=320, num_heads=5, num_kv_heads=5,
-                ffn_hidden_size=864, vocab_size=12000, max_seq_len=256, mlp="swiglu", norm="rmsnorm", norm_bias=False,
-                linear_bias=False, position="rotary", tied_embeddings=False, source="benchmarks/cpu_prior.py")
-TINY = ModelSpec(name="tiny-llama-probe", family="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
-                 ffn_hidden_size=128, vocab_size=256, max_seq_len=256, mlp="swiglu", norm="rmsnorm", norm_bias=False,
-                 linear_bias=False, position="rotary", tied_embeddings=False, source="benchmarks/cpu_prior.py")
+MID = from_shape("mid-llama-probe", "llama", num_layers=6, hidden_size=320, num_heads=5, ffn_hidden_size=864,
+                 vocab_size=12000, max_seq_len=256, source="benchmarks/cpu_prior.py")
+TINY = from_shape("tiny-llama-probe", "llama", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=128,
+                  vocab_size=256, max_seq_len=256, source="benchmarks/cpu_prior.py")
 
 
-def deepspeed_micro_s(model: ModelSpec, repeats: int) -> None:
+def deepspeed_overhead(model: ModelSpec, repeats: int) -> None:
     from autotune.executors.base import TrialRequest
     from autotune.trial.launch import run_trials
 
@@ -62,16 +62,9 @@ def deepspeed_micro_s(model: ModelSpec, repeats: int) -> None:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=v.__getitem__)
-        r = [0.0] * len(v)
-        for i, j in enumerate(order):
-            r[j] = float(i)
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    return num / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    """Pearson correlation of the ranks (ties get their average rank); pandas' own method="spearman"
+    needs scipy, which nothing else here does."""
+    return float(pd.Series(xs).rank().corr(pd.Series(ys).rank()))
 
 
 def against_landscape(path: Path) -> None:
@@ -102,7 +95,7 @@ def main() -> None:
     args = p.parse_args()
     if not args.no_trials:
         for model in (TINY, MID):
-            deepspeed_micro_s(model, args.repeats)
+            deepspeed_overhead(model, args.repeats)
     for path in sorted(DATA.glob("cpu_landscape*.csv")):
         against_landscape(path)
 

@@ -39,10 +39,11 @@ from pathlib import Path
 
 from autotune.executors.base import TrialRequest
 from autotune.hardware import parse_gpus
-from autotune.models import ModelSpec
+from autotune.models import ModelSpec, from_shape
 from autotune.space import TrainConfig
 
 DATA = Path(__file__).parent / "data"
+SOURCE = "benchmarks/record_cpu_landscape.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,17 +56,13 @@ class Setup:
 
 SETUPS = {
     "cpu_landscape": Setup(
-        ModelSpec(name="landscape-tiny", family="llama", num_layers=4, hidden_size=256, num_heads=4,
-                  num_kv_heads=4, ffn_hidden_size=688, vocab_size=16000, max_seq_len=512, mlp="swiglu",
-                  norm="rmsnorm", norm_bias=False, linear_bias=False, position="rotary",
-                  tied_embeddings=False, source="benchmarks/record_cpu_landscape.py"),
+        from_shape("landscape-tiny", "llama", num_layers=4, hidden_size=256, num_heads=4, ffn_hidden_size=688,
+                   vocab_size=16000, max_seq_len=512, source=SOURCE),
         "2xcpu@640MiB", {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 2, 4]},
         {"precision": "fp32", "seq_len": 128, "grad_accum": 1}),
     "cpu_landscape_gpt2": Setup(
-        ModelSpec(name="landscape-gpt2", family="gpt2", num_layers=6, hidden_size=192, num_heads=6,
-                  num_kv_heads=6, ffn_hidden_size=768, vocab_size=8192, max_seq_len=512, mlp="gelu",
-                  norm="layernorm", norm_bias=True, linear_bias=True, position="learned",
-                  tied_embeddings=True, source="benchmarks/record_cpu_landscape.py"),
+        from_shape("landscape-gpt2", "gpt2", num_layers=6, hidden_size=192, num_heads=6, ffn_hidden_size=768,
+                   vocab_size=8192, max_seq_len=512, source=SOURCE),
         "2xcpu@560MiB", {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 3, 6]},
         {"precision": "fp32", "seq_len": 256, "grad_accum": 1}),
 }

@@ -330,9 +330,8 @@ class _TableExecutor(Executor):
 def ours(ls: Landscape, seed: int) -> list[TrainConfig]:
     import optuna
 
-    from autotune.search import Search
-
     from autotune.cpu_prior import probe_adamw_s_per_param, probe_model
+    from autotune.search import Search
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for probe in (probe_model, probe_adamw_s_per_param):

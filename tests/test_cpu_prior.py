@@ -8,15 +8,13 @@ import pytest
 
 from autotune import cpu_prior as cp
 from autotune.hardware import parse_gpus
-from autotune.models import ModelSpec
+from autotune.models import from_shape
 from autotune.space import TrainConfig
 
-TINY = ModelSpec(name="t", family="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
-                 ffn_hidden_size=128, vocab_size=256, max_seq_len=256, mlp="swiglu", norm="rmsnorm",
-                 norm_bias=False, linear_bias=False, position="rotary", tied_embeddings=False)
-GPT2 = ModelSpec(name="g", family="gpt2", num_layers=2, hidden_size=48, num_heads=4, num_kv_heads=4,
-                 ffn_hidden_size=192, vocab_size=128, max_seq_len=128, mlp="gelu", norm="layernorm",
-                 norm_bias=True, linear_bias=True, position="learned", tied_embeddings=True)
+TINY = from_shape("t", "llama", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=128, vocab_size=256,
+                  max_seq_len=256)
+GPT2 = from_shape("g", "gpt2", num_layers=2, hidden_size=48, num_heads=4, ffn_hidden_size=192, vocab_size=128,
+                  max_seq_len=128)
 
 
 @pytest.mark.parametrize("model", [TINY, GPT2], ids=["llama", "gpt2"])
