@@ -83,7 +83,8 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
                 threads: int) -> tuple[float, float]:
     """(forward+backward of the whole model, forward of one block) in seconds, the faster of two
     timings each, after a warm-up at micro batch 1 (first calls pay allocator and kernel selection).
-    One timing let neighbours 15% apart on the landscape swap places in 3 of 5 searches."""
+    With one timing, two candidates 15% apart on the Llama landscape swapped in 3 of 5 searches;
+    with two, in 3 of 10."""
     import torch
 
     from autotune.trial.model import rotary_tables
