@@ -21,12 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.executors.base import TrialRequest
+from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.memory.baselines import article_bytes, deepspeed_estimator_bytes
 from autotune.models import _build
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 UNSEEN = {
     "llama-h192": _build("llama-h192", "llama", dict(num_layers=3, hidden_size=192, num_heads=6, num_kv_heads=2,

@@ -11,7 +11,7 @@ import dataclasses
 import json
 
 from autotune import study as st
-from autotune.executors.base import TrialResult
+from autotune.trial.record import TrialResult
 from autotune.executors.ray_executor import RayExecutor
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
@@ -19,7 +19,7 @@ from autotune.memory.correction import Correction
 from autotune.models import resolve_model
 from autotune.search import Search
 from autotune.search_space import parse_space
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.units import MiB
 
 UNDER = 0.6

@@ -9,7 +9,7 @@ import pytest
 from autotune import cpu_prior as cp
 from autotune.hardware import parse_gpus
 from autotune.models import from_shape
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 TINY = from_shape("t", "llama", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=128, vocab_size=256,
                   max_seq_len=256)

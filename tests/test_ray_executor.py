@@ -13,11 +13,11 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster as RayCluster
 
-from autotune.executors.base import TrialRequest
+from autotune.trial.record import TrialRequest
 from autotune.executors.ray_executor import RayExecutor
 from autotune.hardware import parse_gpus
 from autotune.models import SpecError, resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -58,7 +58,7 @@ def wait_all(ex: RayExecutor, n: int, watch: list[Path] = (), limit_s: float = 1
 
 def test_local_ray_starts_quietly_and_runs_trials_at_once(tmp_path):
     one = parse_gpus("1xcpu")
-    ex = RayExecutor(one, num_cpus=2)
+    ex = RayExecutor(one, num_cpus=2, concurrent_trials=2)
     try:
         assert ray.is_initialized() and ex.slots() == 2  # two 1-rank trials fit 2 CPUs
         outs = [tmp_path / f"t{i}" for i in range(2)]

@@ -19,7 +19,7 @@ from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent

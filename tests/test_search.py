@@ -21,13 +21,14 @@ import pytest
 
 from autotune import study as st
 from autotune.cli import main
-from autotune.executors.base import Executor, TrialResult
+from autotune.executors.base import Executor
+from autotune.trial.record import TrialResult
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import SpecError, from_hf_config
 from autotune.search import PriorGuided, Search
 from autotune.search_space import expand, parse_space
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.units import MiB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +103,7 @@ def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
     summary = s.run(progress=False)
     trials = s.study.trials
     assert summary.stop == "exhausted"
-    keys = [st.config_of(t).key() for t in trials]
+    keys = [st.record_of(t).config.key() for t in trials]
     assert len(keys) == len(set(keys)) == summary.candidates          # every candidate decided exactly once
     assert len(ex.seen) == len({c.key() for c in ex.seen}) == summary.ok  # nothing ran twice
     for t in trials:
@@ -118,7 +119,7 @@ def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
     # per group (all but k), the one run is the smallest k that fits; larger k are dominated
     ran = {(c.zero_stage, c.micro_batch): c.ckpt_layers for c in ex.seen}
     for t in trials:
-        c = st.config_of(t)
+        c = st.record_of(t).config
         if t.user_attrs.get("pruned_by") == "dominated":
             assert c.ckpt_layers > ran[(c.zero_stage, c.micro_batch)]
             assert f"trial " in t.user_attrs["reason"] and "fewer checkpointed layers" in t.user_attrs["reason"]
@@ -148,7 +149,7 @@ def test_oom_skips_larger_micro_batches_and_failures_keep_status_reason_log(env)
     trials = s.study.trials
     oom = [t for t in trials if t.user_attrs["status"] == "oom"]
     assert len(oom) == 1 and oom[0].state == optuna.trial.TrialState.FAIL
-    implied = {(st.config_of(t).zero_stage, st.config_of(t).micro_batch, st.config_of(t).ckpt_layers): t
+    implied = {(st.record_of(t).config.zero_stage, st.record_of(t).config.micro_batch, st.record_of(t).config.ckpt_layers): t
                for t in trials if t.user_attrs.get("pruned_by") == "oom-implied"}
     assert set(implied) == {(zero, mb, 0) for mb in mbs[1:]}
     for t in implied.values():
@@ -167,7 +168,7 @@ def test_interrupt_keeps_completed_and_resume_redoes_none(env):
     with pytest.raises(KeyboardInterrupt):
         _search(env, ex).run(progress=False)
     study = st.load_study("s")
-    done = {st.config_of(t).key() for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
+    done = {st.record_of(t).config.key() for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
     interrupted = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
     assert len(done) >= 1 and len(interrupted) == len(ex.seen) - len(done) >= 1
     ex2 = Landscape(slots=2)
@@ -176,8 +177,8 @@ def test_interrupt_keeps_completed_and_resume_redoes_none(env):
     s2.run(progress=False)
     rerun = {c.key() for c in ex2.seen}
     assert not rerun & done                                             # no completed config again
-    assert {st.config_of(t).key() for t in interrupted} <= rerun        # interrupted ones do run
-    complete = [st.config_of(t).key() for t in s2.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert {st.record_of(t).config.key() for t in interrupted} <= rerun        # interrupted ones do run
+    complete = [st.record_of(t).config.key() for t in s2.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == len(set(complete))
 
 

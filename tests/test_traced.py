@@ -18,7 +18,7 @@ from autotune.memory import activations as act
 from autotune.memory import estimate
 from autotune.memory.traced import TRACED_TERMS, _trace_program, compare, trace
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
 from autotune.trial.model import Transformer, init_weights
 

@@ -19,10 +19,10 @@ import torch
 
 from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
-from autotune.executors.base import TrialRequest
+from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.trial import run_trials
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
 from autotune.trial.model import Transformer

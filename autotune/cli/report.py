@@ -19,7 +19,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from autotune import report
     from autotune import study as st
-    from autotune.models import SpecError
+    from autotune.errors import SpecError
 
     if args.top is not None and args.top < 1:
         raise SpecError(f"--top must be at least 1, got {args.top}")

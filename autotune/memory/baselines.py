@@ -18,7 +18,7 @@ import math
 from autotune.hardware import Cluster
 from autotune.memory.model_states import largest_param
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 ARTICLE_BYTES_PER_PARAM = 18
 ARTICLE_ACTIVATION_COEFF = 15
