@@ -160,6 +160,10 @@ def assert_new(name: str, url: str | None) -> None:
     url = storage_url(name, url)
     path = _sqlite_file(url)
     if path is not None and not path.exists():
+        try:   # a folder that cannot be made fails now, before an executor is started for nothing
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpecError(f"cannot create the study database's folder {path.parent}: {e.strerror or e}") from None
         return
     if name in {s.study_name for s in open_storage(url, must_exist=False).get_all_studies()}:
         raise SpecError(f"study {name!r} already exists in {url}; continue it with --resume, or choose "

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from autotune import study as st
 from autotune.trial.record import TrialResult
 from autotune.executors.ray_executor import RayExecutor
@@ -48,6 +50,7 @@ def test_correction_unit_rules():
     assert c.total_bytes(est) > est.capacity_bytes and not c.fits(est)
 
 
+@pytest.mark.slow
 def test_study_under_pricing_model_ends_up_pruning(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     model = resolve_model("tiny-llama")

@@ -17,6 +17,7 @@ GPT2 = from_shape("g", "gpt2", num_layers=2, hidden_size=48, num_heads=4, ffn_hi
                   max_seq_len=128)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [TINY, GPT2], ids=["llama", "gpt2"])
 def test_probe_times_the_real_model(model):
     small = cp.probe_model(model, 64, 1, "fp32", "sdpa", 1)

@@ -19,6 +19,8 @@ from autotune.hardware import parse_gpus
 from autotune.models import SpecError, resolve_model
 from autotune.train_config import TrainConfig
 
+pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 MODEL = resolve_model("tiny-llama")

@@ -153,6 +153,7 @@ print(json.dumps({"world": c.world_size, "train_batch": c.train_batch_size, "sta
 """
 
 
+@pytest.mark.slow
 def test_exported_json_is_accepted_by_deepspeeds_config_class(trials_dir, tmp_path):
     make_study("fp16", precision="fp16")
     out = tmp_path / "ds.json"
@@ -171,6 +172,7 @@ def test_exported_json_is_accepted_by_deepspeeds_config_class(trials_dir, tmp_pa
     assert run.returncode != 0 and "train_batch_size is not equal" in run.stderr
 
 
+@pytest.mark.slow
 def test_notebook_runs_on_a_study(trials_dir, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

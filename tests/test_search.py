@@ -320,6 +320,7 @@ def _runs(db: Path) -> list[dict]:
     return [{"number": n, "state": s, "config": json.loads(v)} for n, s, v in rows]
 
 
+@pytest.mark.slow
 def test_end_to_end_real_trials_killed_and_resumed(tmp_path):
     """Real Ray + DeepSpeed trials on two CPU ranks under a memory cap; killed with SIGTERM after the
     first completed trial, then resumed: no completed configuration runs again; then report and export."""

@@ -82,6 +82,7 @@ def traced(name, precision, attention, ckpt):
 REAL = [(n, p, "sdpa", k) for n in FAMILIES for p in PRECISIONS for k in (0, 2)] + [("tiny-llama", "bf16", "eager", 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,precision,attention,ckpt", REAL)
 def test_traced_peaks_match_a_real_cpu_run(name, precision, attention, ckpt):
     spec = resolve_model(name)
@@ -180,6 +181,7 @@ def test_compare_table():
         compare(estimate(resolve_model("tiny-llama"), CPU, config("fp32", "sdpa", 2)), t)
 
 
+@pytest.mark.slow
 def test_notebook_runs(capsys):
     import nbformat
     from nbclient import NotebookClient

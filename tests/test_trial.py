@@ -27,6 +27,8 @@ from autotune.trial import run_trials
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
 from autotune.trial.model import Transformer
 
+pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs
+
 CLUSTER = parse_gpus("2xcpu")
 # tiny-llama at micro batch 1, tiny-gpt2 at 2: both batch sizes are covered, seq 32 keeps it fast.
 SHAPES = {"tiny-llama": 1, "tiny-gpt2": 2}
