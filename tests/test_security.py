@@ -1,6 +1,6 @@
 """Who may use what autotune starts (docs/security.md): the local Ray cluster runs tasks for the holder of
-its token only, the token file is its owner's alone, and `RAY_AUTH_MODE=disabled` is never obeyed
-silently. The slow test is real: a real local cluster and a real client process, no mocks."""
+its token only, the token file is its owner's alone, and an environment that switches authentication
+off is never obeyed silently. The slow test is real: a real local cluster and a real client process, no mocks."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_token_file_is_created_owner_only_and_an_open_one_is_tightened(tmp_path,
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert ray_auth.secure_local_cluster() == path
     assert os.environ["RAY_AUTH_MODE"] == "token"               # overridden, and said so
-    assert "RAY_AUTH_MODE=disabled ignored" in capsys.readouterr().err
+    assert "ignored: the local Ray cluster autotune starts listens on every" in capsys.readouterr().err
     assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_text()) == 64
     first = path.read_text()
 

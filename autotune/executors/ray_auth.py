@@ -35,7 +35,7 @@ def secure_local_cluster() -> Path | None:
     """Before ray.init starts a local cluster: token mode on, and a token file only its owner can read.
 
     Returns the token file (None: the token is in `RAY_AUTH_TOKEN`). The local cluster listens on every
-    interface, so `RAY_AUTH_MODE=disabled` in the environment is overridden, with a warning, not obeyed.
+    interface, so an environment that switches authentication off is overridden, with a warning, not obeyed.
     """
     mode = os.environ.get(MODE_VAR)
     if mode is not None and mode.lower() != "token":
@@ -80,7 +80,8 @@ def _owner_only_token(path: Path) -> None:
 
 
 def warn_if_joining_without_token(address: str) -> None:
-    """Before joining the cluster at `address`: once per process, say what `RAY_AUTH_MODE=disabled` exposes.
+    """Before joining the cluster at `address` with authentication switched off in the environment: once
+    per process, say what that exposes.
 
     That cluster's own authentication decides who may connect; autotune neither weakens nor changes it.
     """
