@@ -1,19 +1,27 @@
 """Who may use what autotune starts (docs/security.md): the local Ray cluster runs tasks for the holder of
 its token only, the token file is its owner's alone, and an environment that switches authentication
-off is never obeyed silently. The slow test is real: a real local cluster and a real client process, no mocks."""
+off is never obeyed silently; a single-node trial listens on loopback only. The slow tests are real: a real
+local cluster and client process, a real trial; no mocks."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
+import time
 
+import psutil
 import pytest
 import ray
 
 from autotune.cli.search import make_executor
 from autotune.executors import ray_auth
+from autotune.executors.base import TrialRequest
 from autotune.hardware import parse_gpus
+from autotune.models import resolve_model
+from autotune.space import TrainConfig
+from autotune.trial import launch
 
 CLIENT = """
 import sys, ray
@@ -83,3 +91,27 @@ def test_joining_with_auth_disabled_warns_once(monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     ray_auth.warn_if_joining_without_token("10.0.0.5:6379")
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_single_node_trial_listens_on_loopback_only(tmp_path):
+    """Every socket the launcher and its ranks listen on during a 2-rank trial is on 127.0.0.1 (left to
+    torch, the rendezvous store listened on every interface)."""
+    req = TrialRequest(model=resolve_model("tiny-llama"), cluster=parse_gpus("2xcpu"),
+                       config=TrainConfig(zero_stage=2, precision="bf16", seq_len=32), out_dir=tmp_path / "t",
+                       steps=3, warmup_steps=1, timeout_s=150.0)
+    done: list = []
+    runner = threading.Thread(target=lambda: done.append(launch.run_trial(req, threads=1)))
+    runner.start()
+    listening = set()
+    while runner.is_alive():
+        family = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            listening |= {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp")
+                          if c.status == psutil.CONN_LISTEN and c.pid in family}
+        except psutil.Error:  # a rank that exits mid-listing
+            pass
+        time.sleep(0.2)
+    runner.join()
+    assert done and done[0].status == "ok", done and done[0].reason
+    assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening

@@ -144,7 +144,8 @@ class Group:
                 # measured: `getent hosts $(hostname)`) and NCCL any interface but lo and docker* (NCCL's
                 # documentation of NCCL_SOCKET_IFNAME), i.e. the network's.
                 ifname = loopback_interface()
-                env.update(TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
+                env.update(TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME=ifname,
+                           NCCL_SOCKET_IFNAME=ifname)
             group = _join_group(self.procs[0].pid if self.procs else 0)
             self.procs.append(subprocess.Popen([sys.executable, "-m", "autotune.trial.worker", str(payload)],
                                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -242,7 +243,7 @@ def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int
     the next config. Several nodes: no restart (the other nodes cannot follow); what is left is
     recorded as not run. `fresh`: write each trial's folder anew (prepare); False when the caller
     (the Ray driver) has done so already. `master_addr`/`master_port` are rank 0's, for several nodes;
-    one node always rendezvous on 127.0.0.1 (loopback_store).
+    one node always meets on 127.0.0.1 (loopback_store).
     """
     for req in requests:
         if fresh:
