@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import psutil
+from torch.distributed import TCPStore
 
 from autotune.deepspeed_config import deepspeed_config
 from autotune.trial.record import NodeOutcome, RankReport, TrialRequest, TrialResult
@@ -57,6 +58,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(world_size: int) -> tuple[TCPStore, int]:
+    """A single-node group's rendezvous store, reachable from this machine only, and its port.
+
+    Left to torch, rank 0 hosts the store on MASTER_PORT on every interface whatever MASTER_ADDR says
+    (measured: psutil's listening sockets during a 2-rank CPU trial with MASTER_ADDR=127.0.0.1: the store
+    on `::`, gloo's pairs on 127.0.0.1). TCPStore serves an already listening socket (`master_listen_fd`),
+    so the launcher binds one to 127.0.0.1 and hosts the store, and every rank only connects to it
+    (TORCHELASTIC_USE_AGENT_STORE=True: torch/distributed/rendezvous.py `_create_c10d_store`). The OS
+    picks the port while binding it, so nothing can take it between choice and use.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    # detach: the store owns the descriptor and closes it when deleted (measured: os.fstat on it after
+    # `del store` fails with EBADF), so the socket object must not close it a second time.
+    return TCPStore(LOOPBACK, port, world_size=world_size, is_master=True, master_listen_fd=sock.detach(),
+                    wait_for_workers=False), port
+
+
+def loopback_interface() -> str:
+    """The name of the interface holding 127.0.0.1 (`lo` on Linux, `lo0` on macOS)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addrs):
+            return name
+    return "lo"
+
+
 def prepare(req: TrialRequest) -> None:
     """The trial's folder with the configs it will run; stale per-rank files removed."""
     out = Path(req.out_dir)
@@ -77,7 +109,7 @@ class Group:
     """The local ranks of one process group, started at config `start` of `requests`."""
 
     def __init__(self, requests: list[TrialRequest], start: int, *, node_rank: int, num_nodes: int,
-                 master_addr: str, master_port: int, threads: int | None):
+                 master_addr: str, master_port: int, threads: int | None, local_only: bool = False):
         self.requests, self.events = requests, queue.Queue()
         cluster = requests[0].cluster
         # One node runs gpus_per_node ranks of a multi-node trial; alone, it runs them all.
@@ -106,6 +138,15 @@ class Group:
                    "AUTOTUNE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
             if cluster.gpu.is_cpu:
                 env["DS_ACCELERATOR"] = "cpu"
+            if local_only:
+                # The store is the launcher's (loopback_store). gloo's and NCCL's own sockets go on the loopback
+                # interface too: left alone, gloo binds the address the host name resolves to (torch's
+                # ProcessGroupGloo.cpp; 127.0.0.1 here only because /etc/hosts maps this host name there,
+                # measured: `getent hosts $(hostname)`) and NCCL any interface but lo and docker* (NCCL's
+                # documentation of NCCL_SOCKET_IFNAME), i.e. the network's.
+                ifname = loopback_interface()
+                env.update(TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME=ifname,
+                           NCCL_SOCKET_IFNAME=ifname)
             group = _join_group(self.procs[0].pid if self.procs else 0)
             self.procs.append(subprocess.Popen([sys.executable, "-m", "autotune.trial.worker", str(payload)],
                                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -200,7 +241,8 @@ def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int
     Single node: a config that kills the group is recorded and a new group (new port) starts at
     the next config. Several nodes: no restart (the other nodes cannot follow); what is left is
     recorded as not run. `fresh`: write each trial's folder anew (prepare); False when the caller
-    (the Ray driver) has done so already.
+    (the Ray driver) has done so already. `master_addr`/`master_port` are rank 0's, for several nodes;
+    one node always meets on 127.0.0.1 (loopback_store).
     """
     for req in requests:
         if fresh:
@@ -210,14 +252,21 @@ def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int
     outcomes: list[NodeOutcome | None] = [None] * len(requests)
     i = 0
     while i < len(requests):
-        port = master_port if num_nodes > 1 else (master_port or free_port(master_addr))
-        group = Group(requests, i, node_rank=node_rank, num_nodes=num_nodes, master_addr=master_addr,
-                      master_port=port, threads=threads)
+        store = None
+        if num_nodes > 1:
+            addr, port = master_addr, master_port
+        else:
+            store, port = loopback_store(requests[0].cluster.world_size)
+            addr = LOOPBACK
+        group = Group(requests, i, node_rank=node_rank, num_nodes=num_nodes, master_addr=addr,
+                      master_port=port, threads=threads, local_only=store is not None)
         try:
             i = _watch(group, requests, i, outcomes)
         except BaseException:  # KeyboardInterrupt in a caller that lives on: leave no rank behind
             group.kill()
             raise
+        finally:
+            store = None  # closes the store: its group is gone
         master_port = None
         if num_nodes > 1 and i < len(requests):
             for j in range(i, len(requests)):
