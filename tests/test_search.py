@@ -287,6 +287,7 @@ def test_existing_study_corrupt_database_and_unknown_study_exit_2_untouched(env,
         st.load_study("x", f"sqlite:///{other}")
 
 
+@pytest.mark.slow
 def test_main_command_without_the_gpus_is_simulated_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     assert main(["search", "--model", "13b", "--gpus", "4xA100", "--n-trials", "2", "--no-progress"]) == 0
