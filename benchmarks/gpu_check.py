@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 # A bare GPU machine has no installed autotune: the ranks find it through PYTHONPATH as this does.
@@ -194,8 +195,9 @@ def write_plan(out: Path, entries: list[dict], model: ModelSpec, cluster: Cluste
     head = {"model": model.describe(), "model_source": model.source, "implementation": implementation(model),
             "gpus": cluster.describe(), "seq_len": SEQ_LEN, "steps": STEPS, "warmup_steps": WARMUP_STEPS}
     (out / "plan.json").write_text(json.dumps({**head, "trials": entries}, indent=2))
-    lines = [f"# GPU check plan\n", *(f"- {k}: {v}" for k, v in head.items()), "",
-             "| # | group | trial | role | est. peak GiB (tensor + overhead) | fits | sim. samples/s | DeepSpeed parser |",
+    lines = ["# GPU check plan\n", *(f"- {k}: {v}" for k, v in head.items()), "",
+             "| # | group | trial | role | est. peak GiB (tensor + overhead) | fits | sim. samples/s "
+             "| DeepSpeed parser |",
              "|---|---|---|---|---|---|---|---|"]
     for e in entries:
         lines.append(f"| {e['order']} | {e['group']} | {e['name']} | {e['role']} | {e['est_tensor_peak_gib']:.2f} + "
@@ -212,30 +214,30 @@ def print_plan(entries: list[dict], model: ModelSpec, cluster: Cluster) -> None:
               f"{'yes' if e['est_fits'] else 'no':>4} {e['sim_samples_per_s']:>8.2f}  ok")
 
 
+def preset_for(device: str) -> str:
+    """The gpus.yaml preset whose name or alias the device's name contains, the longest such
+    (so "NVIDIA A100-SXM4-40GB" is A100-40GB, not the A100 alias of the 80 GB part)."""
+    from autotune.hardware import _raw
+
+    key = device.upper()
+    found = [(len(a), n) for n, e in _raw().items() if n != "cpu"
+             for a in (n, *map(str, e.get("aliases", []))) if a.upper() in key]
+    if not found:
+        raise SpecError(f"GPU {device!r} matches no preset in autotune/data/gpus.yaml; pass --gpus")
+    return max(found)[1]
+
+
 def detect_cluster(gpus: str | None) -> Cluster:
-    """--gpus if given, else the GPU torch sees (a preset matched by name, its real memory)."""
+    """--gpus if given, else the GPU torch sees: its preset (by name), with its real memory."""
     if gpus:
         return parse_gpus(gpus)
     import subprocess
 
-    from autotune.hardware import gpu_presets
-
-    # In a child process: this one stays without a CUDA context, so the device gauge sees only the ranks.
+    # In a child: this process stays without a CUDA context, so the device gauge sees only the ranks.
     probe = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory); print(p.name)"
     total, device = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                                    check=True).stdout.strip().splitlines()[-2:]
-    key = device.upper()
-    known = [(len(a), n) for n, g in gpu_presets().items() if n != "cpu"
-             for a in (n, *_aliases(n)) if a.upper() in key]
-    if not known:
-        raise SpecError(f"GPU {device!r} matches no preset in autotune/data/gpus.yaml; pass --gpus")
-    return parse_gpus(f"1x{max(known)[1]}@{int(total) // 2**20}MiB")
-
-
-def _aliases(preset: str) -> list[str]:
-    from autotune.hardware import _raw
-
-    return [str(a) for a in _raw()[preset].get("aliases", [])]
+    return parse_gpus(f"1x{preset_for(device)}@{int(total) // 2**20}MiB")
 
 
 def preflight(args) -> dict:
@@ -246,7 +248,8 @@ def preflight(args) -> dict:
     return env | setup.prebuild_ops()
 
 
-def run(args, runner=None, prepare=preflight) -> int:
+def run(args, runner: Callable[[list[TrialRequest]], list[TrialResult]] | None = None,
+        prepare: Callable[[argparse.Namespace], dict] = preflight) -> int:
     """Preflight, then the plan group by group; rows written as each group ends. `runner`
     (autotune.trial.run_trials) and `prepare` are replaced only by the tests."""
     t0 = time.monotonic()

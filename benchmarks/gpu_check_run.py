@@ -73,10 +73,12 @@ class Gauge:
 
 
 def leftover(root: Path) -> list[int]:
-    """Live processes of the trials under `root` (a rank's command line names its payload there)."""
+    """Live ranks of the trials under `root`: a rank runs autotune.trial.worker with its payload
+    there on its command line (this process, whose own command line names `root`, is not one)."""
     pids = []
     for p in psutil.process_iter(["cmdline", "status"]):
-        if str(root) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "autotune.trial.worker" in cmd and str(root) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
             pids.append(p.pid)
     return pids
 
@@ -85,7 +87,7 @@ def _gib(b: int | None) -> float | None:
     return None if b is None else b / GiB
 
 
-def _check(role: str, res, est_fits: bool, left: int) -> str:
+def _check(role: str, res, left: int) -> str:
     """PASS/FAIL for the OOM probe; for a trial ok, `finding` (oom, diverged: an outcome to read) or
     FAIL (crashed, timeout: the GPU path broke). Any rank left behind fails."""
     if left:
@@ -126,7 +128,7 @@ def rows_for(todo: list, results: list, entries: dict[str, dict], extra: dict, n
         row |= measured(res, c, reserved, extra)
         row |= {"status": res.status, "reason": res.reason.splitlines()[0][:300] if res.reason else "",
                 "processes_left": extra.get("processes_left", 0),
-                "check": _check(p.role, res, e["est_fits"], extra.get("processes_left", 0))}
+                "check": _check(p.role, res, extra.get("processes_left", 0))}
         if row["peak_gib"] is not None and p.role == "trial":
             row["peak_error_pct"] = 100 * (row["peak_gib"] / e["est_tensor_peak_gib"] - 1)
         if res.samples_per_s:
@@ -148,16 +150,17 @@ def write_summary(out: Path, head: dict, rows: list[dict], elapsed_s: float) -> 
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
-        w.writerows({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+        w.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
     tmp.replace(out / "gpu_check.csv")
     probe = next((r for r in rows if r["role"] == "oom_probe"), None)
+    verdict = f"{probe['check']} ({probe['status'] or '-'}: {probe['reason']})" if probe else "not reached"
+    count = {c: sum(r["check"] == c for r in rows) for c in ("FAIL", "finding", "not run")}
     lines = ["# GPU check\n", *(f"- {k}: {v}" for k, v in head.items()), f"- elapsed: {elapsed_s:.0f} s", "",
              "## Checks\n",
              f"- first trial ran: {rows[0]['status'] or rows[0]['check'] if rows else 'no'}",
-             f"- OOM probe: {probe['check'] + ' (' + (probe['status'] or '-') + ': ' + probe['reason'] + ')' if probe else 'not reached'}",
+             f"- OOM probe: {verdict}",
              f"- processes left behind: {sum(r.get('processes_left') or 0 for r in rows)}",
-             f"- failed: {sum(r['check'] == 'FAIL' for r in rows)}, findings: {sum(r['check'] == 'finding' for r in rows)}, "
-             f"not run: {sum(r['check'] == 'not run' for r in rows)}", "",
+             f"- failed: {count['FAIL']}, findings: {count['finding']}, not run: {count['not run']}", "",
              "## Trials (all columns in gpu_check.csv; docs/gpu_check.md says what each means)\n",
              "| " + " | ".join(t for _, t, _ in SHOWN) + " |", "|" + "---|" * len(SHOWN)]
     lines += ["| " + " | ".join(_fmt(r, k, f) for k, _, f in SHOWN) + " |" for r in rows]
