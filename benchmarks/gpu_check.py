@@ -11,7 +11,7 @@ no process behind). Per trial, measured beside predicted: the allocator's peaks 
 estimate, samples/s against the cost model, the fp16 loss scale. Results go row by row to
 DIR/gpu_check.csv and DIR/summary.md, so a run cut short keeps what it has. Columns: docs/gpu_check.md.
 Exit code: 0 the checks held (however large an error), 1 a check failed (the first trial did not
-run, the probe was not an `oom`, a process was left), 2 bad input.
+run ok, a trial crashed or timed out, the probe was not CUDA's `oom`, a rank was left), 2 bad input.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,11 +35,25 @@ OPS_TIMEOUT_S = 600
 FusedAdamBuilder().load()); two source files, about a minute with ninja on a 16-core host."""
 
 
-def _requirements(dist: str) -> list[str]:
-    """`dist`'s unconditional requirements (no extras, no markers), each pinned to the version
-    installed here: the combination this checkout is tested with."""
+def _canon(name: str) -> str:
+    """PEP 503 normalised name: wheel files write py_cpuinfo, requirements py-cpuinfo."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _metadata_requires(wheel: Path) -> list[str]:
+    """Requires-Dist lines of a wheel's METADATA (PEP 566)."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return [ln.split(":", 1)[1].strip() for ln in z.read(meta).decode().splitlines()
+                if ln.startswith("Requires-Dist:")]
+
+
+def _requirements(wheel: Path) -> list[str]:
+    """The wheel's unconditional requirements (no extras, no markers), each pinned to the version
+    installed here where there is one: the combination this checkout is tested with. Read from the
+    wheel, not from the DeepSpeed installed here: a build for CUDA adds nvidia-ml-py (its setup.py)."""
     out = []
-    for req in md.requires(dist) or []:
+    for req in _metadata_requires(wheel):
         if ";" in req:
             continue
         name = re.match(r"[A-Za-z0-9_.\-]+", req).group(0)
@@ -57,20 +72,20 @@ def _pip(args: list[str], env: dict | None = None) -> None:
     subprocess.run(cmd, check=True, env=env)
 
 
-def prepare_wheels(dest: Path = WHEEL_DIR) -> list[Path]:
-    """Download DeepSpeed's requirements for TARGET_PYTHON and build DeepSpeed itself (an sdist on
+def prepare_wheels(dest: Path = WHEEL_DIR, python: str = TARGET_PYTHON) -> list[Path]:
+    """Download DeepSpeed's requirements for `python` (X.Y) and build DeepSpeed itself (an sdist on
     PyPI) into a pure-Python wheel: DS_BUILD_OPS=0 compiles no op ahead of time, DS_ACCELERATOR=cuda
     records the accelerator it is for (git_version_info_installed.py)."""
     dest.mkdir(parents=True, exist_ok=True)
     version = md.version("deepspeed")
-    platforms = [a for p in TARGET_PLATFORMS for a in ("--platform", p)]
-    _pip(["download", "-q", "-d", str(dest), "--only-binary=:all:", "--python-version", TARGET_PYTHON,
-          "--implementation", "cp", *platforms, *_requirements("deepspeed")])
     env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cuda"}
     # --no-build-isolation: DeepSpeed's setup.py imports torch, which is here; --no-cache-dir: a wheel
-    # cached from a CPU build would carry accelerator_name 'cpu'.
+    # cached from a CPU build would carry accelerator_name 'cpu' and lack the CUDA requirements.
     _pip(["wheel", "-q", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--no-binary", "deepspeed",
           "-w", str(dest), f"deepspeed=={version}"], env=env)
+    platforms = [a for p in TARGET_PLATFORMS for a in ("--platform", p)]
+    _pip(["download", "-q", "-d", str(dest), "--only-binary=:all:", "--python-version", python,
+          "--implementation", "cp", *platforms, *_requirements(dest / f"deepspeed-{version}-py3-none-any.whl")])
     wheels = sorted(dest.glob("*.whl"))
     total = sum(w.stat().st_size for w in wheels)
     print(f"[gpu-check] {len(wheels)} wheels, {total / 2**20:.1f} MiB in {dest}", flush=True)
@@ -90,25 +105,57 @@ def installed(dist: str) -> str | None:
         return None
 
 
+def _missing(source: Path) -> list[Path]:
+    """The wheels in `source` that DeepSpeed needs here: its own unless that version is installed,
+    then, following requirements from it, each distribution absent or outside the required versions.
+    What is installed and fits (torch above all) is left alone."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip carries its own copy
+        from pip._vendor.packaging.requirements import Requirement
+    wheels = {_canon(w.name.split("-")[0]): w for w in source.glob("*.whl")}
+    if "deepspeed" not in wheels:
+        raise SystemExit(f"[gpu-check] {source} holds no deepspeed wheel: run `python benchmarks/gpu_check.py "
+                         f"--prepare-wheels` on a machine with the package index, and carry that folder")
+    out, todo = [], [("deepspeed", wheels["deepspeed"].name.split("-")[1])]
+    while todo:
+        name, spec = todo.pop()
+        have = installed(name)
+        fits = have is not None and (spec == have if name == "deepspeed" else Requirement(f"x{spec}").specifier.contains(
+            have, prereleases=True))
+        if fits or name in KEEP or wheels.get(name) in out:
+            continue
+        if name not in wheels:
+            raise SystemExit(f"[gpu-check] {name}{spec} is needed, not installed, and not in {source}")
+        out.append(wheels[name])
+        for text in _metadata_requires(wheels[name]):
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append((_canon(req.name), str(req.specifier)))
+    return out
+
+
 def install(source: Path = WHEEL_DIR) -> dict:
-    """Install DeepSpeed from `source` with no index; torch must come out unchanged. Timed."""
+    """Install what DeepSpeed lacks here from `source`, with no index and no resolver (--no-deps:
+    pip would otherwise re-check torch's own requirements, and fail without an index on any it
+    dislikes); then import it in a child to prove it. torch must come out unchanged. Timed."""
     t0 = time.monotonic()
     torch_before = installed("torch")
-    wheels = sorted(source.glob("deepspeed-*.whl"))
-    want = wheels[-1].name.split("-")[1] if wheels else None
-    have = installed("deepspeed")
-    if have and (want is None or have == want):
-        return {"install_s": 0.0, "deepspeed": have, "torch": torch_before, "note": "already installed"}
-    if not wheels:
-        raise SystemExit(f"[gpu-check] deepspeed is not installed and {source} holds no deepspeed wheel: "
-                         f"run `python benchmarks/gpu_check.py --prepare-wheels` on a machine with the index")
-    extra = ["--break-system-packages"] if _externally_managed() else []
-    _pip(["install", "-q", "--no-index", "--find-links", str(source), *extra, f"deepspeed=={want}"])
+    todo = _missing(source)
+    if todo:
+        extra = ["--break-system-packages"] if _externally_managed() else []
+        _pip(["install", "-q", "--no-index", "--no-deps", *extra, *map(str, todo)])
+    probe = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        raise SystemExit(f"[gpu-check] deepspeed does not import after the install:\n{probe.stderr[-2000:]}")
     if installed("torch") != torch_before:
         raise SystemExit(f"[gpu-check] the install changed torch {torch_before} -> {installed('torch')}")
-    took = time.monotonic() - t0
-    print(f"[gpu-check] installed deepspeed {want} in {took:.1f} s (torch {torch_before} kept)", flush=True)
-    return {"install_s": took, "deepspeed": want, "torch": torch_before, "note": f"from {source.name}"}
+    took, names = time.monotonic() - t0, ", ".join(w.name.split("-")[0] for w in todo) or "nothing"
+    print(f"[gpu-check] installed {names} in {took:.1f} s; deepspeed {probe.stdout.strip().splitlines()[-1]} "
+          f"imports; torch {torch_before} kept", flush=True)
+    return {"install_s": round(took, 1), "installed": names, "deepspeed": installed("deepspeed"),
+            "torch": torch_before}
 
 
 PREBUILD = "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load(verbose=False)"

@@ -219,3 +219,32 @@ def test_the_run_loop_on_real_cpu_trials(tmp_path, monkeypatch):
     probe = rows[next(n for n in rows if n.startswith("oom-probe"))]
     assert probe["status"] == "oom" and "per-rank cap" in probe["reason"] and probe["check"] == "FAIL"
     assert all(r["processes_left"] == "0" for r in rows.values()) and gc.leftover(tmp_path) == []
+
+
+def wheel(folder: Path, name: str, version: str, *requires: str) -> Path:
+    import zipfile
+
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\n" +
+                   "".join(f"Requires-Dist: {r}\n" for r in requires))
+    return path
+
+
+def test_install_takes_only_what_is_missing_or_too_old_and_never_torch(tmp_path, monkeypatch):
+    setup = sys.modules["gpu_check_install"]
+    wheel(tmp_path, "deepspeed", "0.19.8", "torch>=2.0.0", "pydantic>=2.0.0", "hjson", "nvidia-ml-py")
+    wheel(tmp_path, "pydantic", "2.14.4", "pydantic-core==2.50.5", "email-validator>=2; extra == 'email'")
+    for name, version in (("pydantic_core", "2.50.5"), ("hjson", "3.1.0"), ("nvidia_ml_py", "13.615.71"),
+                          ("torch", "2.13.0")):
+        wheel(tmp_path, name, version)
+    here = {"torch": "2.11.0", "pydantic": "1.10.9", "hjson": "3.1.0"}          # a GPU machine, say
+    monkeypatch.setattr(setup, "installed", here.get)
+    names = sorted(w.name.split("-")[0] for w in setup._missing(tmp_path))
+    assert names == ["deepspeed", "nvidia_ml_py", "pydantic", "pydantic_core"]
+    here |= {"deepspeed": "0.19.8"}
+    assert setup._missing(tmp_path) == []                                       # installed: nothing to do
+    (tmp_path / "nvidia_ml_py-13.615.71-py3-none-any.whl").unlink()
+    here.pop("deepspeed")
+    with pytest.raises(SystemExit, match="nvidia-ml-py is needed"):
+        setup._missing(tmp_path)
