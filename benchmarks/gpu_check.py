@@ -235,8 +235,10 @@ def detect_cluster(gpus: str | None) -> Cluster:
 
     # In a child: this process stays without a CUDA context, so the device gauge sees only the ranks.
     probe = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory); print(p.name)"
-    total, device = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                   check=True).stdout.strip().splitlines()[-2:]
+    seen = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if seen.returncode:
+        raise SpecError(f"torch sees no CUDA device (pass --gpus, or --dry-run):\n{seen.stderr[-1000:]}")
+    total, device = seen.stdout.strip().splitlines()[-2:]
     return parse_gpus(f"1x{preset_for(device)}@{int(total) // 2**20}MiB")
 
 

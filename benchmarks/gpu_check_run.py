@@ -99,7 +99,9 @@ def _check(role: str, res, left: int) -> str:
 
 def measured(res, cfg, group_reserved: int | None, extra: dict) -> dict:
     """The row's measured columns from a TrialResult (peaks relative to the pre-build baseline)."""
-    alloc = res.peak_bytes + (res.baseline_bytes or 0) if res.peak_bytes is not None else None
+    # Over build, initialize and the steps: the window max_memory_reserved covers (worker.Phases).
+    top = max((b for b in (res.peak_bytes, res.init_peak_bytes) if b is not None), default=None)
+    alloc = top + (res.baseline_bytes or 0) if top is not None else None
     used = extra.get("device_used_gib")
     return {"max_allocated_gib": _gib(alloc), "peak_gib": _gib(res.peak_bytes),
             "max_reserved_gib": _gib(res.reserved_bytes),
@@ -155,7 +157,10 @@ def write_summary(out: Path, head: dict, rows: list[dict], elapsed_s: float) -> 
     probe = next((r for r in rows if r["role"] == "oom_probe"), None)
     verdict = f"{probe['check']} ({probe['status'] or '-'}: {probe['reason']})" if probe else "not reached"
     count = {c: sum(r["check"] == c for r in rows) for c in ("FAIL", "finding", "not run")}
-    lines = ["# GPU check\n", *(f"- {k}: {v}" for k, v in head.items()), f"- elapsed: {elapsed_s:.0f} s", "",
+    said = [f"- {k}: {v}" for k, v in head.items() if v not in ("", None) and k != "ops_log_tail"]
+    if head.get("ops_log_tail"):
+        said += ["- FusedAdam build log (tail):", "```", head["ops_log_tail"], "```"]
+    lines = ["# GPU check\n", *said, f"- elapsed: {elapsed_s:.0f} s", "",
              "## Checks\n",
              f"- first trial ran: {rows[0]['status'] or rows[0]['check'] if rows else 'no'}",
              f"- OOM probe: {verdict}",

@@ -150,6 +150,16 @@ def test_a_good_run_passes_and_writes_every_row(tmp_path):
     assert "OOM probe: PASS" in summary and "processes left behind: 0" in summary
 
 
+def test_allocated_and_reserved_cover_the_same_window():
+    """max_memory_reserved spans build, initialize and the steps: so must the allocated peak it is
+    compared with, while peak_gib (against the estimate) stays the steps' own."""
+    res = TrialResult(status="ok", peak_bytes=20 * GiB, init_peak_bytes=25 * GiB, baseline_bytes=GiB,
+                      reserved_bytes=27 * GiB)
+    m = sys.modules["gpu_check_run"].measured(res, gc.TrainConfig(), 27 * GiB, {"device_used_gib": 28.5})
+    assert (m["max_allocated_gib"], m["fragmentation_gib"], m["peak_gib"]) == (26, 1, 20)
+    assert m["non_allocator_gib"] == 1.5 and m["loss_scale_initial"] is None
+
+
 def test_an_oom_that_is_not_cudas_fails_the_probe(tmp_path):
     cap = "measured peak of 300 tensor bytes in a training step exceeds the per-rank cap"
     code, rows, _, summary = run_fake(tmp_path, {"oom-probe-z0-bf16-k0-mb51": ("oom", cap)})
