@@ -247,6 +247,7 @@ def preflight(args) -> dict:
     env = setup.install(args.wheels)
     if os.environ.get("DS_ACCELERATOR") == "cpu":  # ./run's default: the ranks must pick CUDA
         del os.environ["DS_ACCELERATOR"]
+    setup.put_scripts_on_path()  # inherited by the ranks
     return env | setup.prebuild_ops()
 
 

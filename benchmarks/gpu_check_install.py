@@ -30,9 +30,11 @@ TARGET_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux
 """x86-64 Linux wheels: the manylinux tags PyPI's binary wheels carry (PEP 600, PEP 599)."""
 KEEP = {"torch"}
 """Requirements never downloaded: the GPU machine's CUDA torch stays (the CPU pin is for CPU machines)."""
-OPS_TIMEOUT_S = 600
+OPS_TIMEOUT_S = 300
 """Pre-building FusedAdam: DeepSpeed JIT-compiles it with nvcc at first use (ops/adam/fused_adam.py,
-FusedAdamBuilder().load()); two source files, about a minute with ninja on a 16-core host."""
+FusedAdamBuilder().load()): one .cu and one .cpp file, about a minute on a 16-core host (an
+expectation, not measured here; the CPU variant took 250 s on 2 shared cores). Past 5 minutes the
+8-minute budget has no room left for trials anyway."""
 
 
 def _canon(name: str) -> str:
@@ -156,6 +158,15 @@ def install(source: Path = WHEEL_DIR) -> dict:
           f"imports; torch {torch_before} kept", flush=True)
     return {"install_s": round(took, 1), "installed": names, "deepspeed": installed("deepspeed"),
             "torch": torch_before}
+
+
+def put_scripts_on_path() -> None:
+    """The ninja wheel's binary goes to this Python's scripts folder (a --user install: the user's),
+    which need not be on PATH; torch's JIT build runs `ninja` by name, in the pre-build and again,
+    a no-op, in every rank that loads the op (torch.utils.cpp_extension._jit_compile)."""
+    dirs = [sysconfig.get_path("scripts"), sysconfig.get_path("scripts", f"{os.name}_user")]
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([d for d in dirs if d and d not in path] + path)
 
 
 PREBUILD = "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load(verbose=False)"
