@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 # TrialRequest and TrialResult are moving to autotune.trial: this is the one line to change then.
-from autotune.executors.base import TrialRequest, TrialResult  # noqa: E402
+from autotune.trial.record import TrialRequest, TrialResult  # noqa: E402
 
 import gpu_check_install as setup  # noqa: E402
 from autotune.costmodel import simulate  # noqa: E402
@@ -42,7 +42,7 @@ from autotune.deepspeed_config import deepspeed_config  # noqa: E402
 from autotune.hardware import Cluster, parse_gpus  # noqa: E402
 from autotune.memory import estimate  # noqa: E402
 from autotune.models import ModelSpec, SpecError, from_shape  # noqa: E402
-from autotune.space import TrainConfig, check_config  # noqa: E402
+from autotune.train_config import TrainConfig, check_config  # noqa: E402
 from autotune.units import GiB  # noqa: E402
 from gpu_check_run import Gauge, leftover, rows_for, write_summary  # noqa: E402
 

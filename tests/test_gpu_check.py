@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune.executors.base import TrialResult
+from autotune.trial.record import TrialResult
 from autotune.memory import estimate
-from autotune.models import SpecError
+from autotune.errors import SpecError
 from autotune.units import GiB
 
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
