@@ -110,8 +110,9 @@ def open_search(*, model: str | None = None, gpus: str | None = None, seq_len: i
             raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
         inputs = Inputs(spec, cluster, seq_len or default_seq_len(spec), global_batch, load_space(space))
         opened, name = None, study or st.default_name(spec, inputs.cluster)
-        st.assert_new(name, storage)        # before starting Ray: a taken name fails fast
-    kind, how = executors.choose(executor, inputs.cluster, ray_address)
+    kind, how = executors.choose(executor, inputs.cluster, ray_address)   # starts nothing, creates nothing
+    if opened is None:
+        st.assert_new(name, storage)        # before starting Ray: a taken name or a bad storage fails fast
     ex = executors.make(kind, inputs.cluster, ray_address, concurrent_trials)
     try:
         if opened is None:
