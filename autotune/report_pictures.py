@@ -90,8 +90,8 @@ class FrontierPoint:
     """Estimated peak per device, tensor + framework allowance: the one figure every trial has."""
     samples_per_s: float | None
     throughput_source: str
-    """measured / simulated for a run; 'simulated (not run)' for a pruned one (cost model);
-    'none' for a failed run (drawn on the axis)."""
+    """measured / simulated for a run; 'simulated (not run)' for a pruned one (cost model; on the
+    axis where there is none, a CPU cluster); 'none' for a failed run (drawn on the axis)."""
     winner: bool = False
 
 
@@ -156,8 +156,9 @@ def frontier_points(recs, model, cluster, source: str) -> list[FrontierPoint]:
             pts.append(FrontierPoint(r.number, "ok", "", peak, r.result.samples_per_s, r.result.source or source,
                                      r.number == winner))
         elif r.status == "pruned":
-            pts.append(FrontierPoint(r.number, "pruned", r.pruned_by or "", peak,
-                                     _simulated_samples(model, cluster, r.config), "simulated (not run)"))
+            sim = _simulated_samples(model, cluster, r.config)
+            pts.append(FrontierPoint(r.number, "pruned", r.pruned_by or "", peak, sim,
+                                     "simulated (not run)" if sim is not None else "not run: no cost model on cpu"))
         else:
             pts.append(FrontierPoint(r.number, r.status, r.status, peak, None, "none"))
     return pts
