@@ -232,7 +232,8 @@ def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) ->
     ax.axvline(capacity_bytes / GiB, color="r", ls="--", label="device capacity")
     ax.set_yticks(ys, [f"{b.label} [{b.source}; peak in {b.phase}]" for b in bars])
     ax.set_xlabel("memory per device, GiB")
-    ax.set_title("peak memory per device by term (estimated by the memory model)")
+    ax.set_title("peak memory per device by term\n(terms estimated by the memory model; "
+                 "source and peak phase per bar)")
     ax.legend(loc="lower right", fontsize=8)
     return _save(fig, path)
 

@@ -27,12 +27,21 @@ def _search(root: Path, monkeypatch, n_trials: int, **kw):
 
 
 @pytest.fixture(scope="module")
-def sim_study(tmp_path_factory):
+def sim_root(tmp_path_factory):
+    """A simulated 13B x 4xA100 search of 20 trials (about 30 s), searched once per module."""
     mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("sim")
     try:
-        yield _search(tmp_path_factory.mktemp("sim"), mp, 20, model="13b", gpus="4xA100", executor="simulated")
+        _search(root, mp, 20, model="13b", gpus="4xA100", executor="simulated")
     finally:
         mp.undo()
+    return root
+
+
+@pytest.fixture
+def sim_study(sim_root, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(sim_root))
+    return st.load_study(None)        # the most recent (the only) study under the root
 
 
 def check_content(study) -> rp.Pictures:
@@ -99,6 +108,20 @@ def test_measured_cpu_pictures(tmp_path, monkeypatch):
     assert all(b.measured_peak_bytes for b in p.memory if b.status == "ok")
     assert all(t.source.startswith("measured") for t in p.time)
     check_files(study, tmp_path / "out")
+
+
+def test_cli_open_without_a_browser(sim_study, monkeypatch, capsys):
+    import webbrowser
+
+    from autotune.cli import main
+
+    def no_browser(*_a, **_k):
+        raise webbrowser.Error("could not locate runnable browser")
+
+    monkeypatch.setattr(webbrowser, "get", no_browser)
+    assert main(["report", "--open", "--top", "1"]) == 0
+    page = st.study_dir(sim_study.study_name) / "report.html"
+    assert f"report page: {page} (no browser found to open it)" in capsys.readouterr().out and page.exists()
 
 
 def test_html_in_headless_chromium(sim_study, tmp_path):
