@@ -181,7 +181,8 @@ def write_outputs(study: optuna.Study, out_dir: Path | None = None) -> list[Path
     pics, drawn = report_pictures.write_pictures(study, out_dir)
     plots = [p for p in (plot_throughput(df, out_dir / "throughput.png"), plot_memory(df, out_dir / "memory.png"))
              if p is not None]
-    pages = report_page.write_page(study, out_dir, pics, drawn + plots, render(study, "markdown", title=False))
+    pages = report_page.write_page(study, out_dir, pics, drawn + plots, header(study),
+                                   render(study, "markdown", title=False))
     return pages[:1] + [csv] + pages[1:] + drawn + plots
 
 

@@ -130,12 +130,10 @@ def to_html(md: str, out_dir: Path) -> str:
             f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_page(study, out_dir: Path, p: Pictures, pictures: list[Path], body: str) -> list[Path]:
-    """report.md and report.html in out_dir; `body` is render()'s Markdown without its title."""
-    from autotune.report import header
-
-    title, head = header(study)
-    md = markdown(title, head, why_lines(study, p), pictures, body)
+def write_page(study, out_dir: Path, p: Pictures, pictures: list[Path], head: list[str], body: str) -> list[Path]:
+    """report.md and report.html in out_dir; `head` is report.header()'s two lines and `body`
+    render()'s Markdown without its title (passed in: report imports this module, not the reverse)."""
+    md = markdown(head[0], head[1], why_lines(study, p), pictures, body)
     (out_dir / "report.md").write_text(md)
     (out_dir / "report.html").write_text(to_html(md, out_dir))
     return [out_dir / "report.md", out_dir / "report.html"]

@@ -220,7 +220,7 @@ def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) ->
     if not bars:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 2 + 0.45 * len(bars)))
+    fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
     ys = list(range(len(bars)))[::-1]          # the winner on top
     for i, g in enumerate(GROUPS):
         left = [sum(list(b.groups.values())[:i]) / GiB for b in bars]
@@ -230,11 +230,10 @@ def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) ->
         ax.scatter([m for _, m in meas], [y for y, _ in meas], marker="D", color="k", zorder=3,
                    label="measured tensor peak")
     ax.axvline(capacity_bytes / GiB, color="r", ls="--", label="device capacity")
-    ax.set_yticks(ys, [f"{b.label} [{b.source}; peak in {b.phase}]" for b in bars])
+    ax.set_yticks(ys, [f"{b.label}\n{b.source}, peak in {b.phase}" for b in bars], fontsize=8)
     ax.set_xlabel("memory per device, GiB")
-    ax.set_title("peak memory per device by term\n(terms estimated by the memory model; "
-                 "source and peak phase per bar)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("peak memory per device by term (source and peak phase per bar)", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over a bar
     return _save(fig, path)
 
 
@@ -284,7 +283,7 @@ def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     if not bars:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 2 + 0.45 * len(bars)))
+    fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
     ys = list(range(len(bars)))[::-1]
     names = [n for n in _TIME_COLORS if any(b.parts.get(n) for b in bars)] or ["measured step"]
     for n in names:
@@ -293,7 +292,7 @@ def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     ax.set_yticks(ys, [b.label for b in bars])
     ax.set_xlabel(f"seconds per optimizer step ({bars[0].source})")
     ax.set_title("where the step time goes")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over a bar
     return _save(fig, path)
 
 
