@@ -123,7 +123,7 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def render(study: optuna.Study, fmt: str = "table", top: int | None = None) -> str:
+def render(study: optuna.Study, fmt: str = "table", top: int | None = None, title: bool = True) -> str:
     df = trials_frame(study)
     table = ranked(df, top)
     counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}}
@@ -136,7 +136,9 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None) -> s
                            "memory_correction": study.user_attrs.get("memory_correction")}, indent=1) + "\n"
     lines = header(study)
     if fmt == "markdown":
-        lines = [f"# {lines[0]}", "", lines[1], "", markdown_table(table) if len(table) else "_no successful run_"]
+        # title=False: report_page writes the title and the winner above the table
+        lines = ([f"# {lines[0]}", "", lines[1], ""] if title else []) + [
+            markdown_table(table) if len(table) else "_no successful run_"]
     else:
         lines += ["", table.map(_fmt).to_string(index=False) if len(table) else "no successful run yet"]
     corr = correction_line(study)
@@ -167,16 +169,21 @@ def correction_line(study: optuna.Study) -> str:
 
 
 def write_outputs(study: optuna.Study, out_dir: Path | None = None) -> list[Path]:
-    """trials/<study>/report.md, trials.csv, throughput.png, memory.png."""
+    """trials/<study>/report.md, report.html, trials.csv, the three pictures of report_pictures,
+    throughput.png, memory.png."""
+    from autotune import report_page, report_pictures
+
     out_dir = Path(out_dir or st.study_dir(study.study_name))
     out_dir.mkdir(parents=True, exist_ok=True)
     df = trials_frame(study)
-    paths = [out_dir / "report.md", out_dir / "trials.csv"]
-    paths[1].write_text(df.drop(columns=["log_tail"], errors="ignore").to_csv(index=False))
-    plots = plot_throughput(df, out_dir / "throughput.png"), plot_memory(df, out_dir / "memory.png")
-    images = "".join(f"\n![{p.stem}]({p.name})\n" for p in plots if p is not None)
-    paths[0].write_text(render(study, "markdown") + images)
-    return paths + [p for p in plots if p is not None]
+    csv = out_dir / "trials.csv"
+    csv.write_text(df.drop(columns=["log_tail"], errors="ignore").to_csv(index=False))
+    pics, drawn = report_pictures.write_pictures(study, out_dir)
+    plots = [p for p in (plot_throughput(df, out_dir / "throughput.png"), plot_memory(df, out_dir / "memory.png"))
+             if p is not None]
+    pages = report_page.write_page(study, out_dir, pics, drawn + plots, header(study),
+                                   render(study, "markdown", title=False))
+    return pages[:1] + [csv] + pages[1:] + drawn + plots
 
 
 def plot_throughput(df: pd.DataFrame, path: Path) -> Path | None:

@@ -184,3 +184,4 @@ def test_notebook_runs_on_a_study(trials_dir, monkeypatch):
                    resources={"metadata": {"path": str(trials_dir.parent)}}).execute()
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
     assert "study nb:" in text and "3 runs with a peak" in text and "image/png" in text
+    assert "peak" in text and "GiB of" in text          # the report_pictures cell printed its memory bars
