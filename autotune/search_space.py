@@ -1,7 +1,8 @@
 """Search spaces: YAML files a user can read and copy (`search_spaces/*.yaml`), validated with
 errors that name the bad key and its line, and expanded into the TrainConfigs to try.
 
-Format (every key optional; a scalar means a one-value list):
+Format: the keys are TrainConfig's searched fields (autotune/train_config.py), every one optional
+(omitted: the field's `space` default); a scalar means a one-value list:
 
     zero_stage: [0, 1, 2, 3]
     precision: [auto]            # auto = bf16 where the device has it, else fp16
@@ -189,22 +190,20 @@ def _values(key: str, node: yaml.Node, where: str) -> tuple:
     return tuple(out)
 
 
-_SYMBOLIC = {"precision": ("auto",), "ckpt_layers": ("all", "L", "L/2", "3L/4")}
-"""Values a space may give besides the field's own: resolved per model and cluster (SearchSpace.resolved)."""
-
-
 def _allowed_text(key: str) -> str:
-    extra = {"precision": "auto, ", "ckpt_layers": ""}.get(key, "")
-    text = allowed_text(key).replace("choose from ", "choose from " + extra)
+    """What a space may give for `key`: the field's own values, plus the symbolic ones that are
+    resolved per model and cluster (SearchSpace.resolved)."""
+    if key == "precision":
+        return allowed_text(key).replace("choose from ", "choose from auto, ")
     if key == "ckpt_layers":
-        text += ", 'all', 'L', 'L/2', '3L/4' (L = the model's layers)"
-    return text
+        return allowed_text(key) + ", 'all', 'L', 'L/2', '3L/4' (L = the model's layers)"
+    return allowed_text(key)
 
 
 def _allowed(key: str, v: Any) -> bool:
     if key == "ckpt_layers" and isinstance(v, str):
         return v == "all" or _ckpt_ok(v)
-    if v in _SYMBOLIC.get(key, ()) and isinstance(v, str):
+    if key == "precision" and v == "auto":
         return True
     try:
         check_value(key, v)
