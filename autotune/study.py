@@ -16,8 +16,8 @@ import json
 import os
 import re
 import sqlite3
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import optuna
@@ -27,8 +27,8 @@ from optuna.distributions import CategoricalDistribution
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.hardware import Cluster, parse_gpus
 from autotune.errors import SpecError
+from autotune.hardware import Cluster, parse_gpus
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, searched_fields
 from autotune.trial.record import Status, TrialResult
@@ -101,6 +101,13 @@ def _check_sqlite(path: Path) -> None:
                         f"{', '.join(sorted(tables))}); it was left untouched")
 
 
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecError(f"cannot create the study database's folder {folder}: {e.strerror or e}") from None
+
+
 def open_storage(url: str, *, must_exist: bool) -> RDBStorage:
     path = _sqlite_file(url)
     if path is not None:
@@ -109,10 +116,7 @@ def open_storage(url: str, *, must_exist: bool) -> RDBStorage:
         elif must_exist:
             raise SpecError(f"no study database at {path}{_known_hint()}")
         else:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise SpecError(f"cannot create the study database's folder {path.parent}: {e.strerror or e}") from None
+            _make_folder(path.parent)
     try:
         # timeout: SQLite waits for a lock instead of failing when report and search overlap.
         storage = RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}} if path is not None else {})
@@ -160,10 +164,7 @@ def assert_new(name: str, url: str | None) -> None:
     url = storage_url(name, url)
     path = _sqlite_file(url)
     if path is not None and not path.exists():
-        try:   # a folder that cannot be made fails now, before an executor is started for nothing
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise SpecError(f"cannot create the study database's folder {path.parent}: {e.strerror or e}") from None
+        _make_folder(path.parent)   # a folder that cannot be made fails now, before an executor starts
         return
     if name in {s.study_name for s in open_storage(url, must_exist=False).get_all_studies()}:
         raise SpecError(f"study {name!r} already exists in {url}; continue it with --resume, or choose "
