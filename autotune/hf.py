@@ -16,6 +16,7 @@ code a trial runs (the `hf` implementation of autotune/impl.py).
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -163,8 +164,12 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
     if family == "mpt":
         shape["linear_bias"] = shape["norm_bias"] = not g("no_bias", default=True)
     d = config.to_dict()
+    if d.get("loss_type", "") is None:
+        del d["loss_type"]  # to_dict writes None, which from_dict reads back as a named loss (a warning)
     if not d.get("architectures"):
         d["architectures"] = [type(model).__name__]
+    # As the study will store it (JSON): tuples become lists, so a resumed spec compares equal.
+    d = json.loads(json.dumps(d, default=str))
     try:
         return ModelSpec(name=name, family=family, source=source, implementation="hf", hf_config=d,
                          param_count=count, **shape)
@@ -199,7 +204,7 @@ def checkpoint_first_layers(model, k: int) -> None:
     if not isinstance(k, int) or not 0 <= k <= len(layers):
         raise SpecError(f"checkpoint_first_layers: k must be 0..{len(layers)}, got {k!r}")
     if k == 0:
-        if model.is_gradient_checkpointing:
+        if model.is_activation_checkpointing:
             model.activation_checkpointing_disable()
         return
     model.activation_checkpointing_enable({"use_reentrant": False})

@@ -11,7 +11,7 @@ from autotune.models import ModelSpec, SpecError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 OPTIMIZERS = ("adamw", "adamw8bit")
-ATTENTIONS = ("sdpa", "eager")
+ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,9 +34,11 @@ class TrainConfig:
     offload_optimizer: bool = False
     """ZeRO-Offload: optimizer states and the step on the CPU (needs ZeRO >= 1)."""
     seq_len: int = 2048
-    attention: Literal["sdpa", "eager"] = "sdpa"
-    """sdpa: memory-efficient/flash scaled-dot-product attention (no s x s matrix kept);
-    eager: the explicit softmax(QK^T)V that keeps the s x s scores."""
+    attention: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """transformers' attn_implementation names. sdpa: torch's scaled_dot_product_attention
+    (memory-efficient/flash kernels, no s x s matrix kept; what transformers picks by default);
+    eager: the explicit softmax(QK^T)V that keeps the s x s scores; flash_attention_2: the
+    flash-attn package's kernels (GPU and the hf code only)."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -98,5 +100,12 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
     if model.position == "learned" and cfg.seq_len > model.max_seq_len:
         raise SpecError(f"seq_len {cfg.seq_len} exceeds {model.name}'s {model.max_seq_len} learned "
                         f"positions")
+    if cfg.attention == "flash_attention_2":
+        if cluster.gpu.is_cpu:
+            raise SpecError("attention flash_attention_2 runs CUDA kernels only (flash-attn package); "
+                            "CPU ranks can run sdpa or eager")
+        if model.implementation != "hf":
+            raise SpecError(f"attention flash_attention_2 is a transformers attn_implementation; the "
+                            f"{model.implementation} code has sdpa or eager")
     if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
         raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")
