@@ -42,7 +42,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "peak_bytes": res.get("peak_bytes"), "est_tensor_bytes": est.get("tensor_bytes"),
             "est_total_bytes": est.get("total_bytes"), "capacity_bytes": est.get("capacity_bytes"),
             "dominant_term": est.get("dominant_term"), "wall_s": res.get("wall_s"),
-            "log_tail": res.get("log_tail", ""),
+            "log_tail": res.get("log_tail", ""), "implementation": res.get("implementation") or None,
         })
     return pd.DataFrame(rows)
 
@@ -67,6 +67,8 @@ def ranked(df: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
     for col in ("optimizer", "offload_optimizer", "attention", "source"):
         if len(ok) and df[col].nunique() > 1:
             out[col.replace("_", " ")] = ok[col].to_numpy()
+    # Whose code each row measured (ModelSpec.code_name): hf:<architecture>, builtin, factory:<fn>.
+    out["implementation"] = ok["implementation"].to_numpy() if len(ok) else []
     return out.head(top) if top else out
 
 
@@ -124,6 +126,7 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None) -> s
     if fmt == "json":
         ranked_rows = json.loads(table.to_json(orient="records", double_precision=15))
         return json.dumps({"study": study.study_name, "source": source_label(df) if len(df) else None,
+                           "implementation": st.specs_of(study)[0].code_name,
                            "ranked": ranked_rows, **counts,
                            "memory_correction": study.user_attrs.get("memory_correction")}, indent=1) + "\n"
     lines = header(study)

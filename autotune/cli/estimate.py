@@ -37,7 +37,8 @@ def run(args) -> int:
     model, cluster, cfg = specs_from_args(args)
     est = estimate(model, cluster, cfg)
     if args.json:
-        out = {**est.to_json(), "model": model.name, "gpus": cluster.text, "config": cfg.to_dict()}
+        out = {"implementation": model.code_name, **est.to_json(), "model": model.name, "gpus": cluster.text,
+               "config": cfg.to_dict()}
         sim = _simulated(model, cluster, cfg)
         if sim is not None:
             out["simulated"] = sim

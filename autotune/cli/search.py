@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 
+from autotune.cli.common import add_impl
 from autotune.memory.correction import Correction
 from autotune.models import SpecError
 
@@ -16,7 +17,9 @@ def register(sub) -> None:
     p = sub.add_parser("search", help="search the fastest DeepSpeed configuration (Optuna, memory-pruned)",
                        description="Search the fastest DeepSpeed configuration: the memory model prunes what "
                                    "cannot fit, the rest runs (or is simulated), ranked by samples/s.")
-    p.add_argument("--model", help="preset, alias (`autotune models`) or config.json; optional with --resume")
+    p.add_argument("--model", help="preset, alias (`autotune models`), a Hugging Face config.json, a directory "
+                                   "holding one, or a cached hub id (docs/models.md); optional with --resume")
+    add_impl(p)
     p.add_argument("--gpus", help="[NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 2xcpu@2GiB; optional with --resume")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, model max))")
     p.add_argument("--global-batch", type=int, default=None,
@@ -47,20 +50,21 @@ def _specs(args: argparse.Namespace, study=None):
     """Model, cluster, seq len, space: from the arguments, or from a resumed study (which must agree)."""
     from autotune import study as st
     from autotune.hardware import parse_gpus
-    from autotune.models import resolve_model
+    from autotune.cli.common import model_from_args
     from autotune.search_space import load_space, parse_space
 
     if study is None:
         if not args.model or not args.gpus:
             raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
-        model, cluster = resolve_model(args.model), parse_gpus(args.gpus)
+        model, cluster = model_from_args(args), parse_gpus(args.gpus)
         seq = args.seq_len or min(2048, model.max_seq_len)
         return model, cluster, seq, args.global_batch, load_space(args.space)
     model, cluster, a = st.specs_of(study)
-    given = {"--model": args.model and resolve_model(args.model).name, "--gpus": args.gpus,
+    m = model_from_args(args) if args.model else None
+    given = {"--model": m and m.name, "--gpus": args.gpus, "--impl": m and m.implementation,
              "--seq-len": args.seq_len, "--global-batch": args.global_batch,
              "--space": args.space and load_space(args.space).text}
-    stored = {"--model": model.name, "--gpus": a["gpus"], "--seq-len": a["seq_len"],
+    stored = {"--model": model.name, "--impl": model.implementation, "--gpus": a["gpus"], "--seq-len": a["seq_len"],
               "--global-batch": a["global_batch"], "--space": a["space_text"]}
     for flag, v in given.items():
         if v is not None and v != stored[flag]:
@@ -78,9 +82,9 @@ def _open_study(args: argparse.Namespace):
         name = args.study
         if name is None and args.model and args.gpus:
             from autotune.hardware import parse_gpus
-            from autotune.models import resolve_model
+            from autotune.cli.common import model_from_args
 
-            name = st.default_name(resolve_model(args.model), parse_gpus(args.gpus))
+            name = st.default_name(model_from_args(args), parse_gpus(args.gpus))
         study = st.load_study(name, args.storage)
         return study, _specs(args, study)
     specs = _specs(args)

@@ -322,6 +322,7 @@ def aggregate(req: TrialRequest, outcome: dict) -> TrialResult:
         bad = [(r, d) for r, d in sorted(outcome["ranks"].items()) if d.get("status") != "ok"]
         status, reason = (bad[0][1]["status"], bad[0][1].get("reason", "")) if bad else ("ok", "")
     res = TrialResult(status=status, reason=reason, log_tail=outcome["log_tail"], out_dir=str(req.out_dir),
+                      implementation=req.model.code_name,
                       wall_s=outcome["wall_s"] + outcome["timings_s"].get("exit_s", 0.0))
     timed = [d["step_times_s"] for d in ranks if d.get("step_times_s")]
     if timed and len(timed) == len(ranks):
