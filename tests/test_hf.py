@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,63 @@ def test_factory_errors_say_what_is_allowed():
     assert spec.implementation == "factory"
     with pytest.raises(SpecError, match="cannot import 'no_such_module_xyz'"):
         impl_for(spec).build(spec, dtype=torch.float32, attention="sdpa")
+
+
+@pytest.mark.slow
+def test_real_trials_of_hf_and_factory_code(tmp_path, monkeypatch):
+    """2 gloo ranks, one process group: the Hugging Face Llama at ZeRO-3 then ZeRO-0 (the second must
+    not be built under zero.Init: the HfDeepSpeedConfig of the first is unset), GPT-2 with its dropout
+    at ZeRO-3 with 2 of 4 layers checkpointed, and the user's module at ZeRO-3 with checkpointing."""
+    from autotune.executors.base import TrialRequest
+    from autotune.trial import run_trials
+
+    # The ranks import the factory by name, as a user's would be: from their PYTHONPATH.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+    cluster = parse_gpus("2xcpu")
+    llama, gpt2 = resolve_model(str(DATA / "hf-llama")), resolve_model(str(DATA / "hf-gpt2"))
+    factory = resolve_model(str(DATA / "hf-llama"), factory="tiny_factory:make")
+    runs = [(llama, 3, "bf16", 2), (llama, 0, "bf16", 0), (gpt2, 3, "fp32", 2), (factory, 3, "bf16", 1)]
+    reqs = [TrialRequest(model=m, cluster=cluster, out_dir=tmp_path / f"t{i}", steps=3, warmup_steps=1,
+                         timeout_s=240, config=TrainConfig(zero_stage=z, precision=p, ckpt_layers=k,
+                                                           micro_batch=2, seq_len=64))
+            for i, (m, z, p, k) in enumerate(runs)]
+    results = run_trials(reqs)
+    for req, res in zip(reqs, results):
+        assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
+        assert res.losses[-1] < res.losses[0], res.losses            # a fixed batch: the loss falls
+        assert abs(res.losses[0] - 7.62) < 0.3, res.losses           # small random init: ~ln(2048) at start
+        assert res.implementation == req.model.code_name
+    assert [r.implementation for r in results] == ["hf:LlamaForCausalLM"] * 2 + ["hf:GPT2LMHeadModel",
+                                                                                 "factory:tiny_factory:make"]
+    n = llama.num_params
+    assert results[1].param_bytes_per_rank == [2 * n] * 2            # ZeRO-0: the whole bf16 model per rank
+    assert max(results[0].param_bytes_per_rank) < 2 * n * 0.6         # ZeRO-3: about half of it
+
+
+@pytest.mark.slow
+def test_trainer_runs_the_exported_json(tmp_path):
+    """The Hugging Face Trainer, 2 gloo ranks, trains 2 steps with the DeepSpeed JSON `autotune export`
+    writes (deepspeed_config, ZeRO-3), the TrainingArguments it prints, and the first 2 of 4 layers
+    checkpointed by autotune.hf.checkpoint_first_layers (tests/hf_trainer_run.py)."""
+    import subprocess
+    import sys
+
+    from autotune.deepspeed_config import deepspeed_config
+    from autotune.trial.launch import free_port
+
+    model = resolve_model(str(DATA / "hf-llama"))
+    cfg = TrainConfig(zero_stage=3, micro_batch=2, seq_len=64, ckpt_layers=2)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(deepspeed_config(cfg, model, parse_gpus("2xcpu"))))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": "2", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(free_port()), str(Path(__file__).parent / "hf_trainer_run.py"),
+                          str(DATA / "hf-llama"), str(ds), "2", str(tmp_path / "out")],
+                         env=env, capture_output=True, text=True, timeout=400)
+    line = [x for x in run.stdout.splitlines() if x.startswith("AUTOTUNE_TRAINER ")]
+    assert run.returncode == 0 and line, run.stdout[-3000:] + run.stderr[-3000:]
+    out = json.loads(line[0].split(" ", 1)[1])
+    assert out["steps"] == 2 and out["engine"] == "DeepSpeedEngine" and out["zero3"]
+    assert out["flags"] == [True, True, False, False]
+    assert all(abs(loss - 7.62) < 0.3 for loss in out["losses"])   # ~ln(2048): random init, as the trials
