@@ -61,6 +61,7 @@ def build(spec: ModelSpec, precision: str, attention: str, num_layers: int):
     from autotune.memory.traced import DTYPES
 
     impl = impl_of(spec)
+    spec = _with_layer_types(spec, num_layers)
     default = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[precision])
     try:
@@ -68,6 +69,20 @@ def build(spec: ModelSpec, precision: str, attention: str, num_layers: int):
     finally:
         torch.set_default_dtype(default)
     return impl, model
+
+
+def _with_layer_types(spec: ModelSpec, num_layers: int) -> ModelSpec:
+    """A config that lists a type per layer (Qwen2, Mistral-likes: `layer_types`) must list as many
+    as are built; the programs traced may have a layer more than the model. The extrapolation
+    assumes every layer is the same code, so a config whose layers differ is refused."""
+    types = (spec.hf_config or {}).get("layer_types")
+    if not isinstance(types, list) or len(types) >= num_layers:
+        return spec
+    if len(set(types)) > 1:
+        raise NotImplementedError(f"model {spec.name}: layers of different kinds ({sorted(set(types))}); the "
+                                  f"traced memory model extrapolates from identical layers")
+    more = {"layer_types": types[:1] * num_layers, "num_hidden_layers": num_layers}  # validated together
+    return dataclasses.replace(spec, hf_config={**spec.hf_config, **more})
 
 
 def _first_grad_tensor(tree) -> torch.Tensor | None:
