@@ -156,8 +156,9 @@ def report() -> dict[str, dict]:
         table[family] = {"n": len(sel), "median": statistics.median(e), "max": max(e)}
         print(f"  {family:<10} {len(sel):>4} {statistics.median(e):>12.3f}% {max(e):>9.3f}%   "
               f"{statistics.median(se):>25.1f}% {max(se):>7.1f}%")
-    print("  five worst:")
-    for r in sorted(rows, key=lambda r: -abs(r["err"]))[:5]:
+    ranked = sorted(rows, key=lambda r: -abs(r["err"]))
+    print(f"  five worst (the other {len(ranked) - 5} within {100 * max(abs(r['err']) for r in ranked[5:]):.3f}%):")
+    for r in ranked[:5]:
         cfg = train_config(r)
         print(f"    {r['family']:<9} {cfg.short()} s{cfg.seq_len}: measured {r['measured']:,}, "
               f"estimate {r['ours']:,} ({100 * r['err']:+.3f}%)")
