@@ -12,7 +12,9 @@ ORDER = 10
 def register(sub) -> None:
     p = sub.add_parser("estimate", help="per-GPU memory breakdown of one configuration (no GPU needed)",
                        description="Price one training configuration per GPU, term by term, at the peak "
-                                   "phase of a step. Every figure is estimated by the analytic model.")
+                                   "phase of a step. Every figure is estimated by the memory model: "
+                                   "analytic terms for the builtin model, terms traced from the module's "
+                                   "code for Hugging Face and factory models (docs/memory.md).")
     add_model_gpus(p)
     add_train_config(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -26,6 +28,8 @@ def _simulated(model, cluster, cfg) -> dict | None:
     try:
         from autotune.costmodel import simulate
     except ImportError:
+        return None
+    if cluster.gpu.is_cpu:  # CPU ranks are measured, never simulated: the cost model refuses them
         return None
     return simulate(model, cluster, cfg).to_json()
 
