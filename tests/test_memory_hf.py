@@ -41,7 +41,12 @@ def spec(family):
     from transformers import AutoConfig
 
     from autotune import hf
+    from autotune.models import from_shape
 
+    if family == "factory":  # a user's own module (tests/tiny_factory.py), through the same seam
+        return dataclasses.replace(
+            from_shape("test-factory", "gpt2", num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=256,
+                       vocab_size=700, max_seq_len=128), implementation="factory", factory="tiny_factory:make")
     d = dict(CONFIGS[family])
     return hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name=f"test-{family}", source="test")
 
@@ -87,7 +92,8 @@ def measure_cpu(s, cfg) -> dict[str, int]:
 
 
 REAL = [("gpt2", "fp32", "sdpa", 0), ("gpt2", "bf16", "eager", 2), ("llama", "bf16", "sdpa", 1),
-        ("llama", "fp32", "eager", 0), ("qwen2", "bf16", "sdpa", 0), ("gpt_neox", "bf16", "sdpa", 3)]
+        ("llama", "fp32", "eager", 0), ("qwen2", "bf16", "sdpa", 0), ("gpt_neox", "bf16", "sdpa", 3),
+        ("factory", "bf16", "sdpa", 1)]
 
 
 @pytest.mark.parametrize("family,precision,attention,ckpt", REAL)
