@@ -20,11 +20,11 @@ from importlib import resources
 
 import yaml
 
+from autotune.errors import SpecError
 from autotune.hardware import Cluster, GpuSpec
-from autotune.models import ModelSpec, SpecError
-from autotune.space import TrainConfig
-
-GB_PER_S = 1e9  # gpus.yaml bandwidths are GB/s (10^9 bytes per second)
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig, dtype_bytes
+from autotune.units import GB_PER_S, TFLOPS
 
 HBM_EFFICIENCY = 0.83
 """Achieved / datasheet memory bandwidth: V100 measured 750 of 900 GB/s (Jia et al. 2018,
@@ -154,11 +154,6 @@ def gemm_efficiency(gpu: GpuSpec) -> float:
     return float(table.get(gpu.name, table["default"])["efficiency"])
 
 
-def act_bytes(precision: str) -> int:
-    """Bytes per activation / gradient element: 2 for fp16 and bf16, 4 for fp32."""
-    return 4 if precision == "fp32" else 2
-
-
 def peak_flops(gpu: GpuSpec, precision: str) -> float:
     """Dense datasheet peak; fp32 is the plain FP32 peak (no TF32, see data/gpus.yaml)."""
     peak = gpu.peak_flops(precision)
@@ -180,7 +175,7 @@ def gemm_time_s(m: int, k: int, n: int, gpu: GpuSpec, precision: str) -> float:
     E / (1 + E * peak / (intensity * bandwidth)), then rises smoothly with the matrix sizes and
     saturates at the measured E (roofline: Williams, Waterman & Patterson 2009, CACM 52(4))."""
     flops = 2.0 * m * k * n
-    moved = (m * k + k * n + m * n) * act_bytes(precision)
+    moved = (m * k + k * n + m * n) * dtype_bytes(precision)
     one = flops / (gemm_efficiency(gpu) * peak_flops(gpu, precision)) + moved / hbm_bytes_per_s(gpu)
     return 3.0 * one
 
@@ -204,7 +199,7 @@ def layer_attention_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec) -> float
     t = 12.0 * cfg.seq_len * model.q_dim * tokens / (gemm_efficiency(gpu) * peak_flops(gpu, cfg.precision))
     if cfg.attention == "eager":
         scores = tokens * model.num_heads * cfg.seq_len
-        t += scores * EAGER_SCORE_PASSES * act_bytes(cfg.precision) / hbm_bytes_per_s(gpu)
+        t += scores * EAGER_SCORE_PASSES * dtype_bytes(cfg.precision) / hbm_bytes_per_s(gpu)
     return t
 
 
@@ -213,12 +208,12 @@ def layer_elementwise_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Ru
     passes, the MLP activation over the FFN width, residual dropout if any."""
     per_token = model.hidden_size * (c.elementwise_passes + (DROPOUT_PASSES if rt.dropout else 0.0))
     per_token += model.ffn_hidden_size * GELU_PASSES[rt.activation]
-    return cfg.tokens_per_micro_batch * per_token * act_bytes(cfg.precision) / hbm_bytes_per_s(gpu)
+    return cfg.tokens_per_micro_batch * per_token * dtype_bytes(cfg.precision) / hbm_bytes_per_s(gpu)
 
 
 def logits_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec) -> float:
     """Softmax cross-entropy over the vocabulary, forward and backward (memory bound)."""
-    moved = cfg.tokens_per_micro_batch * model.vocab_size * LOGIT_PASSES * act_bytes(cfg.precision)
+    moved = cfg.tokens_per_micro_batch * model.vocab_size * LOGIT_PASSES * dtype_bytes(cfg.precision)
     return moved / hbm_bytes_per_s(gpu)
 
 
@@ -255,7 +250,7 @@ def all_gather_s(nbytes: float, cluster: Cluster) -> float:
 def grad_reduce_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runtime) -> float:
     """One reduction of all gradients. ZeRO-0 all-reduces (2 Psi moved); ZeRO >= 1 reduce-scatters
     (Psi) (Rajbhandari et al. 2020, "ZeRO", sec. 7.2), unless ZeRO-1/2 falls back to all-reduce."""
-    nbytes = model.num_params * act_bytes(cfg.precision)
+    nbytes = model.num_params * dtype_bytes(cfg.precision)
     if cfg.zero_stage == 0 or (cfg.zero_stage in (1, 2) and not rt.contiguous_gradients):
         return all_reduce_s(nbytes, cluster)
     return all_gather_s(nbytes, cluster)
@@ -264,13 +259,13 @@ def grad_reduce_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runt
 def param_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> float:
     """ZeRO-1/2 all-gather the updated 16-bit parameters after the step (ZeRO sec. 7.2.1: with
     the reduce-scatter, 2 Psi, as an all-reduce)."""
-    return all_gather_s(model.num_params * act_bytes(cfg.precision), cluster) if cfg.zero_stage in (1, 2) else 0.0
+    return all_gather_s(model.num_params * dtype_bytes(cfg.precision), cluster) if cfg.zero_stage in (1, 2) else 0.0
 
 
 def stage3_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> float:
     """ZeRO-3 gathers each layer's parameters before its forward and again before its backward,
     every micro step (ZeRO sec. 7.2.2: with the reduce-scatter, 3 Psi)."""
-    return 2.0 * all_gather_s(model.num_params * act_bytes(cfg.precision), cluster) if cfg.zero_stage == 3 else 0.0
+    return 2.0 * all_gather_s(model.num_params * dtype_bytes(cfg.precision), cluster) if cfg.zero_stage == 3 else 0.0
 
 
 def hidden_s(comm_s: float, window_s: float, num_layers: int, overlap: bool) -> float:
@@ -319,7 +314,7 @@ def offload_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> float:
     if not cfg.offload_optimizer:
         return 0.0
     mine = optimizer_params_per_gpu(model, cfg, cluster)
-    return mine * 2 * act_bytes(cfg.precision) / (PCIE_GBPS * GB_PER_S) + \
+    return mine * 2 * dtype_bytes(cfg.precision) / (PCIE_GBPS * GB_PER_S) + \
         mine * cluster.gpus_per_node / CPU_ADAM_PARAMS_PER_S
 
 
@@ -372,7 +367,7 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     tok_s = cfg.tokens_per_micro_batch * ga / step_s
     flops = model.flops_per_token(cfg.seq_len) * tok_s
     return SimulatedStep(step_time_s=step_s, samples_per_s=cfg.micro_batch * ga * cluster.world_size / step_s,
-                         tokens_per_s_per_gpu=tok_s, tflops_per_gpu=flops / 1e12,
+                         tokens_per_s_per_gpu=tok_s, tflops_per_gpu=flops / TFLOPS,
                          mfu=flops / peak_flops(cluster.gpu, cfg.precision), breakdown_s=parts)
 
 

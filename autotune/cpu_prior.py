@@ -21,16 +21,15 @@ the memory bus.
 
 from __future__ import annotations
 
-import os
 import time
 from functools import cache
 from typing import Callable
 
 from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
-from autotune.memory.activations import dtype_bytes
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.trial.threads import cpu_threads_per_rank
+from autotune.train_config import TrainConfig, dtype_bytes, torch_dtype
 
 GLOO_CALL_S = 0.31e-3
 """One gloo collective's fixed cost: all_reduce of 4096 fp32 between 2 ranks (one thread each,
@@ -75,8 +74,8 @@ def _ring_volumes_per_step(cfg: TrainConfig) -> float:
 
 
 def rank_threads(cluster: Cluster) -> int:
-    """Threads each rank gets: the trial launcher splits the node's cores (autotune.trial.launch)."""
-    return max(1, (os.cpu_count() or 1) // cluster.gpus_per_node)
+    """Threads each rank of a trial gets (autotune.trial.threads, as the launcher and Ray decide)."""
+    return cpu_threads_per_rank(cluster.gpus_per_node)
 
 
 @cache
@@ -92,14 +91,13 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
     import torch
 
     from autotune.impl import impl_for
-    from autotune.trial.worker import DTYPES
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(0)  # fixed inputs, the process's own RNG left alone
         impl = impl_for(model)
-        net = _probe_net(model, attention, getattr(torch, DTYPES[precision]))
+        net = _probe_net(model, attention, torch_dtype(precision))
         layers = impl.layers(net)
         spent = [0.0]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 # Optimizer hyper-parameters written into the config. They do not change memory or speed;
 # they are the usual LLM pre-training values (Touvron et al. 2023, Llama 2, sec. 2.2:

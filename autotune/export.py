@@ -16,8 +16,9 @@ from autotune import study as st
 from autotune.deepspeed_config import ADAMW
 from autotune.deepspeed_config import deepspeed_config
 from autotune.hardware import Cluster
-from autotune.models import ModelSpec, SpecError
-from autotune.space import TrainConfig
+from autotune.errors import SpecError
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig
 
 
 def pick_trial(study: optuna.Study, number: int | None = None) -> FrozenTrial:
@@ -33,7 +34,8 @@ def pick_trial(study: optuna.Study, number: int | None = None) -> FrozenTrial:
         raise SpecError(f"study {study.study_name!r} has no trial {number} (trials 0..{len(trials) - 1})")
     t = trials[number]
     if t.state != TrialState.COMPLETE:
-        why = t.user_attrs.get("reason") or t.user_attrs.get("status", t.state.name.lower())
+        r = st.record_of(t)
+        why = r.reason or r.status
         ok = ", ".join(str(d.number) for d in sorted(done, key=lambda d: -d.value)[:5])
         raise SpecError(f"trial {number} did not run successfully ({t.state.name.lower()}: {why}); "
                         f"export a completed one{' (fastest: ' + ok + ')' if ok else ''}")
@@ -44,12 +46,13 @@ def export(study: optuna.Study, out: Path, number: int | None = None) -> tuple[F
     """Write the DeepSpeed JSON of the chosen trial to `out`; return the trial, its config, and usage text."""
     trial = pick_trial(study, number)
     model, cluster, _ = st.specs_of(study)
-    cfg = st.config_of(trial)
+    record = st.record_of(trial)
+    cfg = record.config
     ds = deepspeed_config(cfg, model, cluster)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(ds, indent=2) + "\n")
-    source = trial.user_attrs.get("source", "measured")
+    source = record.source or "measured"
     head = (f"wrote {out}: trial {trial.number} of study {study.study_name} ({cfg.short()}), "
             f"{trial.value:.4g} samples/s ({source}, model code {model.code_name})")
     return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out)

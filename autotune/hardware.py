@@ -18,14 +18,11 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
-from typing import Literal
 
 import yaml
 
-from autotune.models import SpecError
-from autotune.units import GB, GiB, MiB
-
-Precision = Literal["fp32", "fp16", "bf16"]
+from autotune.errors import SpecError
+from autotune.units import GB, TFLOPS, GiB, MiB
 
 GRAMMAR = ("expected [NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 8xH100, 2xA100-40GB, 16xH100 "
            "(2 nodes of 8), 2x8xH100, 2xcpu, 2xcpu@2GiB")
@@ -53,7 +50,7 @@ class GpuSpec:
 
     def peak_flops(self, precision: str) -> float | None:
         v = self.peak_tflops.get(precision)
-        return v * 1e12 if v else None
+        return v * TFLOPS if v else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,13 +16,11 @@ from typing import Any, Literal
 
 import yaml
 
+from autotune.errors import SpecError  # noqa: F401 - re-exported: models raise it
+
 Family = Literal["llama", "gpt2", "gpt_neox", "mpt"]
 Implementation = Literal["hf", "builtin", "factory"]
 IMPLEMENTATIONS = ("hf", "builtin", "factory")
-
-
-class SpecError(ValueError):
-    """Bad user input for a spec (model, GPUs, config, space): the CLI prints it and exits 2."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,36 +15,37 @@ import optuna
 import pandas as pd
 
 from autotune import study as st
+from autotune.train_config import searched_fields
 from autotune.units import GiB
 
-# (column label, trials_frame column, whether the number comes from the run: labelled with its source)
-_RANKED = (("samples/s", "samples_per_s", True), ("tokens/s", "tokens_per_s", True), ("TFLOPS", "tflops", True),
-           ("MFU %", "mfu_pct", True), ("zero", "zero_stage", False), ("ckpt layers", "ckpt_layers", False),
-           ("micro batch", "micro_batch", False), ("grad accum", "grad_accum", False),
-           ("precision", "precision", False), ("peak GiB (estimated)", "est_gib", False),
-           ("peak GiB", "peak_gib", True), ("status", "status", False))
+# (column label, trials_frame column): numbers that come from the run, labelled with its source
+_MEASURED = (("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"), ("TFLOPS", "tflops"),
+             ("MFU %", "mfu_pct"))
+_RESULT = ("samples_per_s", "tokens_per_s", "tflops", "mfu", "step_time_s", "peak_bytes", "wall_s", "log_tail",
+           "implementation")
+
+
+def _label(f) -> str:
+    """A TrainConfig field's column label: its CLI flag's words (`--zero` -> zero), else its name's."""
+    return (f.metadata["flag"] or f.name).lstrip("-").replace("_", " ").replace("-", " ")
 
 
 def trials_frame(study: optuna.Study) -> pd.DataFrame:
     """One row per trial with everything the report needs; bytes as recorded (ints)."""
     rows = []
-    for t in study.get_trials(deepcopy=False):
-        cfg, a = t.user_attrs.get("config") or {}, t.user_attrs
-        res, est = a.get("result") or {}, a.get("estimate") or {}
-        status = a.get("status", "running")
-        if status == "running" and t.state != optuna.trial.TrialState.RUNNING:
-            status = "interrupted"
+    for r in st.records(study):
+        res, est = r.result, r.estimate
         rows.append({
-            "trial": t.number, "state": t.state.name, "status": status, "pruned_by": a.get("pruned_by"),
-            "reason": a.get("reason", ""), "source": a.get("source"), **cfg,
-            "samples_per_s": res.get("samples_per_s"), "tokens_per_s": res.get("tokens_per_s"),
-            "tflops": res.get("tflops"), "mfu": res.get("mfu"), "step_time_s": res.get("step_time_s"),
-            "peak_bytes": res.get("peak_bytes"), "est_tensor_bytes": est.get("tensor_bytes"),
-            "est_total_bytes": est.get("total_bytes"), "capacity_bytes": est.get("capacity_bytes"),
-            "dominant_term": est.get("dominant_term"), "wall_s": res.get("wall_s"),
-            "log_tail": res.get("log_tail", ""), "implementation": res.get("implementation") or None,
+            "trial": r.number, "state": r.state.name, "status": r.status, "pruned_by": r.pruned_by,
+            "reason": r.reason, "source": r.source, **(r.config.to_dict() if r.config else {}),
+            **{k: getattr(res, k) if res else None for k in _RESULT},
+            "est_tensor_bytes": est.get("tensor_bytes"), "est_total_bytes": est.get("total_bytes"),
+            "capacity_bytes": est.get("capacity_bytes"), "dominant_term": est.get("dominant_term"),
         })
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    if len(df):
+        df["log_tail"] = df["log_tail"].fillna("")
+    return df
 
 
 def source_label(df: pd.DataFrame) -> str:
@@ -60,13 +61,21 @@ def ranked(df: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
                    est_gib=[_gib(v) for v in ok.get("est_tensor_bytes", [])],
                    peak_gib=[_gib(v) for v in ok.get("peak_bytes", [])])
     out = pd.DataFrame({"rank": range(1, len(ok) + 1), "trial": ok.get("trial", pd.Series(dtype=int)).to_numpy()})
-    for label, col, sourced in _RANKED:
-        values = ok[col].to_numpy() if len(ok) else []
-        # None -> NaN in number columns, so every format prints a missing value the same way
-        out[f"{label} ({src})" if sourced else label] = pd.to_numeric(values, errors="coerce") if sourced else values
-    for col in ("optimizer", "offload_optimizer", "attention", "source"):
-        if len(ok) and df[col].nunique() > 1:
-            out[col.replace("_", " ")] = ok[col].to_numpy()
+
+    def number(col):  # None -> NaN, so every format prints a missing value the same way
+        return pd.to_numeric(ok[col].to_numpy() if len(ok) else [], errors="coerce")
+
+    for label, col in _MEASURED:
+        out[f"{label} ({src})"] = number(col)
+    for f in searched_fields():
+        varies = len(ok) and f.name in df and df[f.name].nunique() > 1
+        if f.metadata["column"] == "always" or varies:
+            out[_label(f)] = ok[f.name].to_numpy() if len(ok) else []
+    out["peak GiB (estimated)"] = number("est_gib")
+    out[f"peak GiB ({src})"] = number("peak_gib")
+    out["status"] = ok["status"].to_numpy() if len(ok) else []
+    if len(ok) and df["source"].nunique() > 1:
+        out["source"] = ok["source"].to_numpy()
     # Whose code each row measured (ModelSpec.code_name): hf:<architecture>, builtin, factory:<fn>.
     out["implementation"] = ok["implementation"].to_numpy() if len(ok) else []
     return out.head(top) if top else out
@@ -117,7 +126,7 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def render(study: optuna.Study, fmt: str = "table", top: int | None = None) -> str:
+def render(study: optuna.Study, fmt: str = "table", top: int | None = None, title: bool = True) -> str:
     df = trials_frame(study)
     table = ranked(df, top)
     counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}}
@@ -131,7 +140,9 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None) -> s
                            "memory_correction": study.user_attrs.get("memory_correction")}, indent=1) + "\n"
     lines = header(study)
     if fmt == "markdown":
-        lines = [f"# {lines[0]}", "", lines[1], "", markdown_table(table) if len(table) else "_no successful run_"]
+        # title=False: report_page writes the title and the winner above the table
+        lines = ([f"# {lines[0]}", "", lines[1], ""] if title else []) + [
+            markdown_table(table) if len(table) else "_no successful run_"]
     else:
         lines += ["", table.map(_fmt).to_string(index=False) if len(table) else "no successful run yet"]
     corr = correction_line(study)
@@ -162,16 +173,21 @@ def correction_line(study: optuna.Study) -> str:
 
 
 def write_outputs(study: optuna.Study, out_dir: Path | None = None) -> list[Path]:
-    """trials/<study>/report.md, trials.csv, throughput.png, memory.png."""
+    """trials/<study>/report.md, report.html, trials.csv, the three pictures of report_pictures,
+    throughput.png, memory.png."""
+    from autotune import report_page, report_pictures
+
     out_dir = Path(out_dir or st.study_dir(study.study_name))
     out_dir.mkdir(parents=True, exist_ok=True)
     df = trials_frame(study)
-    paths = [out_dir / "report.md", out_dir / "trials.csv"]
-    paths[1].write_text(df.drop(columns=["log_tail"], errors="ignore").to_csv(index=False))
-    plots = plot_throughput(df, out_dir / "throughput.png"), plot_memory(df, out_dir / "memory.png")
-    images = "".join(f"\n![{p.stem}]({p.name})\n" for p in plots if p is not None)
-    paths[0].write_text(render(study, "markdown") + images)
-    return paths + [p for p in plots if p is not None]
+    csv = out_dir / "trials.csv"
+    csv.write_text(df.drop(columns=["log_tail"], errors="ignore").to_csv(index=False))
+    pics, drawn = report_pictures.write_pictures(study, out_dir)
+    plots = [p for p in (plot_throughput(df, out_dir / "throughput.png"), plot_memory(df, out_dir / "memory.png"))
+             if p is not None]
+    pages = report_page.write_page(study, out_dir, pics, drawn + plots, header(study),
+                                   render(study, "markdown", title=False))
+    return pages[:1] + [csv] + pages[1:] + drawn + plots
 
 
 def plot_throughput(df: pd.DataFrame, path: Path) -> Path | None:

@@ -33,14 +33,18 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import study as st
-from autotune.executors.base import Executor, TrialRequest, TrialResult
+from autotune.executors.base import Executor
+from autotune.trial.record import RUN, TrialRequest, TrialResult
 from autotune.hardware import Cluster
-from autotune.models import ModelSpec, SpecError
+from autotune.errors import SpecError
+from autotune.models import ModelSpec
 from autotune.search_space import SearchSpace, expand
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig, searched_fields
 from autotune.units import fmt_bytes
 
-RUN_STATUSES = ("ok", "oom", "timeout", "crashed", "diverged")
+
+ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum")
+"""Searched settings with a distance of their own in PriorGuided; every other one is categorical."""
 
 
 class Corrector(Protocol):
@@ -83,7 +87,19 @@ def default_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig],
 
 
 class PriorGuided:
-    """Pick the candidate with the best prior, corrected by what nearby measurements showed."""
+    """Pick the candidate with the best prior, corrected by what nearby measurements showed.
+
+    The correction is a Nadaraya-Watson kernel regression of log(measured / prior) over the
+    measured candidates, with a Gaussian kernel exp(-d^2 / 2). The distance counts one unit per
+    step along an ordered axis (a ZeRO stage, a doubling of micro batch or accumulation, a quarter
+    of the layers checkpointed: each changes the step time by a comparable tens of percent in the
+    cost model) and 2 units (4 squared) for any other setting that differs, which makes such a
+    neighbour's weight e^-2 = 0.14: a different precision or optimizer shares little of the residual.
+    `shrink` is a pseudo-weight of a zero residual at the candidate itself: one measurement at
+    distance 0 (weight 1) moves the prior by 1 / 1.3 = 77% of its residual, not all of it, because
+    one measurement is noisy (on shared 2-core machines the same trial's throughput varied up to 2x
+    between runs: docs/platform.md); 0.3 is a judgement, not a fit.
+    """
 
     def __init__(self, prior: Callable[[TrainConfig], float], num_layers: int, shrink: float = 0.3):
         self.prior, self.layers, self.shrink = prior, num_layers, shrink
@@ -97,8 +113,8 @@ class PriorGuided:
         d = ((a.zero_stage - b.zero_stage) ** 2 + math.log2(a.micro_batch / b.micro_batch) ** 2
              + (4 * (a.ckpt_layers - b.ckpt_layers) / max(self.layers, 1)) ** 2
              + math.log2(a.grad_accum / b.grad_accum) ** 2)
-        return d + 4 * sum(getattr(a, f) != getattr(b, f)
-                           for f in ("precision", "optimizer", "offload_optimizer", "attention"))
+        return d + 4 * sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields()
+                           if f.name not in ORDERED)
 
     def score(self, cfg: TrainConfig) -> float:
         ws = [(math.exp(-self._dist2(cfg, c) / 2), r) for c, r in self.seen]
@@ -143,7 +159,7 @@ class Plan:
         key = cfg.key()
         self.closed[key] = status
         cand = self.by_key.get(key)
-        if cand is None or status not in RUN_STATUSES:
+        if cand is None or status not in RUN:
             return []
         if status == "oom":
             return self._implied_oom(cand, number)
@@ -250,25 +266,24 @@ class Search:
         """Rebuild the plan from a resumed study's trials: nothing decided is decided or run again."""
         recorded: set[tuple] = set()
         derived: list[tuple[Candidate, dict]] = []
-        for t in sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number):
-            cfg = st.config_of(t)
-            if cfg is None:
+        for r in st.records(self.study):
+            if r.config is None:
                 continue
-            status = t.user_attrs.get("status", "running")
-            if t.state == TrialState.RUNNING:
-                if st.owner_alive(t.user_attrs.get("owner", "")):
+            if r.state == TrialState.RUNNING:
+                if st.owner_alive(r.owner):
                     raise SpecError(f"study {self.study.study_name!r} is being searched right now by process "
-                                    f"{t.user_attrs['owner']} (trial {t.number} running); stop it first")
-                self.study.tell(t.number, state=TrialState.FAIL)
-            if status == "running":
+                                    f"{r.owner} (trial {r.number} running); stop it first")
+                self.study.tell(r.number, state=TrialState.FAIL)
+            if r.status in ("running", "interrupted"):
                 self._count("interrupted")
                 continue
+            cfg = r.config
             recorded.add(cfg.key())
-            self._count(status, t.value, t.number)
-            derived += self.plan.close(cfg, status, t.number)
+            self._count(r.status, r.value, r.number)
+            derived += self.plan.close(cfg, r.status, r.number)
             cand = self.plan.by_key.get(cfg.key())
-            if cand is not None and status in RUN_STATUSES:
-                self._observe(cand, TrialResult.from_dict(t.user_attrs.get("result") or {"status": status}))
+            if cand is not None and r.status in RUN:
+                self._observe(cand, r.result or TrialResult(status=r.status))
         self._record([(c, a) for c, a in derived if c.cfg.key() not in recorded])
 
     def _record(self, decided: list[tuple[Candidate, dict]]) -> None:
@@ -294,8 +309,7 @@ class Search:
     def _dispatch(self, c: Candidate) -> None:
         self.sampler.chosen = st.params_of(c.cfg, self.dists)
         trial = self.study.ask(self.dists)
-        for k, v in {"config": c.cfg.to_dict(), "status": "running", "owner": st.owner(),
-                     **self._est_attrs(c, detail=True)}.items():
+        for k, v in st.running_attrs(c.cfg, self._est_attrs(c, detail=True)).items():
             trial.set_user_attr(k, v)
         t = self.space.trial
         req = TrialRequest(model=self.model, cluster=self.cluster, config=c.cfg,

@@ -1,7 +1,8 @@
 """Search spaces: YAML files a user can read and copy (`search_spaces/*.yaml`), validated with
 errors that name the bad key and its line, and expanded into the TrainConfigs to try.
 
-Format (every key optional; a scalar means a one-value list):
+Format: the keys are TrainConfig's searched fields (autotune/train_config.py), every one optional
+(omitted: the field's `space` default); a scalar means a one-value list:
 
     zero_stage: [0, 1, 2, 3]
     precision: [auto]            # auto = bf16 where the device has it, else fp16
@@ -29,20 +30,21 @@ import yaml
 from yaml.constructor import SafeConstructor
 
 from autotune.hardware import Cluster
-from autotune.models import ModelSpec, SpecError
-from autotune.space import ATTENTIONS, OPTIMIZERS, PRECISIONS, TrainConfig, check_config
+from autotune.errors import SpecError
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig, allowed_text, check_config, check_value, searched_fields
 from autotune.units import parse_duration_s
 
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 DEFAULT_SPACE = SPACES_DIR / "default.yaml"
 
-DEFAULTS: dict[str, tuple] = {
-    "zero_stage": (0, 1, 2, 3), "precision": ("auto",), "micro_batch": (1, 2, 4, 8, 16),
-    "ckpt_layers": ("all",), "grad_accum": (1,), "optimizer": ("adamw",),
-    "offload_optimizer": (False,), "attention": ("sdpa",),
-}
 TRIAL_KEYS = ("steps", "warmup_steps", "timeout")
 _CKPT = re.compile(r"(\d*)L(?:/(\d+))?")
+
+
+def defaults() -> dict[str, tuple]:
+    """The values tried per searched TrainConfig field when a space omits its key."""
+    return {f.name: f.metadata["space"] for f in searched_fields()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,25 +58,30 @@ class TrialSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
-    """The values to try per TrainConfig field; ckpt_layers stays symbolic until a model is known."""
+    """The values to try per searched TrainConfig field; ckpt_layers stays symbolic until a model is
+    known, precision may say `auto`."""
 
-    zero_stage: tuple[int, ...] = DEFAULTS["zero_stage"]
-    precision: tuple[str, ...] = DEFAULTS["precision"]
-    micro_batch: tuple[int, ...] = DEFAULTS["micro_batch"]
-    ckpt_layers: tuple[int | str, ...] = DEFAULTS["ckpt_layers"]
-    grad_accum: tuple[int, ...] = DEFAULTS["grad_accum"]
-    optimizer: tuple[str, ...] = DEFAULTS["optimizer"]
-    offload_optimizer: tuple[bool, ...] = DEFAULTS["offload_optimizer"]
-    attention: tuple[str, ...] = DEFAULTS["attention"]
+    values: dict[str, tuple] = field(default_factory=defaults)
+    """Every searched field (train_config.searched_fields) -> the values to try."""
     trial: TrialSettings = field(default_factory=TrialSettings)
     path: str = ""
     text: str = ""
     """The YAML as read, kept in the study so a resumed search uses the same space."""
 
+    @classmethod
+    def of(cls, *, trial: TrialSettings | None = None, path: str = "", text: str = "", **values) -> "SearchSpace":
+        """A space from keyword values (one tuple per field given); the rest take their defaults."""
+        unknown = set(values) - set(defaults())
+        if unknown:
+            raise SpecError(f"search space: unknown key(s) {', '.join(sorted(unknown))}; "
+                            f"allowed: {', '.join(defaults())}")
+        return cls(values={**defaults(), **{k: tuple(v) for k, v in values.items()}},
+                   trial=trial or TrialSettings(), path=path, text=text)
+
     def ckpt_values(self, num_layers: int) -> list[int]:
         """Resolve `all`, `L`, `L/2`, `3L/4` and ints (clipped to L) into sorted distinct k."""
         out: set[int] = set()
-        for v in self.ckpt_layers:
+        for v in self.values["ckpt_layers"]:
             if v == "all":
                 out.update(range(num_layers + 1))
             elif isinstance(v, int):
@@ -83,6 +90,16 @@ class SearchSpace:
                 m = _CKPT.fullmatch(v)
                 out.add(min(num_layers, num_layers * int(m.group(1) or 1) // int(m.group(2) or 1)))
         return sorted(out)
+
+    def resolved(self, name: str, model: ModelSpec, cluster: Cluster) -> list:
+        """The concrete values of one field for this model and cluster (`all`/`L/2` -> layer counts,
+        `auto` precision -> bf16 where the device has it, else fp16)."""
+        if name == "ckpt_layers":
+            return self.ckpt_values(model.num_layers)
+        vals = self.values[name]
+        if name == "precision":
+            vals = [("bf16" if cluster.gpu.bf16 else "fp16") if p == "auto" else p for p in vals]
+        return list(dict.fromkeys(vals))
 
 
 @dataclass(frozen=True)
@@ -117,11 +134,11 @@ def parse_space(text: str, where: str = "<space>") -> SearchSpace:
         return SearchSpace(path=where, text=text)
     if not isinstance(root, yaml.MappingNode):
         raise SpecError(f"search space {where}, line {root.start_mark.line + 1}: expected a mapping of "
-                        f"keys ({', '.join(DEFAULTS)}, trial)")
+                        f"keys ({', '.join(defaults())}, trial)")
     kw: dict[str, Any] = {}
-    for key, value_node, _ in _entries(root, where, (*DEFAULTS, "trial")):
+    for key, value_node, _ in _entries(root, where, (*defaults(), "trial")):
         kw[key] = _trial(value_node, where) if key == "trial" else _values(key, value_node, where)
-    return SearchSpace(**kw, path=where, text=text)
+    return SearchSpace.of(**kw, path=where, text=text)
 
 
 def _entries(node: yaml.MappingNode, where: str, allowed, prefix: str = ""):
@@ -167,36 +184,32 @@ def _values(key: str, node: yaml.Node, where: str) -> tuple:
             raise SpecError(f"{at}: expected a plain value, got a nested {item.id}")
         v = _scalar(item)
         if not _allowed(key, v):
-            raise SpecError(f"{at}: {v!r} is not allowed; {_ALLOWED_TEXT[key]}")
+            raise SpecError(f"{at}: {v!r} is not allowed; {_allowed_text(key)}")
         if v not in out:
             out.append(v)
     return tuple(out)
 
 
-_ALLOWED_TEXT = {
-    "zero_stage": "choose from 0, 1, 2, 3",
-    "precision": f"choose from auto, {', '.join(PRECISIONS)}",
-    "micro_batch": "positive integers",
-    "grad_accum": "positive integers",
-    "ckpt_layers": "integers >= 0, 'all', 'L', 'L/2', '3L/4' (L = the model's layers)",
-    "optimizer": f"choose from {', '.join(OPTIMIZERS)}",
-    "offload_optimizer": "true or false",
-    "attention": f"choose from {', '.join(ATTENTIONS)}",
-}
+def _allowed_text(key: str) -> str:
+    """What a space may give for `key`: the field's own values, plus the symbolic ones that are
+    resolved per model and cluster (SearchSpace.resolved)."""
+    if key == "precision":
+        return allowed_text(key).replace("choose from ", "choose from auto, ")
+    if key == "ckpt_layers":
+        return allowed_text(key) + ", 'all', 'L', 'L/2', '3L/4' (L = the model's layers)"
+    return allowed_text(key)
 
 
 def _allowed(key: str, v: Any) -> bool:
-    is_int = isinstance(v, int) and not isinstance(v, bool)
-    if key == "zero_stage":
-        return is_int and v in (0, 1, 2, 3)
-    if key in ("micro_batch", "grad_accum"):
-        return is_int and v >= 1
-    if key == "ckpt_layers":
-        return (is_int and v >= 0) or (isinstance(v, str) and (v == "all" or _ckpt_ok(v)))
-    if key == "offload_optimizer":
-        return isinstance(v, bool)
-    choices = {"precision": ("auto", *PRECISIONS), "optimizer": OPTIMIZERS, "attention": ATTENTIONS}[key]
-    return isinstance(v, str) and v in choices
+    if key == "ckpt_layers" and isinstance(v, str):
+        return v == "all" or _ckpt_ok(v)
+    if key == "precision" and v == "auto":
+        return True
+    try:
+        check_value(key, v)
+    except SpecError:
+        return False
+    return True
 
 
 def _ckpt_ok(v: str) -> bool:
@@ -234,25 +247,20 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     """
     world = cluster.world_size
     excluded: dict[str, int] = {}
-    precisions = []
-    for p in space.precision:
-        p = ("bf16" if cluster.gpu.bf16 else "fp16") if p == "auto" else p
-        if p not in precisions:
-            precisions.append(p)
+    names = [f.name for f in searched_fields()]
     out: list[TrainConfig] = []
     seen: set[tuple] = set()
-    for z, prec, mb, k, ga, opt, off, attn in itertools.product(
-            space.zero_stage, precisions, space.micro_batch, space.ckpt_values(model.num_layers),
-            space.grad_accum, space.optimizer, space.offload_optimizer, space.attention):
+    for combo in itertools.product(*(space.resolved(n, model, cluster) for n in names)):
+        values = dict(zip(names, combo))
         if global_batch is not None:
+            mb = values["micro_batch"]
             if global_batch % (mb * world):
                 why = f"micro batch {mb} x {world} devices does not divide --global-batch {global_batch}"
                 excluded[why] = excluded.get(why, 0) + 1
                 continue
-            ga = global_batch // (mb * world)
+            values["grad_accum"] = global_batch // (mb * world)
         try:
-            cfg = TrainConfig(zero_stage=z, precision=prec, micro_batch=mb, ckpt_layers=k, grad_accum=ga,
-                              optimizer=opt, offload_optimizer=off, attention=attn, seq_len=seq_len)
+            cfg = TrainConfig(**values, seq_len=seq_len)
             check_config(cfg, model, cluster)
         except SpecError as e:
             excluded[str(e)] = excluded.get(str(e), 0) + 1

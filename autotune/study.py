@@ -1,10 +1,12 @@
 """Where a search lives: one Optuna study per search, by default one SQLite database per study
 under `trials/<study>/study.db`; any Optuna storage URL is accepted (optuna-dashboard opens it).
 
-Also the record format of a trial, shared by the search (writes) and the report/export (read):
-Optuna params are the TrainConfig fields searched over; user attrs hold the whole config, the
-memory estimate and, for runs, the TrialResult. Every bad input is a SpecError (exit 2) and
-nothing existing is ever overwritten: an existing study is only opened, never re-created.
+Also the one mapping between a trial's typed record and Optuna: params are the searched TrainConfig
+fields that vary; user attrs hold the whole config, the memory estimate and, for runs, the
+TrialResult. The search writes through `running_attrs`, `result_attrs` and `pruned_record`; the
+search, report and export read through `record_of` / `records` (a `TrialRecord`). Every bad input
+is a SpecError (exit 2) and nothing existing is ever overwritten: an existing study is only
+opened, never re-created.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import json
 import os
 import re
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 import sqlalchemy.event
@@ -24,13 +27,12 @@ from optuna.distributions import CategoricalDistribution
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.errors import SpecError
 from autotune.hardware import Cluster, parse_gpus
-from autotune.models import ModelSpec, SpecError
-from autotune.space import TrainConfig
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig, searched_fields
+from autotune.trial.record import Status, TrialResult
 
-PARAMS = ("zero_stage", "precision", "micro_batch", "ckpt_layers", "grad_accum", "optimizer",
-          "offload_optimizer", "attention")
-"""TrainConfig fields that are Optuna params (seq_len is fixed per study)."""
 ATTR = "autotune"
 """Study user attr holding what a resumed search, the report and the export need."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -103,6 +105,13 @@ def _check_sqlite(path: Path) -> None:
                         f"{', '.join(sorted(tables))}); it was left untouched")
 
 
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecError(f"cannot create the study database's folder {folder}: {e.strerror or e}") from None
+
+
 def open_storage(url: str, *, must_exist: bool) -> RDBStorage:
     path = _sqlite_file(url)
     if path is not None:
@@ -111,7 +120,7 @@ def open_storage(url: str, *, must_exist: bool) -> RDBStorage:
         elif must_exist:
             raise SpecError(f"no study database at {path}{_known_hint()}")
         else:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _make_folder(path.parent)
     try:
         # timeout: SQLite waits for a lock instead of failing when report and search overlap.
         storage = RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}} if path is not None else {})
@@ -159,6 +168,7 @@ def assert_new(name: str, url: str | None) -> None:
     url = storage_url(name, url)
     path = _sqlite_file(url)
     if path is not None and not path.exists():
+        _make_folder(path.parent)   # a folder that cannot be made fails now, before an executor starts
         return
     if name in {s.study_name for s in open_storage(url, must_exist=False).get_all_studies()}:
         raise SpecError(f"study {name!r} already exists in {url}; continue it with --resume, or choose "
@@ -237,17 +247,12 @@ def specs_of(study: optuna.Study) -> tuple[ModelSpec, Cluster, dict]:
 def distributions(cands: list[TrainConfig]) -> dict[str, CategoricalDistribution]:
     """One categorical distribution per field that varies among the candidates (the whole config is a
     user attr; fixed fields as params would only add a database row per trial each)."""
-    values = {p: sorted({getattr(c, p) for c in cands}, key=repr) for p in PARAMS}
+    values = {f.name: sorted({getattr(c, f.name) for c in cands}, key=repr) for f in searched_fields()}
     return {p: CategoricalDistribution(v) for p, v in values.items() if len(v) > 1}
 
 
 def params_of(cfg: TrainConfig, dists: dict) -> dict[str, Any]:
     return {p: getattr(cfg, p) for p in dists}
-
-
-def config_of(trial: FrozenTrial) -> TrainConfig | None:
-    c = trial.user_attrs.get("config")
-    return TrainConfig(**c) if c else None
 
 
 def pruned_record(cfg: TrainConfig, dists: dict, attrs: dict) -> FrozenTrial:
@@ -274,11 +279,55 @@ def owner_alive(tag: str) -> bool:
     return True
 
 
-def result_attrs(result) -> dict[str, Any]:
+def running_attrs(cfg: TrainConfig, estimate: dict) -> dict[str, Any]:
+    """User attrs of a trial that starts: its config, its owner (to tell a crashed search from a
+    live one) and the memory estimate; status 'running' until result_attrs replaces it."""
+    return {"config": cfg.to_dict(), "status": "running", "owner": owner(), **estimate}
+
+
+def result_attrs(result: TrialResult) -> dict[str, Any]:
     """User attrs of a finished run: status, reason, source, and the whole TrialResult."""
     d = result.to_dict()
     d["log_tail"] = (d.get("log_tail") or "")[-4000:]
     return {"status": result.status, "reason": result.reason, "source": result.source, "result": d}
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One study trial as autotune reads it back."""
+
+    number: int
+    state: TrialState
+    status: Status | Literal["running", "interrupted"]
+    """A run's or prune's status; `running` while its search runs it, `interrupted` when the search
+    that ran it ended first (it runs again on --resume)."""
+    config: TrainConfig | None
+    result: TrialResult | None
+    """The run's TrialResult (None for pruned and unfinished trials)."""
+    estimate: dict[str, Any]
+    """The memory estimate as recorded (total_bytes, tensor_bytes, capacity_bytes, dominant_term, phase)."""
+    value: float | None = None
+    pruned_by: str | None = None
+    reason: str = ""
+    source: str | None = None
+    owner: str = ""
+
+
+def record_of(t: FrozenTrial) -> TrialRecord:
+    a = t.user_attrs
+    c = a.get("config")
+    status = a.get("status", "running")
+    if status == "running" and t.state != TrialState.RUNNING:
+        status = "interrupted"
+    res = a.get("result")
+    return TrialRecord(number=t.number, state=t.state, status=status, config=TrainConfig(**c) if c else None,
+                       result=TrialResult.from_dict(res) if res else None, estimate=a.get("estimate") or {},
+                       value=t.value, pruned_by=a.get("pruned_by"), reason=a.get("reason", ""),
+                       source=a.get("source"), owner=a.get("owner", ""))
+
+
+def records(study: optuna.Study) -> list[TrialRecord]:
+    return [record_of(t) for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)]
 
 
 def jsonable(v: Any) -> Any:

@@ -13,11 +13,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 GB = 10**9
 TFLOPS = 10**12
-
-
-def gib(num_bytes: float) -> float:
-    """Bytes -> GiB (2**30)."""
-    return num_bytes / GiB
+GB_PER_S = GB
+"""Bandwidths in the presets are GB/s: 10**9 bytes per second, as datasheets state them."""
 
 
 def fmt_bytes(num_bytes: float) -> str:

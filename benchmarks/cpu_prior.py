@@ -30,7 +30,7 @@ from autotune import cpu_prior as cp  # noqa: E402
 from autotune.hardware import parse_gpus  # noqa: E402
 from autotune.memory import estimate  # noqa: E402
 from autotune.models import ModelSpec, from_shape  # noqa: E402
-from autotune.space import TrainConfig  # noqa: E402
+from autotune.train_config import TrainConfig  # noqa: E402
 
 MID = from_shape("mid-llama-probe", "llama", num_layers=6, hidden_size=320, num_heads=5, ffn_hidden_size=864,
                  vocab_size=12000, max_seq_len=256, source="benchmarks/cpu_prior.py")
@@ -39,7 +39,7 @@ TINY = from_shape("tiny-llama-probe", "llama", num_layers=4, hidden_size=64, num
 
 
 def deepspeed_overhead(model: ModelSpec, repeats: int) -> None:
-    from autotune.executors.base import TrialRequest
+    from autotune.trial.record import TrialRequest
     from autotune.trial.launch import run_trials
 
     cluster = parse_gpus("2xcpu")

@@ -20,7 +20,7 @@ from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.memory.grid import grid_total_bytes
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 
 def main() -> None:

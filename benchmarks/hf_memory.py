@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from autotune.hardware import parse_gpus
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 CSV = Path(__file__).resolve().parent / "data" / "hf_memory_runs.csv"
 RANKS = 2
@@ -83,7 +83,7 @@ def measure_all() -> None:
     import torch
     import transformers
 
-    from autotune.executors.base import TrialRequest
+    from autotune.trial.record import TrialRequest
     from autotune.trial.launch import run_trials
 
     cluster = parse_gpus(f"{RANKS}xcpu")

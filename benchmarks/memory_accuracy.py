@@ -34,12 +34,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from autotune.executors.base import TrialRequest
+from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.memory.baselines import article_bytes, deepspeed_estimator_bytes
 from autotune.models import from_shape
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 UNSEEN = {  # the stand-in model (implementation builtin), as the analytic terms describe it
     "llama-h192": replace(from_shape("llama-h192", "llama", num_layers=3, hidden_size=192, num_heads=6,

@@ -37,10 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.executors.base import TrialRequest
+from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
 from autotune.models import ModelSpec, from_shape
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 DATA = Path(__file__).parent / "data"
 SOURCE = "benchmarks/record_cpu_landscape.py"

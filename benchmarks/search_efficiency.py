@@ -38,11 +38,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
-from autotune.executors.base import Executor, TrialResult
+from autotune.executors.base import Executor
+
+from autotune.trial.record import TrialResult
 from autotune.hardware import Cluster, parse_gpus
 from autotune.models import ModelSpec, resolve_model
 from autotune.search_space import DEFAULT_SPACE, SearchSpace, expand, load_space
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 DATA = Path(__file__).parent / "data"
 TARGET = 0.98
@@ -103,7 +105,7 @@ def cpu_landscape(path: Path = DATA / "cpu_landscape.csv", name: str = "cpu (mea
     rows = list(csv.DictReader(ln for ln in lines if not ln.startswith("#")))
     model, cluster = ModelSpec(**meta["model"]), parse_gpus(meta["gpus"])
     vals = lambda k, f: tuple(sorted({f(r[k]) for r in rows}))  # noqa: E731
-    space = SearchSpace(zero_stage=vals("zero_stage", int), precision=vals("precision", str),
+    space = SearchSpace.of(zero_stage=vals("zero_stage", int), precision=vals("precision", str),
                         micro_batch=vals("micro_batch", int), ckpt_layers=vals("ckpt_layers", int),
                         grad_accum=vals("grad_accum", int))
     seq = int(rows[0]["seq_len"])

@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.executors.base import TrialRequest, TrialResult
+from autotune.trial.record import TrialRequest, TrialResult
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 TARGET_S = 5.0
 ORDER = ["spawn_s", "setup_s", "build_s", "initialize_s", "warmup_s", "profiler_stop_s", "analysis_s",

@@ -1,7 +1,15 @@
-"""Settings every test process shares: DeepSpeed on CPU, quiet local Ray (../shared/NOTES.md)."""
+"""Settings every test process shares: DeepSpeed on CPU, quiet local Ray, with Ray's token authentication on."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+    # The Ray clusters of a test run use a token of their own (created by autotune, 0600, on first use),
+    # not the user's ~/.ray/auth_token, and it goes with the run.
+    _token_dir = tempfile.mkdtemp(prefix="autotune-test-ray-")
+    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_token_dir, "auth_token")
+    atexit.register(shutil.rmtree, _token_dir, ignore_errors=True)

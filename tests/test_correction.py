@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from autotune import study as st
-from autotune.executors.base import TrialResult
+from autotune.trial.record import TrialResult
 from autotune.executors.ray_executor import RayExecutor
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
@@ -19,7 +21,7 @@ from autotune.memory.correction import Correction
 from autotune.models import resolve_model
 from autotune.search import Search
 from autotune.search_space import parse_space
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.units import MiB
 
 UNDER = 0.6
@@ -48,6 +50,7 @@ def test_correction_unit_rules():
     assert c.total_bytes(est) > est.capacity_bytes and not c.fits(est)
 
 
+@pytest.mark.slow
 def test_study_under_pricing_model_ends_up_pruning(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     model = resolve_model("tiny-llama")

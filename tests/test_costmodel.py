@@ -9,7 +9,7 @@ import pytest
 from autotune import costmodel as cm
 from autotune.hardware import parse_gpus
 from autotune.models import SpecError, resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 A100x8 = parse_gpus("8xA100")
 L13B = resolve_model("13b")

@@ -16,7 +16,7 @@ from autotune import hf
 from autotune.hardware import parse_gpus
 from autotune.impl import impl_for
 from autotune.models import ModelSpec, SpecError, presets, published_params, resolve_model
-from autotune.space import TrainConfig, check_config
+from autotune.train_config import TrainConfig, check_config
 
 DATA = Path(__file__).parent / "data"
 TINY = ["hf-llama", "hf-gpt2", "hf-gpt-neox", "hf-qwen2", "hf-mistral"]
@@ -163,7 +163,7 @@ def test_real_trials_of_hf_and_factory_code(tmp_path, monkeypatch):
     """2 gloo ranks, one process group: the Hugging Face Llama at ZeRO-3 then ZeRO-0 (the second must
     not be built under zero.Init: the HfDeepSpeedConfig of the first is unset), GPT-2 with its dropout
     at ZeRO-3 with 2 of 4 layers checkpointed, and the user's module at ZeRO-3 with checkpointing."""
-    from autotune.executors.base import TrialRequest
+    from autotune.trial.record import TrialRequest
     from autotune.trial import run_trials
 
     # The ranks import the factory by name, as a user's would be: from their PYTHONPATH.

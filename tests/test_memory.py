@@ -15,7 +15,7 @@ from autotune.memory.baselines import article_static_bytes, deepspeed_estimator_
 from autotune.memory.grid import grid_total_bytes
 from autotune.memory.model_states import states, step_terms
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 P13 = 13_015_864_320
 

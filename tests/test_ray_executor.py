@@ -13,14 +13,16 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster as RayCluster
 
-from autotune.executors.base import TrialRequest
+from autotune.executors import ray_auth
 from autotune.executors.ray_executor import RayExecutor
 from autotune.hardware import parse_gpus
 from autotune.models import SpecError, resolve_model
-from autotune.space import TrainConfig
+from autotune.trial.record import TrialRequest
+from autotune.train_config import TrainConfig
+
+pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 MODEL = resolve_model("tiny-llama")
 CFG = TrainConfig(zero_stage=2, precision="bf16", seq_len=32)
 
@@ -58,7 +60,7 @@ def wait_all(ex: RayExecutor, n: int, watch: list[Path] = (), limit_s: float = 1
 
 def test_local_ray_starts_quietly_and_runs_trials_at_once(tmp_path):
     one = parse_gpus("1xcpu")
-    ex = RayExecutor(one, num_cpus=2)
+    ex = RayExecutor(one, num_cpus=2, concurrent_trials=2)
     try:
         assert ray.is_initialized() and ex.slots() == 2  # two 1-rank trials fit 2 CPUs
         outs = [tmp_path / f"t{i}" for i in range(2)]
@@ -79,7 +81,9 @@ def test_local_ray_starts_quietly_and_runs_trials_at_once(tmp_path):
 
 @pytest.fixture(scope="class")
 def cluster():
-    """Two Ray nodes of one CPU each on this machine, and an executor joined to them by address."""
+    """Two Ray nodes of one CPU each on this machine, and an executor joined to them by address; with
+    token authentication, as autotune's own local cluster (the executor joins with RAY_AUTH_MODE=token)."""
+    ray_auth.secure_local_cluster()
     rc = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                           "object_store_memory": 256 << 20})
     rc.add_node(num_cpus=1, object_store_memory=256 << 20)

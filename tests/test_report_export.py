@@ -19,7 +19,7 @@ from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +153,7 @@ print(json.dumps({"world": c.world_size, "train_batch": c.train_batch_size, "sta
 """
 
 
+@pytest.mark.slow
 def test_exported_json_is_accepted_by_deepspeeds_config_class(trials_dir, tmp_path):
     make_study("fp16", precision="fp16")
     out = tmp_path / "ds.json"
@@ -171,6 +172,7 @@ def test_exported_json_is_accepted_by_deepspeeds_config_class(trials_dir, tmp_pa
     assert run.returncode != 0 and "train_batch_size is not equal" in run.stderr
 
 
+@pytest.mark.slow
 def test_notebook_runs_on_a_study(trials_dir, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
@@ -182,3 +184,4 @@ def test_notebook_runs_on_a_study(trials_dir, monkeypatch):
                    resources={"metadata": {"path": str(trials_dir.parent)}}).execute()
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
     assert "study nb:" in text and "3 runs with a peak" in text and "image/png" in text
+    assert "peak" in text and "GiB of" in text          # the report_pictures cell printed its memory bars

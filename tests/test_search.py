@@ -21,13 +21,14 @@ import pytest
 
 from autotune import study as st
 from autotune.cli import main
-from autotune.executors.base import Executor, TrialResult
+from autotune.executors.base import Executor
+from autotune.trial.record import TrialResult
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import SpecError, from_hf_config
 from autotune.search import PriorGuided, Search
 from autotune.search_space import expand, parse_space
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.units import MiB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +103,7 @@ def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
     summary = s.run(progress=False)
     trials = s.study.trials
     assert summary.stop == "exhausted"
-    keys = [st.config_of(t).key() for t in trials]
+    keys = [st.record_of(t).config.key() for t in trials]
     assert len(keys) == len(set(keys)) == summary.candidates          # every candidate decided exactly once
     assert len(ex.seen) == len({c.key() for c in ex.seen}) == summary.ok  # nothing ran twice
     for t in trials:
@@ -118,7 +119,7 @@ def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
     # per group (all but k), the one run is the smallest k that fits; larger k are dominated
     ran = {(c.zero_stage, c.micro_batch): c.ckpt_layers for c in ex.seen}
     for t in trials:
-        c = st.config_of(t)
+        c = st.record_of(t).config
         if t.user_attrs.get("pruned_by") == "dominated":
             assert c.ckpt_layers > ran[(c.zero_stage, c.micro_batch)]
             assert f"trial " in t.user_attrs["reason"] and "fewer checkpointed layers" in t.user_attrs["reason"]
@@ -148,7 +149,7 @@ def test_oom_skips_larger_micro_batches_and_failures_keep_status_reason_log(env)
     trials = s.study.trials
     oom = [t for t in trials if t.user_attrs["status"] == "oom"]
     assert len(oom) == 1 and oom[0].state == optuna.trial.TrialState.FAIL
-    implied = {(st.config_of(t).zero_stage, st.config_of(t).micro_batch, st.config_of(t).ckpt_layers): t
+    implied = {(st.record_of(t).config.zero_stage, st.record_of(t).config.micro_batch, st.record_of(t).config.ckpt_layers): t
                for t in trials if t.user_attrs.get("pruned_by") == "oom-implied"}
     assert set(implied) == {(zero, mb, 0) for mb in mbs[1:]}
     for t in implied.values():
@@ -167,7 +168,7 @@ def test_interrupt_keeps_completed_and_resume_redoes_none(env):
     with pytest.raises(KeyboardInterrupt):
         _search(env, ex).run(progress=False)
     study = st.load_study("s")
-    done = {st.config_of(t).key() for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
+    done = {st.record_of(t).config.key() for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
     interrupted = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
     assert len(done) >= 1 and len(interrupted) == len(ex.seen) - len(done) >= 1
     ex2 = Landscape(slots=2)
@@ -176,8 +177,8 @@ def test_interrupt_keeps_completed_and_resume_redoes_none(env):
     s2.run(progress=False)
     rerun = {c.key() for c in ex2.seen}
     assert not rerun & done                                             # no completed config again
-    assert {st.config_of(t).key() for t in interrupted} <= rerun        # interrupted ones do run
-    complete = [st.config_of(t).key() for t in s2.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert {st.record_of(t).config.key() for t in interrupted} <= rerun        # interrupted ones do run
+    complete = [st.record_of(t).config.key() for t in s2.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == len(set(complete))
 
 
@@ -259,13 +260,20 @@ def _cli(env, *args) -> int:
     return main(["search", "--model", str(env["cfg_path"]), "--gpus", f"2xcpu@{env['cap_mib']}MiB", *args])
 
 
+def _dump(db: Path) -> list[str]:
+    import sqlite3
+
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        return list(con.iterdump())
+
+
 def test_existing_study_corrupt_database_and_unknown_study_exit_2_untouched(env, capsys):
     _search(env, Landscape(), name="taken").run(n_trials=1, progress=False)
     db = env["tmp"] / "trials" / "taken" / "study.db"
-    before = db.read_bytes()
+    before = _dump(db)      # the content, not the bytes: SQLite may checkpoint its WAL file at any close
     assert _cli(env, "--study", "taken") == 2
     err = capsys.readouterr().err
-    assert "already exists" in err and "--resume" in err and db.read_bytes() == before
+    assert "already exists" in err and "--resume" in err and _dump(db) == before
     bad = env["tmp"] / "trials" / "broken" / "study.db"
     bad.parent.mkdir(parents=True)
     bad.write_bytes(b"not a database" * 10)
@@ -286,6 +294,7 @@ def test_existing_study_corrupt_database_and_unknown_study_exit_2_untouched(env,
         st.load_study("x", f"sqlite:///{other}")
 
 
+@pytest.mark.slow
 def test_main_command_without_the_gpus_is_simulated_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     assert main(["search", "--model", "13b", "--gpus", "4xA100", "--n-trials", "2", "--no-progress"]) == 0
@@ -319,6 +328,7 @@ def _runs(db: Path) -> list[dict]:
     return [{"number": n, "state": s, "config": json.loads(v)} for n, s, v in rows]
 
 
+@pytest.mark.slow
 def test_end_to_end_real_trials_killed_and_resumed(tmp_path):
     """Real Ray + DeepSpeed trials on two CPU ranks under a memory cap; killed with SIGTERM after the
     first completed trial, then resumed: no completed configuration runs again; then report and export."""

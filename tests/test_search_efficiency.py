@@ -26,7 +26,7 @@ def landscape():
     half at ZeRO-3 (as DeepSpeed's own arithmetic counts them); activations 100 MB per sequence,
     halved by checkpointing, which costs 25% of the throughput."""
     model, cluster = resolve_model("gpt2"), parse_gpus("2xcpu@2GiB")
-    space = SearchSpace(zero_stage=(0, 3), precision=("fp32",), micro_batch=(1, 2, 4, 8, 16), ckpt_layers=(0, 12))
+    space = SearchSpace.of(zero_stage=(0, 3), precision=("fp32",), micro_batch=(1, 2, 4, 8, 16), ckpt_layers=(0, 12))
     configs = expand(space, model, cluster, seq_len=128).candidates
     states = 16 * model.num_params
     table = {}

@@ -6,7 +6,7 @@ import pytest
 
 from autotune.hardware import parse_gpus
 from autotune.models import SpecError, presets, published_params, resolve_model
-from autotune.space import TrainConfig, check_config
+from autotune.train_config import TrainConfig, check_config
 from autotune.units import GiB, MiB
 
 

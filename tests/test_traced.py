@@ -18,7 +18,7 @@ from autotune.memory import activations as act
 from autotune.memory import estimate
 from autotune.memory.traced import TRACED_TERMS, _trace_program, compare, trace
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
 from autotune.trial.model import Transformer, init_weights
 
@@ -82,6 +82,7 @@ def traced(name, precision, attention, ckpt):
 REAL = [(n, p, "sdpa", k) for n in FAMILIES for p in PRECISIONS for k in (0, 2)] + [("tiny-llama", "bf16", "eager", 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,precision,attention,ckpt", REAL)
 def test_traced_peaks_match_a_real_cpu_run(name, precision, attention, ckpt):
     spec = resolve_model(name, implementation="builtin")
@@ -180,6 +181,7 @@ def test_compare_table():
         compare(estimate(resolve_model("tiny-llama", implementation="builtin"), CPU, config("fp32", "sdpa", 2)), t)
 
 
+@pytest.mark.slow
 def test_notebook_runs(capsys):
     import nbformat
     from nbclient import NotebookClient

@@ -10,7 +10,6 @@ import contextlib
 import io
 import itertools
 import json
-import time
 from pathlib import Path
 
 import psutil
@@ -19,13 +18,15 @@ import torch
 
 from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
-from autotune.executors.base import TrialRequest
+from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.trial import run_trials
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
 from autotune.trial.model import Transformer
+
+pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs
 
 CLUSTER = parse_gpus("2xcpu")
 # tiny-llama at micro batch 1, tiny-gpt2 at 2: both batch sizes are covered, seq 32 keeps it fast.
@@ -132,7 +133,6 @@ def test_failure_classes_are_real_and_leave_no_process(tmp_path):
     # carries on; ok proves the restart; hang is last (its group is killed at the timeout).
     reqs = [req("oom", parse_gpus("2xcpu@1MiB")), req("nan", fault="nan"), req("crash", fault="crash"),
             req("exit", fault="exit"), req("ok"), req("hang", fault="hang", timeout_s=10.0)]
-    t0 = time.monotonic()
     res = dict(zip(["oom", "nan", "crash", "exit", "ok", "hang"], run_trials(reqs)))
     assert {k: r.status for k, r in res.items()} == {"oom": "oom", "nan": "diverged", "crash": "crashed",
                                                      "exit": "crashed", "ok": "ok", "hang": "timeout"}
@@ -144,7 +144,6 @@ def test_failure_classes_are_real_and_leave_no_process(tmp_path):
     assert "rank 0 exited with exit code 13" in res["exit"].reason and "injected exit" in res["exit"].log_tail
     assert "timed out after 10 s" in res["hang"].reason and "no process left" in res["hang"].reason
     assert res["ok"].losses[-1] < res["ok"].losses[0]
-    assert time.monotonic() - t0 < 170
     assert not ours(tmp_path) and not psutil.Process().children(recursive=True)
     for name in res:
         assert json.loads((tmp_path / name / "result.json").read_text())["status"] == res[name].status

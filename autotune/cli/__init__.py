@@ -9,7 +9,7 @@ import importlib
 import pkgutil
 import sys
 
-from autotune.models import SpecError
+from autotune.errors import SpecError
 
 
 def build_parser() -> argparse.ArgumentParser:

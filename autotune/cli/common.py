@@ -1,12 +1,14 @@
-"""Arguments several sub-commands share, and how they become specs."""
+"""Arguments several sub-commands share, and how they become specs. The training-config flags are
+derived from TrainConfig's fields (autotune/train_config.py): a new setting gets its flag there."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from autotune.hardware import Cluster, parse_gpus
 from autotune.models import ModelSpec, resolve_model
-from autotune.space import TrainConfig, check_config
+from autotune.train_config import TrainConfig, check_config, choices, kind
 
 
 def add_model_gpus(p: argparse.ArgumentParser) -> None:
@@ -32,25 +34,31 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
                          factory=getattr(args, "model_factory", None))
 
 
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
 def add_train_config(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro batches per optimizer step")
-    p.add_argument("--ckpt-layers", type=int, default=0, help="activation-checkpointed layers (first k)")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"])
-    p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload of optimizer states")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, model max))")
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"],
-                   help="attention implementation, transformers' names (flash_attention_2: GPU, hf only)")
+    """One option per TrainConfig field, typed by the field (values are checked by TrainConfig itself)."""
+    for f in dataclasses.fields(TrainConfig):
+        help = f.metadata["help"]
+        if kind(f.name) is bool:
+            p.add_argument(_flag(f), dest=f.name, action="store_true", help=help)
+            continue
+        default = None if f.name == "seq_len" else f.default  # seq_len: the model's own maximum, up to 2048
+        c = choices(f.name)
+        p.add_argument(_flag(f), dest=f.name, type=kind(f.name), default=default,
+                       choices=list(c) if c else None, help=help + ("" if default is None else f" (default {default})"))
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, TrainConfig]:
+    from autotune.workflow import default_seq_len
+
     model = model_from_args(args)
     cluster = parse_gpus(args.gpus)
-    seq = args.seq_len or min(2048, model.max_seq_len)
-    cfg = TrainConfig(zero_stage=args.zero, ckpt_layers=args.ckpt_layers, micro_batch=args.micro_batch,
-                      grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
-                      offload_optimizer=args.offload_optimizer, seq_len=seq, attention=args.attention)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    if values["seq_len"] is None:
+        values["seq_len"] = default_seq_len(model)
+    cfg = TrainConfig(**values)
     check_config(cfg, model, cluster)
     return model, cluster, cfg

@@ -24,13 +24,12 @@ def register(sub) -> None:
 
 
 def _simulated(model, cluster, cfg) -> dict | None:
-    """The throughput cost model's figures, where that module is present."""
-    try:
-        from autotune.costmodel import simulate
-    except ImportError:
+    """The throughput cost model's figures; None for CPU ranks, which have no datasheet to price
+    them by (their trials are measured, not simulated)."""
+    if cluster.gpu.is_cpu:
         return None
-    if cluster.gpu.is_cpu:  # CPU ranks are measured, never simulated: the cost model refuses them
-        return None
+    from autotune.costmodel import simulate
+
     return simulate(model, cluster, cfg).to_json()
 
 
@@ -43,9 +42,7 @@ def run(args) -> int:
     if args.json:
         out = {"implementation": model.code_name, **est.to_json(), "model": model.name, "gpus": cluster.text,
                "config": cfg.to_dict()}
-        sim = _simulated(model, cluster, cfg)
-        if sim is not None:
-            out["simulated"] = sim
+        out["simulated"] = _simulated(model, cluster, cfg)
         if cluster.note:
             out["note"] = cluster.note
         if args.trace:

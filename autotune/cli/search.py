@@ -7,8 +7,7 @@ import signal
 import sys
 
 from autotune.cli.common import add_impl
-from autotune.memory.correction import Correction
-from autotune.models import SpecError
+from autotune.errors import SpecError
 
 ORDER = 30
 
@@ -37,6 +36,9 @@ def register(sub) -> None:
                         "are here, else simulated")
     p.add_argument("--resume", action="store_true", help="continue an existing study; no completed trial reruns")
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start one locally)")
+    p.add_argument("--concurrent-trials", type=int, default=1,
+                   help="trials that may run at once on the same devices (default 1: each trial has its "
+                        "cores to itself, so its samples/s do not depend on what else runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -46,90 +48,29 @@ def _sigterm(signum, frame):
     raise KeyboardInterrupt
 
 
-def _specs(args: argparse.Namespace, study=None):
-    """Model, cluster, seq len, space: from the arguments, or from a resumed study (which must agree)."""
-    from autotune import study as st
-    from autotune.hardware import parse_gpus
-    from autotune.cli.common import model_from_args
-    from autotune.search_space import load_space, parse_space
-
-    if study is None:
-        if not args.model or not args.gpus:
-            raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
-        model, cluster = model_from_args(args), parse_gpus(args.gpus)
-        seq = args.seq_len or min(2048, model.max_seq_len)
-        return model, cluster, seq, args.global_batch, load_space(args.space)
-    model, cluster, a = st.specs_of(study)
-    m = model_from_args(args) if args.model else None
-    given = {"--model": m and m.name, "--gpus": args.gpus, "--impl": m and m.implementation,
-             "--seq-len": args.seq_len, "--global-batch": args.global_batch,
-             "--space": args.space and load_space(args.space).text}
-    stored = {"--model": model.name, "--impl": model.implementation, "--gpus": a["gpus"], "--seq-len": a["seq_len"],
-              "--global-batch": a["global_batch"], "--space": a["space_text"]}
-    for flag, v in given.items():
-        if v is not None and v != stored[flag]:
-            shown = "a different file" if flag == "--space" else repr(v)
-            raise SpecError(f"--resume: study {study.study_name!r} was searched with {flag} "
-                            f"{stored[flag] if flag != '--space' else a['space_path']!r}, not {shown}; "
-                            f"drop {flag} or start another --study")
-    return model, cluster, a["seq_len"], a["global_batch"], parse_space(a["space_text"], a["space_path"])
-
-
-def _open_study(args: argparse.Namespace):
-    from autotune import study as st
-
-    if args.resume:
-        name = args.study
-        if name is None and args.model and args.gpus:
-            from autotune.hardware import parse_gpus
-            from autotune.cli.common import model_from_args
-
-            name = st.default_name(model_from_args(args), parse_gpus(args.gpus))
-        study = st.load_study(name, args.storage)
-        return study, _specs(args, study)
-    specs = _specs(args)
-    return None, specs
-
-
 def run(args: argparse.Namespace) -> int:
     from autotune import report
-    from autotune import study as st
-    from autotune.search import Search
     from autotune.units import parse_duration_s
+    from autotune.workflow import open_search
 
     try:
         timeout_s = parse_duration_s(args.timeout) if args.timeout else None
     except ValueError as e:
         raise SpecError(f"--timeout: {e}") from None
-    for flag, v in (("--n-trials", args.n_trials), ("--global-batch", args.global_batch)):
-        if v is not None and v < 1:
-            raise SpecError(f"{flag} must be at least 1, got {v}")
-    study, (model, cluster, seq, gb, space) = _open_study(args)
-    kind = args.executor
-    if study is not None:   # a study keeps its executor: measured and simulated numbers do not mix
-        kind = {"measured": "ray", "simulated": "simulated"}[study.user_attrs[st.ATTR]["source"]]
-    kind, how = executor_kind(kind, cluster, args.ray_address)
-    if study is None:
-        name = args.study or st.default_name(model, cluster)
-        st.assert_new(name, args.storage)        # before starting Ray: a taken name fails fast
-    executor = make_executor(kind, cluster, args.ray_address)
-    if study is None:
-        attrs = st.study_attrs(model, cluster, seq_len=seq, global_batch=gb, space_text=space.text,
-                               space_path=space.path, source=executor.source)
-        study = st.create_study(name, args.storage, attrs, sampler=None)
+    if args.n_trials is not None and args.n_trials < 1:
+        raise SpecError(f"--n-trials must be at least 1, got {args.n_trials}")
+    session = open_search(model=args.model, impl=args.impl, model_factory=args.model_factory, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
+                          space=args.space, study=args.study, storage=args.storage, executor=args.executor,
+                          resume=args.resume, ray_address=args.ray_address,
+                          concurrent_trials=args.concurrent_trials)
+    study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
-    print(f"executor: {how}")
+    print(f"executor: {session.how}")
     signal.signal(signal.SIGTERM, _sigterm)
     try:
-        with executor:
-            correction = Correction()   # replayed from a resumed study's trials by Search
-            search = Search(study, model, cluster, space, executor, seq_len=seq, global_batch=gb,
-                            corrector=correction)
-            _print_plan(search, study.study_name, space.path)
-            try:
-                summary = search.run(n_trials=args.n_trials, timeout_s=timeout_s, progress=not args.no_progress)
-            finally:
-                study.set_user_attr("memory_correction", correction.summary())
+        with session:
+            _print_plan(session.search, study.study_name, session.inputs.space.path)
+            summary = session.run(n_trials=args.n_trials, timeout_s=timeout_s, progress=not args.no_progress)
     except KeyboardInterrupt:
         print(f"\ninterrupted: every completed trial is kept; continue with "
               f"`autotune search --resume --study {study.study_name}`", file=sys.stderr)
@@ -138,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             "timeout": "--timeout reached"}.get(summary.stop, summary.stop)
     print(f"\nstopped: {stop}. {summary.ok} ok, {summary.failed} failed, {summary.pruned} pruned without a run"
           + (f", {summary.interrupted} interrupted (rerun on --resume)" if summary.interrupted else ""))
-    corr = correction.summary()
+    corr = session.correction.summary()
     if corr["measured_trials"] or corr["oom_trials"]:
         print(f"memory model: x{corr['factor']:.3f} after {corr['measured_trials']} measured and "
               f"{corr['oom_trials']} out-of-memory trials; |error| median "
@@ -152,59 +93,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.2f}%"
-
-
-def devices_present(cluster) -> tuple[bool, str]:
-    """Whether the requested devices are here: CPU ranks always are; GPUs if CUDA shows enough of them."""
-    if cluster.gpu.is_cpu:
-        return True, "cpu ranks run here"
-    import torch
-
-    n = torch.cuda.device_count()
-    if n < cluster.world_size or cluster.num_nodes > 1:
-        return False, f"{cluster.describe()} requested, this machine has {n} CUDA device(s)"
-    name = torch.cuda.get_device_name(0)
-    family = cluster.gpu.name.split("-")[0].lower()
-    if family not in name.lower():
-        return False, f"{cluster.gpu.name} requested, this machine has {n} x {name}"
-    return True, f"{n} x {name} here"
-
-
-def executor_kind(kind: str, cluster, ray_address: str | None) -> tuple[str, str]:
-    """Which executor ("ray" or "simulated"), and a sentence saying which and why; starts nothing."""
-    here, why = devices_present(cluster)
-    if ray_address and not here:
-        why = f"{cluster.describe()} expected from the Ray cluster"
-    if kind == "auto":
-        kind = "ray" if here or ray_address else "simulated"
-        if kind == "simulated":
-            why += "; results below are SIMULATED by the cost model, not measured"
-    if kind == "ray":
-        if not here and not ray_address:
-            raise SpecError(f"--executor ray: {why}; pass --ray-address of a Ray cluster that has them, "
-                            f"or use --executor simulated")
-        where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray instance"
-        return kind, f"ray: real DeepSpeed trials on {where} ({why})"
-    if cluster.gpu.is_cpu:
-        raise SpecError("--executor simulated: the cost model prices GPUs from their datasheets; CPU ranks "
-                        "are run for real (--executor ray or auto)")
-    try:
-        import autotune.executors.simulated  # noqa: F401
-    except ImportError:
-        raise SpecError(f"measured trials are impossible here ({why}), and the simulated executor is not "
-                        f"available in this version; run on a machine with those GPUs, or pass "
-                        f"--ray-address of a Ray cluster that has them") from None
-    return kind, f"simulated: the throughput cost model ({why})"
-
-
-def make_executor(kind: str, cluster, ray_address: str | None):
-    if kind == "ray":
-        from autotune.executors.ray_executor import RayExecutor
-
-        return RayExecutor(cluster, ray_address=ray_address)
-    from autotune.executors.simulated import SimulatedExecutor
-
-    return SimulatedExecutor()
 
 
 def _print_plan(search, name: str, space_path: str) -> None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from autotune.cli.common import add_model_gpus, add_train_config, specs_from_args
-from autotune.models import SpecError
+from autotune.errors import SpecError
 from autotune.units import fmt_bytes, parse_duration_s
 
 ORDER = 35
@@ -31,19 +31,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def memory_estimate(model, cluster, cfg) -> dict | None:
-    """The memory model's JSON for the same config; None while autotune.memory has no estimate()."""
-    try:
-        from autotune.memory import estimate
-    except ImportError:
-        return None
-    est = estimate(model, cluster, cfg).to_json()
-    return json.loads(est) if isinstance(est, str) else est
-
-
 def run(args) -> int:
     from autotune.deepspeed_config import deepspeed_config
-    from autotune.executors.base import TrialRequest
+    from autotune.trial.record import TrialRequest
     from autotune.trial import run_trial
 
     model, cluster, cfg = specs_from_args(args)
@@ -56,7 +46,10 @@ def run(args) -> int:
     if cluster.num_nodes > 1 and not cluster.gpu.is_cpu:
         raise SpecError(f"--gpus {cluster.text}: `autotune trial` runs on this machine only; place multi-node "
                         f"trials with `autotune search --ray-address`")
-    estimate = memory_estimate(model, cluster, cfg)  # before the run: a broken estimate fails in a second
+    from autotune.memory import estimate as memory_estimate
+
+    # before the run: a broken estimate fails in a second, not after the trial
+    estimate = memory_estimate(model, cluster, cfg).to_json()
     out = args.out or Path("trials", "adhoc", time.strftime("%Y%m%d-%H%M%S"))
     req = TrialRequest(model=model, cluster=cluster, config=cfg, out_dir=out, steps=args.steps,
                        warmup_steps=args.warmup_steps, timeout_s=timeout_s, profile=args.profile, fault=args.fault)
@@ -71,7 +64,7 @@ def run(args) -> int:
     return 0 if res.status == "ok" else 1
 
 
-def summary(req, res, estimate: dict | None) -> str:
+def summary(req, res, estimate: dict) -> str:
     cfg = req.config
     lines = [f"{req.model.name} ({req.model.code_name}) on {req.cluster.describe()}: {cfg.short()}, seq {cfg.seq_len}",
              f"status      {res.status}{'  (' + res.reason + ')' if res.reason else ''}"]
@@ -85,9 +78,8 @@ def summary(req, res, estimate: dict | None) -> str:
         lines += [f"memory      peak {fmt_bytes(res.peak_bytes)} per rank (max over ranks), init "
                   f"{fmt_bytes(res.init_peak_bytes)}; last step: {phases}" + ("; LEAK: grows per step" if res.leak else ""),
                   f"cap         {fmt_bytes(req.cluster.capacity_bytes)} per rank"]
-    if estimate is not None:
-        total = estimate.get("total_bytes") or estimate.get("peak_bytes")
-        lines.append(f"estimate    {fmt_bytes(total) if total else json.dumps(estimate)[:120]} (memory model)")
+    lines.append(f"estimate    {fmt_bytes(estimate['tensor_peak_bytes'])} tensor peak, {fmt_bytes(estimate['total_bytes'])} "
+                 f"with the framework allowance (memory model, estimated)")
     if res.losses:
         lines.append(f"loss        {res.losses[0]:.4f} -> {res.losses[-1]:.4f} over {len(res.losses)} steps "
                      f"({req.warmup_steps} warm-up)")

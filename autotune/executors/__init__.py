@@ -1,2 +1,67 @@
 """Where trials run. `base` defines the contract; `ray_executor` runs real trials, `simulated`
-prices them with the cost model."""
+prices them with the cost model. `choose` decides which one a search gets (starting nothing),
+`make` starts it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from autotune.errors import SpecError
+from autotune.hardware import Cluster
+
+Kind = Literal["ray", "simulated"]
+PRESENT_MEMORY_FRACTION = 0.9
+"""A device counts as the requested type when it has at least this share of the preset's memory:
+driver-reported totals sit a few percent under the marketing size (an 80 GB A100 reports 81,920 MiB,
+data/gpus.yaml), while the two sizes of one name (A100 40/80 GB) differ by half."""
+
+
+def devices_present(cluster: Cluster) -> tuple[bool, str]:
+    """Whether the requested devices are here: CPU ranks always are; GPUs if CUDA shows enough of
+    them, of the requested name and memory size."""
+    if cluster.gpu.is_cpu:
+        return True, "cpu ranks run here"
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < cluster.world_size or cluster.num_nodes > 1:
+        return False, f"{cluster.describe()} requested, this machine has {n} CUDA device(s)"
+    props = torch.cuda.get_device_properties(0)
+    family = cluster.gpu.name.split("-")[0].lower()
+    if family not in props.name.lower() or props.total_memory < PRESENT_MEMORY_FRACTION * cluster.gpu.memory_bytes:
+        return False, (f"{cluster.gpu.name} requested, this machine has {n} x {props.name} "
+                       f"({props.total_memory / 2**30:.0f} GiB)")
+    return True, f"{n} x {props.name} here"
+
+
+def choose(kind: str, cluster: Cluster, ray_address: str | None) -> tuple[Kind, str]:
+    """Which executor ("ray" or "simulated") for `kind` (auto, ray, simulated), and a sentence saying
+    which and why; starts nothing."""
+    here, why = devices_present(cluster)
+    if ray_address and not here:
+        why = f"{cluster.describe()} expected from the Ray cluster"
+    if kind == "auto":
+        kind = "ray" if here or ray_address else "simulated"
+        if kind == "simulated":
+            why += "; results below are SIMULATED by the cost model, not measured"
+    if kind == "ray":
+        if not here and not ray_address:
+            raise SpecError(f"--executor ray: {why}; pass --ray-address of a Ray cluster that has them, "
+                            f"or use --executor simulated")
+        where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray instance"
+        return "ray", f"ray: real DeepSpeed trials on {where} ({why})"
+    if cluster.gpu.is_cpu:
+        raise SpecError("--executor simulated: the cost model prices GPUs from their datasheets; CPU ranks "
+                        "are run for real (--executor ray or auto)")
+    return "simulated", f"simulated: the throughput cost model ({why})"
+
+
+def make(kind: Kind, cluster: Cluster, ray_address: str | None = None, concurrent_trials: int = 1):
+    """Start the executor `choose` picked."""
+    if kind == "ray":
+        from autotune.executors.ray_executor import RayExecutor
+
+        return RayExecutor(cluster, ray_address=ray_address, concurrent_trials=concurrent_trials)
+    from autotune.executors.simulated import SimulatedExecutor
+
+    return SimulatedExecutor()

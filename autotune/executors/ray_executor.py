@@ -22,14 +22,17 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from autotune.executors.base import Executor, TrialRequest, TrialResult
+from autotune.errors import SpecError
+from autotune.executors import ray_auth
+from autotune.executors.base import Executor
 from autotune.hardware import Cluster
-from autotune.models import SpecError
 from autotune.trial import launch
+from autotune.trial.record import NodeOutcome, TrialRequest, TrialResult
+from autotune.trial.threads import cpu_threads_per_rank
 
 OBJECT_STORE_BYTES = 256 << 20
-"""Results are a few KB: the smallest store Ray accepts comfortably (../shared/NOTES.md "Ray":
-with the dashboard off, local Ray starts in 3-5 s)."""
+"""Results are a few KB: the smallest store Ray accepts comfortably. With it and the dashboard off,
+local Ray starts in seconds (measured: 7 s from RayExecutor() to a first task's result, 2 busy cores)."""
 GRACE_S = 30.0
 """Past request.timeout_s (counted from placement), the driver cancels a trial whose node tasks
 have not answered: each node also enforces the timeout itself, so this only catches a lost node."""
@@ -49,13 +52,15 @@ def _rendezvous() -> tuple[str, int]:
 
 
 def _node(req: TrialRequest, node_rank: int, num_nodes: int, master: tuple[str, int] | None,
-          threads: int) -> dict:
+          threads: int) -> NodeOutcome:
     """One node's ranks of one trial (run in a Ray worker); the per-node outcome, as a value."""
     t0 = time.time()
     addr, port = master or ("127.0.0.1", None)
     outcome = launch.run_node([req], node_rank=node_rank, num_nodes=num_nodes, master_addr=addr,
                               master_port=port, threads=threads, fresh=False)[0]
-    return {**outcome, "task_start": t0, "task_end": time.time(), "node_id": ray.get_runtime_context().get_node_id()}
+    outcome.task_start, outcome.task_end = t0, time.time()
+    outcome.node_id = ray.get_runtime_context().get_node_id()
+    return outcome
 
 
 _rendezvous_task = ray.remote(_rendezvous)
@@ -77,30 +82,35 @@ class RayExecutor(Executor):
     """Runs real trials on Ray; as many at once as `slots()` says the cluster holds."""
 
     def __init__(self, cluster: Cluster, *, ray_address: str | None = None, num_cpus: int | None = None,
-                 cpus_per_rank: int = 1):
-        self.cluster, self.cpus_per_rank = cluster, cpus_per_rank
+                 concurrent_trials: int = 1):
+        self.cluster, self.concurrent_trials = cluster, concurrent_trials
         self._trials: dict[str, _Trial] = {}
         self._connected = False
-        if ray.is_initialized():
-            return
-        # Quiet and fast (../shared/NOTES.md "Ray"): no usage stats, no auth prompt, no dashboard.
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        if ray_address:
-            ray.init(address=ray_address, logging_level="warning", log_to_driver=False)
-        else:
-            # address="local": always a new local cluster, never a stray one this machine still runs
-            # (ray.init() alone would join it and then refuse num_cpus)
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                     object_store_memory=OBJECT_STORE_BYTES, logging_level="warning", log_to_driver=False)
-        self._connected = True
+        if not ray.is_initialized():
+            # Quiet and fast: no usage stats, no dashboard. Authentication stays on (docs/security.md).
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            if ray_address:
+                ray_auth.warn_if_joining_without_token(ray_address)
+                ray.init(address=ray_address, logging_level="warning", log_to_driver=False)
+            else:
+                # address="local": always a new local cluster, never a stray one this machine still runs
+                # (ray.init() alone would join it and then refuse num_cpus). It listens on every interface:
+                # the token is what keeps others out, so it is on and owner-only before Ray starts.
+                ray_auth.secure_local_cluster()
+                ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                         object_store_memory=OBJECT_STORE_BYTES, logging_level="warning", log_to_driver=False)
+            self._connected = True
+        # the smallest node's cores, split among the ranks of the trials that may share them
+        cores = min(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n["Alive"])
+        self.cpus_per_rank = cpu_threads_per_rank(cluster.gpus_per_node, concurrent_trials, cores)
 
     def slots(self) -> int:
-        """Trials of `self.cluster`'s shape that fit the cluster at once (counting every node)."""
+        """Trials of `self.cluster`'s shape that fit the cluster at once (counting every node), at most
+        `concurrent_trials`."""
         need = _resources(self.cluster, self.cpus_per_rank)
         per_node = [min(int(n["Resources"].get(k, 0) // v) for k, v in need.items())
                     for n in ray.nodes() if n["Alive"]]
-        return sum(per_node) // self.cluster.num_nodes
+        return min(self.concurrent_trials, sum(per_node) // self.cluster.num_nodes)
 
     def submit(self, request: TrialRequest) -> str:
         c = request.cluster
@@ -156,7 +166,7 @@ class RayExecutor(Executor):
     @staticmethod
     def _failed(ref: ray.ObjectRef) -> bool:
         try:
-            return ray.get(ref, timeout=0)["status"] not in ("", "ok")
+            return ray.get(ref, timeout=0).status not in ("", "ok")
         except ray.exceptions.RayError:
             return True
 
@@ -171,21 +181,20 @@ class RayExecutor(Executor):
             except (ray.exceptions.RayError, TimeoutError) as e:
                 died.append(f"node {i}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
         remove_placement_group(tr.pg)
-        merged = _merge(outcomes) if outcomes else {"ranks": {}, "status": "", "reason": "", "wall_s": 0.0,
-                                                    "log_tail": launch.log_tail(req), "timings_s": {}}
+        merged = _merge(outcomes) if outcomes else NodeOutcome(log_tail=launch.log_tail(req))
         if tr.late:
-            merged.update(status="timeout", reason=f"no answer from the trial's Ray tasks {req.timeout_s + GRACE_S:g} s "
-                                                   f"after placement; cancelled")
+            merged.status = "timeout"
+            merged.reason = f"no answer from the trial's Ray tasks {req.timeout_s + GRACE_S:g} s after placement; cancelled"
         elif died:
-            merged.update(status="crashed", reason="Ray worker lost: " + "; ".join(died))
+            merged.status, merged.reason = "crashed", "Ray worker lost: " + "; ".join(died)
         if cancelled:
-            merged["reason"] += f" (tasks of node(s) {cancelled} cancelled)"
-        merged["log_tail"] = merged["log_tail"] or launch.log_tail(req)
+            merged.reason += f" (tasks of node(s) {cancelled} cancelled)"
+        merged.log_tail = merged.log_tail or launch.log_tail(req)
         res = launch.aggregate(req, merged)
         if outcomes:
-            res.nodes = [o["node_id"] for o in outcomes]
-            res.timings_s["placement_s"] = min(o["task_start"] for o in outcomes) - tr.submitted
-            in_task = max(o["task_end"] - o["task_start"] for o in outcomes)
+            res.nodes = [o.node_id for o in outcomes]
+            res.timings_s["placement_s"] = min(o.task_start for o in outcomes) - tr.submitted
+            in_task = max(o.task_end - o.task_start for o in outcomes)
             res.wall_s = time.time() - tr.submitted
             res.timings_s["ray_s"] = res.wall_s - res.timings_s["placement_s"] - in_task
             if res.step_time_s is not None:
@@ -205,10 +214,9 @@ class RayExecutor(Executor):
         self._connected = False
 
 
-def _merge(outcomes: list[dict]) -> dict:
+def _merge(outcomes: list[NodeOutcome]) -> NodeOutcome:
     """One trial outcome from its nodes' (global rank numbers are already distinct)."""
-    bad = next((o for o in outcomes if o["status"]), outcomes[0])
-    return {"ranks": {r: d for o in outcomes for r, d in o["ranks"].items()}, "status": bad["status"],
-            "reason": bad["reason"], "log_tail": bad["log_tail"] or outcomes[0]["log_tail"],
-            "wall_s": max(o["wall_s"] for o in outcomes),
-            "timings_s": {**outcomes[0]["timings_s"]}}
+    bad = next((o for o in outcomes if o.status), outcomes[0])
+    return NodeOutcome(ranks={r: d for o in outcomes for r, d in o.ranks.items()}, status=bad.status,
+                       reason=bad.reason, log_tail=bad.log_tail or outcomes[0].log_tail,
+                       wall_s=max(o.wall_s for o in outcomes), timings_s=dict(outcomes[0].timings_s))

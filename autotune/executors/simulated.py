@@ -13,9 +13,11 @@ import time
 from pathlib import Path
 
 from autotune.costmodel import simulate
-from autotune.executors.base import Executor, TrialRequest, TrialResult
-from autotune.models import SpecError
-from autotune.space import check_config
+from autotune.errors import SpecError
+from autotune.executors.base import Executor
+from autotune.memory import estimate
+from autotune.train_config import check_config
+from autotune.trial.record import TrialRequest, TrialResult
 from autotune.units import fmt_bytes
 
 OOM_REASON = "simulated: estimate exceeds capacity"
@@ -24,13 +26,6 @@ OOM_REASON = "simulated: estimate exceeds capacity"
 _FAULTS = {"nan": ("diverged", "simulated fault: non-finite loss"),
            "hang": ("timeout", "simulated fault: hang, killed at the timeout"),
            "crash": ("crashed", "simulated fault: a rank crashed")}
-
-
-def _estimate(request: TrialRequest):
-    """The memory model's estimate (imported here: autotune.memory is optional for pricing)."""
-    from autotune.memory import estimate
-
-    return estimate(request.model, request.cluster, request.config)
 
 
 def simulated_result(request: TrialRequest) -> TrialResult:
@@ -50,7 +45,7 @@ def _simulated(request: TrialRequest) -> TrialResult:
         return TrialResult(status=status, reason=reason, source="simulated", log_tail=reason)
     try:
         check_config(cfg, request.model, cluster)
-        est = _estimate(request)
+        est = estimate(request.model, request.cluster, request.config)
         if not est.fits:
             log = (f"simulated: memory model estimates {fmt_bytes(est.total_bytes)} per device, capacity "
                    f"{fmt_bytes(est.capacity_bytes)}; no process was run")

@@ -24,7 +24,7 @@ from autotune.memory import activations as act
 from autotune.memory import buffers, model_states
 from autotune.memory.overhead import overhead_terms
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 from autotune.units import GiB
 
 

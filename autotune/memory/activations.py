@@ -16,6 +16,7 @@ fp32 copies of its input, SwiGLU keeps four f-wide tensors.
 from __future__ import annotations
 
 from autotune.models import ModelSpec
+from autotune.train_config import dtype_bytes
 
 LSE_BYTES = 4
 """Flash / memory-efficient SDPA keeps a fp32 log-sum-exp per head and token (PyTorch
@@ -32,12 +33,6 @@ CHECKPOINT_RNG_STATE_BYTES = 5056
 """torch.utils.checkpoint (preserve_rng_state=True) keeps torch.get_rng_state(), a 5056-byte
 uint8 tensor (the mt19937 CPU generator state), per checkpointed call. It is host memory: on a GPU
 it is not in the device's peak, and this term overstates that by 5 KB per layer."""
-
-
-def dtype_bytes(precision: str) -> int:
-    """Element size of the model's parameters and activations: DeepSpeed casts the module to
-    the bf16/fp16 dtype (engine._configure_distributed_model), fp32 otherwise."""
-    return 4 if precision == "fp32" else 2
 
 
 def norm_saved_per_token(spec: ModelSpec, e: int) -> int:

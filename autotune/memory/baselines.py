@@ -1,6 +1,6 @@
 """Other people's memory rules, priced on the same cases as ours (for tests and benchmarks).
 
-- The reference article (shared/reference/seed-article-zh.txt, sec. 1.1-1.2): static memory
+- The reference article behind the project (a Chinese-language guide to LLM training memory, sec. 1.1-1.2): static memory
   18 bytes/param (fp32 master 4 + bf16 copy 2 + fp32 grads 4 + Adam 4 + 4), activations
   b*s*h*L*c with c "usually 10 to 20" (its example uses 15), checkpointing cutting activations
   to about 1/sqrt(L); for ZeRO it divides the static memory by the GPU count (sec. 4.1:
@@ -18,7 +18,7 @@ import math
 from autotune.hardware import Cluster
 from autotune.memory.model_states import largest_param
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 ARTICLE_BYTES_PER_PARAM = 18
 ARTICLE_ACTIVATION_COEFF = 15

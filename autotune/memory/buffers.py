@@ -7,7 +7,7 @@ from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
 from autotune.memory.activations import dtype_bytes
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 STAGE0_ALLREDUCE_ELEMENTS = 500_000_000
 """engine.allreduce_gradients -> buffered_allreduce_fallback(elements_per_buffer=500000000):

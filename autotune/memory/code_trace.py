@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig, torch_dtype
 
 _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
 """Segment peaks by category of each small program traced, by `_key`."""
@@ -58,14 +58,13 @@ def spec_key(spec: ModelSpec) -> str:
 def build(spec: ModelSpec, precision: str, attention: str, num_layers: int):
     """`impl.build` in the training dtype: fake parameters cannot be cast after construction
     (`.to(dtype)` fails on fakes), so the default dtype is set while the model is built."""
-    from autotune.memory.traced import DTYPES
 
     impl = impl_of(spec)
     spec = _with_layer_types(spec, num_layers)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[precision])
+    torch.set_default_dtype(torch_dtype(precision))
     try:
-        model = impl.build(spec, dtype=DTYPES[precision], attention=attention, num_layers=num_layers)
+        model = impl.build(spec, dtype=torch_dtype(precision), attention=attention, num_layers=num_layers)
     finally:
         torch.set_default_dtype(default)
     return impl, model

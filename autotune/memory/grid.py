@@ -25,7 +25,7 @@ from autotune.hardware import Cluster
 from autotune.memory import builtin, estimate
 from autotune.memory.overhead import overhead_terms
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig
 
 
 def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,

@@ -26,9 +26,8 @@ persistent gradient buffer.
 from __future__ import annotations
 
 from autotune.hardware import Cluster
-from autotune.memory.activations import dtype_bytes
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig, dtype_bytes
 
 ADAM_STATE_BYTES = 8
 """exp_avg + exp_avg_sq in fp32 (torch.optim.AdamW, DeepSpeed FusedAdam and CPUAdam)."""

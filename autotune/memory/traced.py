@@ -5,7 +5,7 @@ checks against real CPU runs, the analytic terms and direct traces are in tests/
 
 In short: CPU fake tensors (FakeTensorMode: shapes, no data, no RAM), two AdamW iterations, the
 second measured by `_LiveBytes`, a TorchDispatchMode that counts each storage until its last
-reference dies (../shared/NOTES.md "Fake tensors"); the peak of each segment of the step (module
+reference dies (docs/platform.md "Fake tensors"); the peak of each segment of the step (module
 and gradient hooks) with its storages by category; small models traced and every segment peak
 extrapolated to L layers (affine in the checkpointed and full layer counts); ZeRO accounted with
 autotune.memory's model-state and buffer terms for the stage, on top of the traced activations.
@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from autotune.hardware import Cluster
 from autotune.memory import MemoryEstimate, _phases, builtin, code_trace, model_states
 from autotune.models import ModelSpec
-from autotune.space import TrainConfig
+from autotune.train_config import TrainConfig, torch_dtype
 from autotune.trial.model import Transformer
 from autotune.units import fmt_bytes
 
@@ -112,9 +112,8 @@ def _tracing(host_rng: bool):
             torch.get_rng_state = original
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The dtype DeepSpeed casts the module to. Fake parameters cannot be cast (`.to(dtype)` fails on
-fakes), so they are made in it: torch's default dtype while the model is built."""
+# Fake parameters cannot be cast (`.to(dtype)` fails on fakes), so they are made in the dtype
+# DeepSpeed casts the module to: torch's default dtype while the model is built.
 
 
 def _adamw(params, fused: bool) -> torch.optim.Optimizer:
@@ -171,7 +170,7 @@ def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, f
     marks = {"measure": False, "backward": False}  # measure: the module hooks are set before the warm-up
     with _tracing(host_rng) as live:
         default = torch.get_default_dtype()
-        torch.set_default_dtype(DTYPES[cfg.precision])
+        torch.set_default_dtype(torch_dtype(cfg.precision))
         try:
             model = Transformer(replace(spec, num_layers=ckpt + full), attention=cfg.attention, ckpt_layers=ckpt)
         finally:

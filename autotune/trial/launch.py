@@ -29,9 +29,11 @@ import time
 from pathlib import Path
 
 import psutil
+from torch.distributed import TCPStore
 
 from autotune.deepspeed_config import deepspeed_config
-from autotune.executors.base import TrialRequest, TrialResult
+from autotune.trial.record import NodeOutcome, RankReport, TrialRequest, TrialResult
+from autotune.trial.threads import cpu_threads_per_rank
 from autotune.trial.worker import EXIT_ABANDON, MARK
 from autotune.units import TFLOPS, GiB
 
@@ -56,6 +58,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(world_size: int) -> tuple[TCPStore, int]:
+    """A single-node group's rendezvous store, reachable from this machine only, and its port.
+
+    Left to torch, rank 0 hosts the store on MASTER_PORT on every interface whatever MASTER_ADDR says
+    (measured: psutil's listening sockets during a 2-rank CPU trial with MASTER_ADDR=127.0.0.1: the store
+    on `::`, gloo's pairs on 127.0.0.1). TCPStore serves an already listening socket (`master_listen_fd`),
+    so the launcher binds one to 127.0.0.1 and hosts the store, and every rank only connects to it
+    (TORCHELASTIC_USE_AGENT_STORE=True: torch/distributed/rendezvous.py `_create_c10d_store`). The OS
+    picks the port while binding it, so nothing can take it between choice and use.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    # detach: the store owns the descriptor and closes it when deleted (measured: os.fstat on it after
+    # `del store` fails with EBADF), so the socket object must not close it a second time.
+    return TCPStore(LOOPBACK, port, world_size=world_size, is_master=True, master_listen_fd=sock.detach(),
+                    wait_for_workers=False), port
+
+
+def loopback_interface() -> str:
+    """The name of the interface holding 127.0.0.1 (`lo` on Linux, `lo0` on macOS)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addrs):
+            return name
+    return "lo"
+
+
 def prepare(req: TrialRequest) -> None:
     """The trial's folder with the configs it will run; stale per-rank files removed."""
     out = Path(req.out_dir)
@@ -76,7 +109,7 @@ class Group:
     """The local ranks of one process group, started at config `start` of `requests`."""
 
     def __init__(self, requests: list[TrialRequest], start: int, *, node_rank: int, num_nodes: int,
-                 master_addr: str, master_port: int, threads: int | None):
+                 master_addr: str, master_port: int, threads: int | None, local_only: bool = False):
         self.requests, self.events = requests, queue.Queue()
         cluster = requests[0].cluster
         # One node runs gpus_per_node ranks of a multi-node trial; alone, it runs them all.
@@ -84,7 +117,7 @@ class Group:
         world = cluster.world_size
         payload = Path(requests[start].out_dir, "payload.pkl")
         payload.write_bytes(pickle.dumps(requests))
-        threads = threads or max(1, (os.cpu_count() or 1) // self.local)
+        threads = threads or cpu_threads_per_rank(self.local)
         self.procs: list[subprocess.Popen] = []
         self.ranks: list[int] = []
         self.exited: dict[int, int] = {}
@@ -105,6 +138,15 @@ class Group:
                    "AUTOTUNE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
             if cluster.gpu.is_cpu:
                 env["DS_ACCELERATOR"] = "cpu"
+            if local_only:
+                # The store is the launcher's (loopback_store). gloo's and NCCL's own sockets go on the loopback
+                # interface too: left alone, gloo binds the address the host name resolves to (torch's
+                # ProcessGroupGloo.cpp; 127.0.0.1 here only because /etc/hosts maps this host name there,
+                # measured: `getent hosts $(hostname)`) and NCCL any interface but lo and docker* (NCCL's
+                # documentation of NCCL_SOCKET_IFNAME), i.e. the network's.
+                ifname = loopback_interface()
+                env.update(TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME=ifname,
+                           NCCL_SOCKET_IFNAME=ifname)
             group = _join_group(self.procs[0].pid if self.procs else 0)
             self.procs.append(subprocess.Popen([sys.executable, "-m", "autotune.trial.worker", str(payload)],
                                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -173,11 +215,9 @@ def _join_group(pgid: int) -> dict:
     return {"preexec_fn": lambda: os.setpgid(0, pgid)}  # Python 3.10
 
 
-def read_ranks(req: TrialRequest) -> dict[int, dict]:
-    ranks = {}
-    for path in Path(req.out_dir).glob("rank*.json"):
-        ranks[int(path.stem[4:])] = json.loads(path.read_text())
-    return ranks
+def read_ranks(req: TrialRequest) -> dict[int, RankReport]:
+    return {int(path.stem[4:]): RankReport.from_dict(json.loads(path.read_text()))
+            for path in Path(req.out_dir).glob("rank*.json")}
 
 
 def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES, rank: int | None = None) -> str:
@@ -195,35 +235,43 @@ def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES, rank: int | None = 
 
 def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int = 1,
              master_addr: str = "127.0.0.1", master_port: int | None = None,
-             threads: int | None = None, fresh: bool = True) -> list[dict]:
-    """Run `requests` on this node's ranks; per config {"ranks", "status", "reason", "log_tail", timings}.
+             threads: int | None = None, fresh: bool = True) -> list[NodeOutcome]:
+    """Run `requests` on this node's ranks; one NodeOutcome per config.
 
     Single node: a config that kills the group is recorded and a new group (new port) starts at
     the next config. Several nodes: no restart (the other nodes cannot follow); what is left is
     recorded as not run. `fresh`: write each trial's folder anew (prepare); False when the caller
-    (the Ray driver) has done so already.
+    (the Ray driver) has done so already. `master_addr`/`master_port` are rank 0's, for several nodes;
+    one node always meets on 127.0.0.1 (loopback_store).
     """
     for req in requests:
         if fresh:
             prepare(req)
         else:
             Path(req.out_dir).mkdir(parents=True, exist_ok=True)
-    outcomes: list[dict | None] = [None] * len(requests)
+    outcomes: list[NodeOutcome | None] = [None] * len(requests)
     i = 0
     while i < len(requests):
-        port = master_port if num_nodes > 1 else (master_port or free_port(master_addr))
-        group = Group(requests, i, node_rank=node_rank, num_nodes=num_nodes, master_addr=master_addr,
-                      master_port=port, threads=threads)
+        store = None
+        if num_nodes > 1:
+            addr, port = master_addr, master_port
+        else:
+            store, port = loopback_store(requests[0].cluster.world_size)
+            addr = LOOPBACK
+        group = Group(requests, i, node_rank=node_rank, num_nodes=num_nodes, master_addr=addr,
+                      master_port=port, threads=threads, local_only=store is not None)
         try:
             i = _watch(group, requests, i, outcomes)
         except BaseException:  # KeyboardInterrupt in a caller that lives on: leave no rank behind
             group.kill()
             raise
+        finally:
+            store = None  # closes the store: its group is gone
         master_port = None
         if num_nodes > 1 and i < len(requests):
             for j in range(i, len(requests)):
-                outcomes[j] = {"status": "crashed", "reason": "not run: the group was killed by an "
-                               "earlier config", "ranks": {}, "log_tail": "", "wall_s": 0.0}
+                outcomes[j] = NodeOutcome(status="crashed", reason="not run: the group was killed by an "
+                                                                   "earlier config")
             break
     return outcomes
 
@@ -250,7 +298,7 @@ def _watch(group: Group, requests: list[TrialRequest], i: int, outcomes: list) -
             if value == 0 and len(exited) < group.local:
                 continue
             if value == 0 and i == n:
-                outcomes[n - 1]["timings_s"]["exit_s"] = t - t_ready
+                outcomes[n - 1].timings_s["exit_s"] = t - t_ready
                 return n
             left = group.kill()
             if i == n or (value == EXIT_ABANDON and outcomes[group.current[lr]] is not None):
@@ -277,11 +325,11 @@ def _failure(req: TrialRequest, group: Group, lr: int, code: int) -> tuple[str, 
     if died:
         lr, code = min(died.items())
     else:
-        reports = [(d.get("time", math.inf), r, d) for r, d in read_ranks(req).items()
-                   if d.get("status") not in (None, "ok")]
+        reports = [(d.time if d.time is not None else math.inf, r, d) for r, d in read_ranks(req).items()
+                   if d.status != "ok"]
         if reports:
             _, rank, d = min(reports, key=lambda x: (x[0], x[1]))
-            return d["status"], f"rank {rank}: {d.get('reason', '')}", rank
+            return d.status, f"rank {rank}: {d.reason}", rank
     how = f"signal {-code}" if code < 0 else f"exit code {code}"
     return "crashed", f"rank {group.ranks[lr]} exited with {how}", group.ranks[lr]
 
@@ -293,9 +341,9 @@ def _record(requests, i: int, outcomes: list, status: str, reason: str, wall_s: 
 
 
 def _finish(req: TrialRequest, status: str, reason: str, wall_s: float, spawn_s: float,
-            rank: int | None = None) -> dict:
-    return {"ranks": read_ranks(req), "status": status, "reason": reason, "log_tail": log_tail(req, rank=rank),
-            "wall_s": wall_s, "timings_s": {"spawn_s": spawn_s}}
+            rank: int | None = None) -> NodeOutcome:
+    return NodeOutcome(ranks=read_ranks(req), status=status, reason=reason, log_tail=log_tail(req, rank=rank),
+                       wall_s=wall_s, timings_s={"spawn_s": spawn_s})
 
 
 # ---- results --------------------------------------------------------------------------------
@@ -313,18 +361,17 @@ def leaks(step_peaks: list[int], step_ends: list[int]) -> bool:
     return _grows(step_ends, 2) or _grows(step_peaks, 3)
 
 
-def aggregate(req: TrialRequest, outcome: dict) -> TrialResult:
+def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
     """One TrialResult from the ranks' reports (rank 0 for per-step detail, max over ranks for peaks)."""
-    ranks = [outcome["ranks"][r] for r in sorted(outcome["ranks"])]
-    r0 = outcome["ranks"].get(0, {})
-    status, reason = outcome["status"], outcome["reason"]
+    ranks = [outcome.ranks[r] for r in sorted(outcome.ranks)]
+    r0 = outcome.ranks.get(0, RankReport(status="crashed"))
+    status, reason = outcome.status, outcome.reason
     if not status:
-        bad = [(r, d) for r, d in sorted(outcome["ranks"].items()) if d.get("status") != "ok"]
-        status, reason = (bad[0][1]["status"], bad[0][1].get("reason", "")) if bad else ("ok", "")
-    res = TrialResult(status=status, reason=reason, log_tail=outcome["log_tail"], out_dir=str(req.out_dir),
-                      implementation=req.model.code_name,
-                      wall_s=outcome["wall_s"] + outcome["timings_s"].get("exit_s", 0.0))
-    timed = [d["step_times_s"] for d in ranks if d.get("step_times_s")]
+        bad = [d for _, d in sorted(outcome.ranks.items()) if d.status != "ok"]
+        status, reason = (bad[0].status, bad[0].reason) if bad else ("ok", "")
+    res = TrialResult(status=status, reason=reason, log_tail=outcome.log_tail, out_dir=str(req.out_dir),
+                      implementation=req.model.code_name, wall_s=outcome.wall_s + outcome.timings_s.get("exit_s", 0.0))
+    timed = [d.step_times_s for d in ranks if d.step_times_s]
     if timed and len(timed) == len(ranks):
         cfg, world = req.config, req.cluster.world_size
         times = [max(ts) for ts in zip(*timed)]  # a step ends when its slowest rank does
@@ -336,38 +383,38 @@ def aggregate(req: TrialRequest, outcome: dict) -> TrialResult:
         peak = req.cluster.gpu.peak_flops(cfg.precision)
         res.mfu = res.tflops * TFLOPS / peak if peak else None
         res.overhead_s = res.wall_s - sum(times)
-    if ranks and all(d.get("peak_bytes") is not None for d in ranks):
-        res.peak_bytes_per_rank = [d["peak_bytes"] for d in ranks]
+    if ranks and all(d.peak_bytes is not None for d in ranks):
+        res.peak_bytes_per_rank = [d.peak_bytes for d in ranks]
         res.peak_bytes = max(res.peak_bytes_per_rank)
-        res.init_peak_bytes = max(d["init_peak_bytes"] for d in ranks)
-        res.param_bytes_per_rank = [d["param_bytes"] for d in ranks]
-    res.step_peak_bytes, res.step_end_bytes = r0.get("step_peak_bytes", []), r0.get("step_end_bytes", [])
+        res.init_peak_bytes = max(d.init_peak_bytes for d in ranks)
+        res.param_bytes_per_rank = [d.param_bytes for d in ranks]
+    res.step_peak_bytes, res.step_end_bytes = r0.step_peak_bytes, r0.step_end_bytes
     res.leak = leaks(res.step_peak_bytes, res.step_end_bytes)
-    res.phase_peak_bytes, res.baseline_bytes = r0.get("phase_peak_bytes", {}), r0.get("baseline_bytes")
-    res.reserved_bytes = max((d.get("reserved_bytes") or 0 for d in ranks), default=0) or None
-    res.losses, res.loss_scale, res.overflow_count = r0.get("losses", []), r0.get("loss_scale"), r0.get("overflow_count")
+    res.phase_peak_bytes, res.baseline_bytes = r0.phase_peak_bytes, r0.baseline_bytes
+    res.reserved_bytes = max((d.reserved_bytes or 0 for d in ranks), default=0) or None
+    res.losses, res.loss_scale, res.overflow_count = r0.losses, r0.loss_scale, r0.overflow_count
     res.timings_s = _timings(outcome, r0)
     return res
 
 
-def _timings(outcome: dict, r0: dict) -> dict[str, float]:
-    t = dict(outcome["timings_s"])
-    w = r0.get("timings")
+def _timings(outcome: NodeOutcome, r0: RankReport) -> dict[str, float]:
+    t = dict(outcome.timings_s)
+    w = r0.timings
     if w:
-        measured = sum(r0.get("step_times_s", []))
+        measured = sum(r0.step_times_s)
         t.update(setup_s=w["setup_s"], build_s=w["build_s"], initialize_s=w["init_s"] - w["build_s"],
                  warmup_s=w["train_s"] - measured, measured_s=measured, profiler_stop_s=w["profiler_stop_s"],
                  analysis_s=w["analysis_s"], teardown_s=w["teardown_s"])
     return t
 
 
-def write_result(req: TrialRequest, res: TrialResult, outcome: dict) -> None:
+def write_result(req: TrialRequest, res: TrialResult, outcome: NodeOutcome) -> None:
     """result.json and memory_per_step.json (every rank) in the trial's folder."""
     out = Path(req.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    per_rank = {str(r): {k: d.get(k) for k in ("step_peak_bytes", "step_end_bytes", "phase_peak_bytes",
-                                                "init_peak_bytes", "peak_bytes", "baseline_bytes")}
-                for r, d in sorted(outcome["ranks"].items())}
+    per_rank = {str(r): {k: getattr(d, k) for k in ("step_peak_bytes", "step_end_bytes", "phase_peak_bytes",
+                                                     "init_peak_bytes", "peak_bytes", "baseline_bytes")}
+                for r, d in sorted(outcome.ranks.items())}
     (out / "memory_per_step.json").write_text(json.dumps({"leak": res.leak, "ranks": per_rank}, indent=2))
     (out / "result.json").write_text(json.dumps(res.to_dict(), indent=2, default=str))
 

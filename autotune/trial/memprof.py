@@ -1,7 +1,7 @@
 """Peak tensor memory of a trial: from the profiler's allocation events on CPU, from the caching
 allocator's counters on GPU.
 
-CPU (measured, ../shared/NOTES.md "Measuring peak memory without a GPU"): with c10's flag
+CPU (measured: docs/platform.md "Peak memory without a GPU"): with c10's flag
 `FLAGS_caffe2_report_cpu_memory_usage` set, c10's `ProfiledCPUMemoryReporter` keeps a process-wide
 count of live CPU tensor bytes and stamps it on every allocation event the profiler records
 (`_ExtraFields_Allocation.total_allocated`, c10/core/CPUAllocator.cpp). Frees done in gloo's own

@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     import deepspeed.ops
 
     # Skip DeepSpeed's shared-memory comm op: compiled at first use (42 s) and leaks /dev/shm files
-    # (../shared/NOTES.md "DeepSpeed on CPU").
+    # (measured: docs/platform.md "DeepSpeed on CPU").
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     requests = pickle.loads(Path(argv[1]).read_bytes())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -106,8 +106,8 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - recorded with its traceback; the group is then killed
             traceback.print_exc()
             result, abandon = failure("crashed", e), True
-        result["index"] = index
-        Path(req.out_dir, f"rank{rank}.json").write_text(json.dumps(result, allow_nan=True))
+        result.index = index
+        Path(req.out_dir, f"rank{rank}.json").write_text(json.dumps(result.to_dict(), allow_nan=True))
         emit("done", index)
         if abandon:
             # os._exit: a normal interpreter exit with gloo's threads and the profiler still live was
@@ -122,15 +122,14 @@ def main(argv: list[str]) -> int:
     os._exit(0)
 
 
-def failure(status: str, e: BaseException) -> dict:
-    return {"status": status, "reason": f"{type(e).__name__}: {e}".strip()[:2000],
-            "traceback": traceback.format_exc()[-4000:], "time": time.time()}
+def failure(status: str, e: BaseException):
+    from autotune.trial.record import RankReport
+
+    return RankReport(status=status, reason=f"{type(e).__name__}: {e}".strip()[:2000],
+                      traceback=traceback.format_exc()[-4000:], time=time.time())
 
 
 # ---- one config ---------------------------------------------------------------------------------
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
 def build_model(req, device, ds_cfg: dict):
     """The trial's model through the seam (autotune/impl.py), initialised, checkpointing set,
     without the full fp32 model ever on this rank.
@@ -150,10 +149,11 @@ def build_model(req, device, ds_cfg: dict):
     import torch
 
     from autotune.impl import impl_for
+    from autotune.train_config import torch_dtype
 
     cfg = req.config
     impl = impl_for(req.model)
-    dtype = getattr(torch, DTYPES[cfg.precision])
+    dtype = torch_dtype(cfg.precision)
     make = lambda: impl.build(req.model, dtype=dtype, attention=cfg.attention)  # noqa: E731
     if impl.name == "builtin":
         model = _build_builtin(make, cfg, device, ds_cfg, dtype)
@@ -305,8 +305,8 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
 
 
 
-def run_config(req, *, rank: int, world: int, local_rank: int) -> dict:
-    """Build, initialise, train and measure one config on this rank; the per-rank result dict."""
+def run_config(req, *, rank: int, world: int, local_rank: int):
+    """Build, initialise, train and measure one config on this rank; its RankReport."""
     import contextlib
 
     import deepspeed
@@ -315,6 +315,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int) -> dict:
 
     from autotune.deepspeed_config import deepspeed_config
     from autotune.trial import memprof
+    from autotune.trial.record import RankReport
 
     t_begin = time.perf_counter()
     cfg, cluster = req.config, req.cluster
@@ -375,7 +376,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int) -> dict:
     if on_gpu:
         torch.cuda.empty_cache()
     timings["teardown_s"] = time.perf_counter() - t3
-    return {**out, "timings": timings}
+    return RankReport(**out, timings=timings)
 
 
 def release(engine) -> None:

@@ -1,0 +1,139 @@
+"""The one-page report: report.md and report.html (pictures embedded, opens offline).
+
+Order, as a user reads it: the winner and a three-line why (speed, memory headroom and the next
+micro batch, what was ruled out), then the pictures, then the ranked table and the reasons for
+pruning (autotune.report.render's Markdown, without its title).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import re
+from pathlib import Path
+
+from autotune import memory as mem
+from autotune import study as st
+from autotune.errors import SpecError
+from autotune.report_pictures import Pictures
+from autotune.units import GiB
+
+CAPTIONS = {
+    "memory_terms": "Where the memory goes: the peak per device split into its terms, per ranked run and "
+                    "for each ZeRO stage's pruned candidate closest to fitting.",
+    "frontier": "Every decided candidate: throughput against estimated peak memory; pruned candidates at the "
+                "cost model's throughput (hollow: never run).",
+    "step_time": "Where the step goes: compute, recompute, exposed communication, optimizer.",
+}
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.2f} GiB"
+
+
+def why_lines(study, p: Pictures) -> list[str]:
+    """Three lines: why the winner is fastest, how close to the edge it is, what was ruled out."""
+    runs = [b for b in p.memory if b.status == "ok"]
+    if not runs:
+        return ["No configuration ran successfully: see the reasons for pruning and failure below."]
+    model, cluster, _ = st.specs_of(study)
+    recs = {r.number: r for r in st.records(study)}
+    win, speed = recs[runs[0].trial], {f.trial: f.samples_per_s for f in p.frontier}
+    c, s = win.config, speed[win.number]
+    line1 = (f"**Winner #{win.number}**: ZeRO {c.zero_stage}, micro batch {c.micro_batch}, grad accum "
+             f"{c.grad_accum}, {c.ckpt_layers} checkpointed layers, {c.precision}: {s:.4g} samples/s ({p.source})")
+    if len(runs) > 1:
+        s2 = speed[runs[1].trial]
+        line1 += f", {100 * (s / s2 - 1):.1f}% faster than #{runs[1].trial} ({s2:.4g})"
+    t = next((b for b in p.time if b.trial == win.number), None)
+    if t and len(t.parts) > 1:
+        share = ", ".join(f"{k} {100 * v / t.step_time_s:.0f}%" for k, v in t.parts.items() if v > 0)
+        line1 += f"; its step: {share} ({t.source})"
+    b = runs[0]
+    line2 = (f"**Memory**: peak {_gib(b.total_bytes)} of {_gib(b.capacity_bytes)} "
+             f"({100 * b.total_bytes / b.capacity_bytes:.1f}%, headroom {_gib(b.capacity_bytes - b.total_bytes)}) "
+             f"in {b.phase}, largest: {max(b.groups, key=b.groups.get)} {_gib(max(b.groups.values()))}"
+             f"; {_next_micro_batch(model, cluster, c)}")
+    ran = {recs[x.trial].config.zero_stage for x in runs}
+    ruled = [f"ZeRO {z} needs at least {_gib(x.total_bytes)}" for x in p.memory
+             if x.status == "pruned" and (z := recs[x.trial].config.zero_stage) not in ran]
+    line3 = "**Ruled out**: " + ("; ".join(ruled) + f" (capacity {_gib(b.capacity_bytes)}: no candidate of "
+                                 f"{'that stage' if len(ruled) == 1 else 'those stages'} fits)" if ruled
+                                 else "no ZeRO stage entirely by memory")
+    return [line1, line2, line3]
+
+
+def _next_micro_batch(model, cluster, cfg) -> str:
+    try:
+        nxt = dataclasses.replace(cfg, micro_batch=cfg.micro_batch + 1)
+    except (SpecError, ValueError) as e:     # a config the settings refuse has no estimate
+        return f"one more micro batch is not a valid config ({e})"
+    e = mem.estimate(model, cluster, nxt)
+    return (f"micro batch {nxt.micro_batch} would need {_gib(e.total_bytes)} "
+            f"({'fits' if e.fits else 'does not fit'}, estimated)")
+
+
+def markdown(title: str, head: str, why: list[str], pictures: list[Path], body: str) -> str:
+    lines = [f"# {title}", "", head, "", "## Why this configuration", ""] + [f"- {w}" for w in why]
+    lines += ["", "## Pictures", ""]
+    for pic in pictures:
+        lines += [f"![{pic.stem}]({pic.name})", "", f"_{CAPTIONS.get(pic.stem, pic.stem)}_", ""]
+    lines += ["## Ranked runs", "", body.strip(), ""]
+    return "\n".join(lines)
+
+
+_TABLE_SEP = re.compile(r"^\|(-+\|)+$")
+_INLINE = ((re.compile(r"\*\*(.+?)\*\*"), r"<b>\1</b>"), (re.compile(r"_(.+?)_$"), r"<i>\1</i>"))
+
+
+def _inline(text: str) -> str:
+    out = html.escape(text)
+    for pat, rep in _INLINE:
+        out = pat.sub(rep, out)
+    return out
+
+
+def to_html(md: str, out_dir: Path) -> str:
+    """The Markdown this module and render() write (headings, lists, tables, images) as one
+    self-contained page: images inlined as data URIs so it opens offline from anywhere."""
+    body, table = [], []
+
+    def flush_table():
+        if table:
+            rows = [r.strip("|").split("|") for r in table if not _TABLE_SEP.match(r)]
+            cells = ["<tr>" + "".join(f"<{t}>{_inline(c.strip())}</{t}>" for c in r) + "</tr>"
+                     for t, r in (("th" if i == 0 else "td", r) for i, r in enumerate(rows))]
+            body.append("<table>" + "".join(cells) + "</table>")
+            table.clear()
+
+    for line in md.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush_table()
+        img = re.fullmatch(r"!\[(.*)\]\((.+)\)", line)
+        if img:
+            data = base64.b64encode((out_dir / img.group(2)).read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(img.group(1))}" src="data:image/png;base64,{data}">')
+        elif line.startswith("#"):
+            n = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{n}>{_inline(line[n:].strip())}</h{n}>")
+        elif line.startswith("- "):
+            body.append(f"<li>{_inline(line[2:])}</li>")
+        elif line.strip():
+            body.append(f"<p>{_inline(line)}</p>")
+    flush_table()
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}img{max-width:100%}"
+             "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;padding:2px 6px}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>autotune report</title>"
+            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_page(study, out_dir: Path, p: Pictures, pictures: list[Path], head: list[str], body: str) -> list[Path]:
+    """report.md and report.html in out_dir; `head` is report.header()'s two lines and `body`
+    render()'s Markdown without its title (passed in: report imports this module, not the reverse)."""
+    md = markdown(head[0], head[1], why_lines(study, p), pictures, body)
+    (out_dir / "report.md").write_text(md)
+    (out_dir / "report.html").write_text(to_html(md, out_dir))
+    return [out_dir / "report.md", out_dir / "report.html"]

@@ -1,0 +1,306 @@
+"""The report's three pictures, each computed first as plain data (so tests and the notebook can
+check what is drawn) and then drawn with matplotlib:
+
+- memory:   per ranked run and per ZeRO stage's closest-to-fitting pruned candidate, the estimated
+            peak split into its terms (grouped) + the framework allowance, against the capacity;
+            the measured peak (tensor bytes) marked on measured runs.
+- frontier: every decided trial, throughput against estimated peak per device, by status.
+- time:     per ranked run, the step split into compute, recompute, exposed communication and
+            optimizer (cost model) or the measured step, unsplit where no profiler trace exists.
+
+Every number carries its source: estimated / traced (memory model), simulated (cost model),
+measured (a real run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+
+from autotune import costmodel
+from autotune import memory as mem
+from autotune import study as st
+from autotune.trial.record import FAILED
+from autotune.units import GiB
+
+GROUPS = ("parameters", "gradients", "optimizer states", "activations", "logits", "buffers",
+          "framework allowance")
+
+
+def term_group(term: str) -> str:
+    """The picture's group of one memory-model term. Master weights count as optimizer state (the
+    fp32 copy the optimizer owns, as in the ZeRO paper's K=12); anything unknown is a buffer."""
+    if "logits" in term:
+        return "logits"
+    if "grad" in term:
+        return "gradients"
+    if term in ("master_weights",) or term.startswith("optimizer"):
+        return "optimizer states"
+    if term in ("parameters", "zero3_gathered_params"):
+        return "parameters"
+    if term in ("activations", "checkpointed_inputs", "recomputed_layer", "rotary_tables"):
+        return "activations"
+    return "buffers"
+
+
+# ---- data ------------------------------------------------------------------------------------
+@dataclass
+class MemoryBar:
+    label: str
+    trial: int
+    status: str
+    """ok (ran) or pruned (the best candidate of its ZeRO stage that did not fit)."""
+    source: str
+    """Where the terms come from: estimated or traced."""
+    phase: str
+    terms: dict[str, int]
+    """The estimate's tensor terms at the peak phase (they sum to tensor_peak_bytes)."""
+    overhead: dict[str, int]
+    capacity_bytes: int
+    measured_peak_bytes: int | None = None
+    """Tensor peak of a real run (None for simulated and pruned trials)."""
+
+    @property
+    def tensor_peak_bytes(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tensor_peak_bytes + sum(self.overhead.values())
+
+    @property
+    def groups(self) -> dict[str, int]:
+        out = dict.fromkeys(GROUPS, 0)
+        for k, v in self.terms.items():
+            out[term_group(k)] += v
+        out["framework allowance"] += sum(self.overhead.values())
+        return out
+
+
+@dataclass
+class FrontierPoint:
+    trial: int
+    status: str
+    """ok, pruned or a failure class (oom, timeout, crashed, diverged)."""
+    why: str
+    """For pruned: the pruner (memory, dominated, oom-implied); for failed: the class; else ''."""
+    peak_bytes: int
+    """Estimated peak per device, tensor + framework allowance: the one figure every trial has."""
+    samples_per_s: float | None
+    throughput_source: str
+    """measured / simulated for a run; 'simulated (not run)' for a pruned one (cost model; on the
+    axis where there is none, a CPU cluster); 'none' for a failed run (drawn on the axis)."""
+    winner: bool = False
+
+
+@dataclass
+class TimeBar:
+    label: str
+    trial: int
+    source: str
+    parts: dict[str, float]
+    step_time_s: float
+
+
+@dataclass
+class Pictures:
+    memory: list[MemoryBar] = field(default_factory=list)
+    frontier: list[FrontierPoint] = field(default_factory=list)
+    time: list[TimeBar] = field(default_factory=list)
+    capacity_bytes: int = 0
+    source: str = ""
+    """The study's run source: measured or simulated."""
+
+
+def _label(r: st.TrialRecord) -> str:
+    c = r.config
+    return f"#{r.number} z{c.zero_stage} mb{c.micro_batch} ga{c.grad_accum} ck{c.ckpt_layers}"
+
+
+def _ranked_runs(recs: list[st.TrialRecord]) -> list[st.TrialRecord]:
+    ok = [r for r in recs if r.status == "ok" and r.result and r.result.samples_per_s]
+    return sorted(ok, key=lambda r: -r.result.samples_per_s)
+
+
+def memory_bars(recs, model, cluster, source: str) -> list[MemoryBar]:
+    """Ranked runs (their recorded estimate), then per ZeRO stage the memory-pruned candidate
+    closest to fitting (its estimate recomputed: pruned trials store no terms)."""
+    bars = []
+    for r in _ranked_runs(recs):
+        d = r.estimate.get("detail") or mem.estimate(model, cluster, r.config).to_json()
+        measured = r.result.peak_bytes if source == "measured" else None
+        bars.append(MemoryBar(_label(r), r.number, "ok", d.get("source", "estimated"), d["phase"], d["terms"],
+                              d["overhead"], d["capacity_bytes"], measured))
+    pruned = [r for r in recs if r.status == "pruned" and r.pruned_by == "memory" and r.config]
+    for z in sorted({r.config.zero_stage for r in pruned}):
+        best = min((r for r in pruned if r.config.zero_stage == z), key=lambda r: r.estimate["total_bytes"])
+        e = mem.estimate(model, cluster, best.config)
+        bars.append(MemoryBar(_label(best) + " (pruned)", best.number, "pruned", "estimated", e.phase,
+                              dict(e.terms), dict(e.overhead), e.capacity_bytes))
+    return bars
+
+
+def frontier_points(recs, model, cluster, source: str) -> list[FrontierPoint]:
+    """Every decided trial once. Pruned trials sit at the cost model's throughput, marked as such;
+    on a CPU cluster the cost model has no calibrated device, so they sit on the axis."""
+    ranked = _ranked_runs(recs)
+    winner = ranked[0].number if ranked else None
+    pts = []
+    for r in recs:
+        if r.status not in ("ok", "pruned", *FAILED) or r.config is None:
+            continue         # running / interrupted: not decided
+        peak = r.estimate.get("total_bytes") or 0
+        if r.status == "ok":
+            pts.append(FrontierPoint(r.number, "ok", "", peak, r.result.samples_per_s, r.result.source or source,
+                                     r.number == winner))
+        elif r.status == "pruned":
+            sim = _simulated_samples(model, cluster, r.config)
+            pts.append(FrontierPoint(r.number, "pruned", r.pruned_by or "", peak, sim,
+                                     "simulated (not run)" if sim is not None else "not run: no cost model on cpu"))
+        else:
+            pts.append(FrontierPoint(r.number, r.status, r.status, peak, None, "none"))
+    return pts
+
+
+def _simulated_samples(model, cluster, cfg) -> float | None:
+    if cluster.gpu.is_cpu:     # the cost model prices GPU kernels and links only
+        return None
+    return costmodel.simulate(model, cluster, cfg).samples_per_s
+
+
+def time_bars(recs, model, cluster, source: str) -> list[TimeBar]:
+    bars = []
+    for r in _ranked_runs(recs):
+        if source == "simulated":
+            b = costmodel.simulate(model, cluster, r.config).breakdown_s
+            parts = {"compute": b["matmul"] + b["attention"] + b["elementwise"] + b["logits"],
+                     "recompute": b["recompute"],
+                     # exposed: the collectives minus what hides under compute (overlap is negative)
+                     "exposed communication": b["grad_reduce"] + b["param_gather"] + b["stage3_gather"]
+                     + b["overlap"],
+                     "optimizer": b["optimizer"], "offload": b["offload"]}
+            bars.append(TimeBar(_label(r), r.number, "simulated (cost model)", parts, sum(parts.values())))
+        else:
+            # A search records no profiler trace (TrialRequest.profile is off), so a measured step
+            # cannot be split; it is drawn whole rather than split by a guess.
+            s = r.result.step_time_s or 0.0
+            bars.append(TimeBar(_label(r), r.number, "measured (step, not split: no profiler trace)",
+                                {"measured step": s}, s))
+    return bars
+
+
+def pictures(study: optuna.Study) -> Pictures:
+    model, cluster, attrs = st.specs_of(study)
+    recs = st.records(study)
+    source = attrs.get("source", "measured")
+    return Pictures(memory_bars(recs, model, cluster, source), frontier_points(recs, model, cluster, source),
+                    time_bars(recs, model, cluster, source), cluster.capacity_bytes, source)
+
+
+# ---- drawing ---------------------------------------------------------------------------------
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")      # files only: no display, no server
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) -> Path | None:
+    if not bars:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
+    ys = list(range(len(bars)))[::-1]          # the winner on top
+    for i, g in enumerate(GROUPS):
+        left = [sum(list(b.groups.values())[:i]) / GiB for b in bars]
+        ax.barh(ys, [b.groups[g] / GiB for b in bars], left=left, color=f"C{i}", label=g)
+    meas = [(y, b.measured_peak_bytes / GiB) for y, b in zip(ys, bars) if b.measured_peak_bytes]
+    if meas:
+        ax.scatter([m for _, m in meas], [y for y, _ in meas], marker="D", color="k", zorder=3,
+                   label="measured tensor peak")
+    ax.axvline(capacity_bytes / GiB, color="r", ls="--", label="device capacity")
+    ax.set_yticks(ys, [f"{b.label}\n{b.source}, peak in {b.phase}" for b in bars], fontsize=8)
+    ax.set_xlabel("memory per device, GiB")
+    ax.set_title("peak memory per device by term (source and peak phase per bar)", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over a bar
+    return _save(fig, path)
+
+
+_PRUNE_STYLE = {"memory": ("C3", "does not fit (memory model)"), "dominated": ("C7", "dominated"),
+                "oom-implied": ("C5", "implied out of memory")}
+
+
+def plot_frontier(points: list[FrontierPoint], capacity_bytes: int, path: Path) -> Path | None:
+    """Runs filled (circle: measured, square: simulated); pruned hollow at the cost model's
+    throughput (never a run's mark); failed runs as crosses on the axis: they have no throughput."""
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 6))
+    groups: dict[tuple, list[FrontierPoint]] = {}
+    for p in points:
+        groups.setdefault((p.status, p.why, p.throughput_source), []).append(p)
+    for (status, why, src), pts in sorted(groups.items()):
+        xs, ys = [p.peak_bytes / GiB for p in pts], [p.samples_per_s or 0.0 for p in pts]
+        if status == "ok":
+            ax.scatter(xs, ys, marker="o" if src == "measured" else "s", color="C0", zorder=3,
+                       label=f"run ({src}): {len(pts)}")
+        elif status == "pruned":
+            color, what = _PRUNE_STYLE.get(why, ("C8", why))
+            ax.scatter(xs, ys, marker="o", facecolors="none", edgecolors=color, s=18, alpha=0.6,
+                       label=f"pruned, {what} ({src}): {len(pts)}")
+        else:
+            ax.scatter(xs, ys, marker="x", color="C1" if status == "oom" else "C4", zorder=3,
+                       label=f"failed: {status}: {len(pts)}")
+    for p in points:
+        if p.winner:
+            ax.scatter([p.peak_bytes / GiB], [p.samples_per_s], marker="*", s=300, color="gold",
+                       edgecolors="k", zorder=4, label=f"winner #{p.trial}")
+    ax.axvline(capacity_bytes / GiB, color="r", ls="--", label="device capacity")
+    ax.set_xlabel("peak memory per device, GiB (estimated: tensors + framework allowance)")
+    ax.set_ylabel("samples/s (source in legend)")
+    ax.set_title("every decided candidate: throughput against peak memory")
+    ax.legend(fontsize=7, loc="best")
+    return _save(fig, path)
+
+
+_TIME_COLORS = {"compute": "C0", "recompute": "C1", "exposed communication": "C3", "optimizer": "C2",
+                "offload": "C4", "measured step": "C7"}
+
+
+def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
+    if not bars:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
+    ys = list(range(len(bars)))[::-1]
+    names = [n for n in _TIME_COLORS if any(b.parts.get(n) for b in bars)] or ["measured step"]
+    for n in names:
+        left = [sum(b.parts.get(m, 0.0) for m in names[:names.index(n)]) for b in bars]
+        ax.barh(ys, [b.parts.get(n, 0.0) for b in bars], left=left, color=_TIME_COLORS[n], label=n)
+    ax.set_yticks(ys, [b.label for b in bars])
+    ax.set_xlabel(f"seconds per optimizer step ({bars[0].source})")
+    ax.set_title("where the step time goes")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over a bar
+    return _save(fig, path)
+
+
+def write_pictures(study: optuna.Study, out_dir: Path) -> tuple[Pictures, list[Path]]:
+    """memory_terms.png, frontier.png, step_time.png (those with something to draw)."""
+    p = pictures(study)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [plot_memory_terms(p.memory, p.capacity_bytes, out_dir / "memory_terms.png"),
+             plot_frontier(p.frontier, p.capacity_bytes, out_dir / "frontier.png"),
+             plot_time(p.time, out_dir / "step_time.png")]
+    return p, [x for x in paths if x is not None]

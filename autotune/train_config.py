@@ -1,0 +1,191 @@
+"""The training configuration autotune searches over: `TrainConfig`, its checks against a model and
+a cluster (`check_config`), and the precision facts every layer shares.
+
+TrainConfig is the single source of its settings. Each field's metadata says how the rest of the
+program treats it, so a new setting is one field here plus the memory and cost terms that price it:
+- `space`: the values a search space tries when its YAML omits the key (search_space.py);
+  a field without it (seq_len) is fixed per study, not searched;
+- `flag` and `help`: its option on `autotune estimate` / `autotune trial` (cli/common.py);
+- `column`: "always" puts it in every ranked report row, "varying" only when the study's runs
+  differ in it (report.py).
+Choices come from the field's `Literal` type, integers' lower bounds from `minimum`.
+docs/search.md ("Adding a setting") walks through one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from typing import Any, Literal
+
+from autotune.errors import SpecError
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec
+
+Precision = Literal["fp32", "fp16", "bf16"]
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per parameter/activation element in the training dtype: DeepSpeed casts the module to the
+bf16/fp16 dtype (engine._configure_distributed_model), fp32 otherwise."""
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""torch dtype names per precision (torch is imported where a dtype is needed, not here)."""
+
+
+def dtype_bytes(precision: str) -> int:
+    """Element size of the model's parameters and activations (bytes)."""
+    return ELEMENT_BYTES[precision]
+
+
+def torch_dtype(precision: str):
+    import torch
+
+    return getattr(torch, TORCH_DTYPES[precision])
+
+
+def _setting(default, *, space: tuple | None, help: str, flag: str | None = None, column: str = "varying",
+             minimum: int | None = None):
+    return field(default=default, metadata={"space": space, "help": help, "flag": flag, "column": column,
+                                            "minimum": minimum})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One candidate: everything a DeepSpeed run needs besides the model and the GPUs."""
+
+    zero_stage: Literal[0, 1, 2, 3] = _setting(0, space=(0, 1, 2, 3), flag="--zero", column="always",
+                                               help="ZeRO stage")
+    """ZeRO stage 0-3 (Rajbhandari et al. 2020): 1 shards optimizer states, 2 also gradients,
+    3 also parameters, over the data-parallel ranks."""
+    ckpt_layers: int = _setting(0, space=("all",), column="always", minimum=0,
+                                help="activation-checkpointed layers (the first k)")
+    """How many transformer blocks (the first k of L) recompute their activations in backward."""
+    micro_batch: int = _setting(1, space=(1, 2, 4, 8, 16), column="always", minimum=1,
+                                help="sequences per GPU per forward")
+    """Sequences per GPU per forward pass (DeepSpeed's train_micro_batch_size_per_gpu)."""
+    grad_accum: int = _setting(1, space=(1,), column="always", minimum=1, help="micro batches per optimizer step")
+    """Micro batches accumulated per optimizer step."""
+    precision: Precision = _setting("bf16", space=("auto",), column="always", help="training precision")
+    """fp32; fp16 with dynamic loss scaling; bf16. Both 16-bit modes keep fp32 master weights."""
+    optimizer: Literal["adamw", "adamw8bit"] = _setting("adamw", space=("adamw",), help="optimizer")
+    """AdamW with fp32 moments, or 8-bit AdamW (bitsandbytes; moments in 1 byte each)."""
+    offload_optimizer: bool = _setting(False, space=(False,), help="ZeRO-Offload of the optimizer states")
+    """ZeRO-Offload: optimizer states and the step on the CPU (needs ZeRO >= 1)."""
+    attention: Literal["sdpa", "eager", "flash_attention_2"] = _setting(
+        "sdpa", space=("sdpa",), help="attention implementation, transformers' names (flash_attention_2: GPU, hf only)")
+    """transformers' attn_implementation names. sdpa: torch's scaled_dot_product_attention
+    (memory-efficient/flash kernels, no s x s matrix kept; what transformers picks by default);
+    eager: the explicit softmax(QK^T)V that keeps the s x s scores; flash_attention_2: the
+    flash-attn package's kernels (GPU and the hf code only)."""
+    seq_len: int = _setting(2048, space=None, minimum=1, help="sequence length (default: min(2048, model max))")
+    """Tokens per sequence; fixed per study (`--seq-len`), not a search axis."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_value(f.name, getattr(self, f.name))
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise SpecError("offload_optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads the "
+                            "partitioned optimizer only)")
+        if self.offload_optimizer and self.optimizer == "adamw8bit":
+            raise SpecError("offload_optimizer runs DeepSpeed's CPU Adam, which has no 8-bit states; "
+                            "choose one of the two")
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def key(self) -> tuple:
+        """Identity of the candidate, for de-duplication."""
+        return tuple(sorted(asdict(self).items()))
+
+    def short(self) -> str:
+        """`z3 bf16 mb4 ga1 ckpt10`, then every other searched setting that is not its default."""
+        parts = [f"z{self.zero_stage}", self.precision, f"mb{self.micro_batch}", f"ga{self.grad_accum}",
+                 f"ckpt{self.ckpt_layers}"]
+        for f in searched_fields():
+            v = getattr(self, f.name)
+            if f.metadata["column"] == "varying" and v != f.default:
+                parts.append(f.name.replace("_optimizer", "") if v is True else str(v))
+        return " ".join(parts)
+
+
+# ---- what the rest of the program derives from the fields ---------------------------------------
+@cache
+def _types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def searched_fields() -> tuple[dataclasses.Field, ...]:
+    """The fields a search space varies (every field with a `space` default), in declaration order."""
+    return tuple(f for f in dataclasses.fields(TrainConfig) if f.metadata["space"] is not None)
+
+
+def choices(name: str) -> tuple | None:
+    """The allowed values of a Literal field (None for int and bool fields)."""
+    t = _types()[name]
+    return typing.get_args(t) if typing.get_origin(t) is Literal else None
+
+
+def kind(name: str) -> type:
+    """int, bool, or the Python type of a Literal field's choices."""
+    c = choices(name)
+    return type(c[0]) if c else _types()[name]
+
+
+def allowed_text(name: str) -> str:
+    c = choices(name)
+    if c:
+        return "choose from " + ", ".join(str(v) for v in c)
+    if kind(name) is bool:
+        return "true or false"
+    low = TrainConfig.__dataclass_fields__[name].metadata["minimum"]
+    return "positive integers" if low == 1 else f"integers >= {low}"
+
+
+def check_value(name: str, v: Any) -> None:
+    """Raise SpecError unless `v` is a valid value of field `name` (bools are not integers here)."""
+    c, k = choices(name), kind(name)
+    ok = isinstance(v, k) and (k is bool or not isinstance(v, bool))
+    if ok and c is not None:
+        ok = v in c
+    elif ok and k is int:
+        ok = v >= TrainConfig.__dataclass_fields__[name].metadata["minimum"]
+    if not ok:
+        if c is not None:
+            want = "one of " + ", ".join(str(x) for x in c)
+        elif k is bool:
+            want = "true or false"
+        else:
+            low = TrainConfig.__dataclass_fields__[name].metadata["minimum"]
+            want = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise SpecError(f"{name} must be {want}, got {v!r}")
+
+
+def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
+    """Raise SpecError if `cfg` cannot run `model` on `cluster`, saying what is allowed."""
+    if cfg.ckpt_layers > model.num_layers:
+        raise SpecError(f"ckpt_layers {cfg.ckpt_layers} exceeds the model's {model.num_layers} layers "
+                        f"(allowed: 0..{model.num_layers})")
+    if cfg.precision == "bf16" and not cluster.gpu.bf16:
+        raise SpecError(f"{cluster.gpu.name} has no native bf16 (Ampere or newer needed); "
+                        f"use --precision fp16 or fp32")
+    if cfg.precision == "fp16" and cluster.gpu.is_cpu:
+        raise SpecError("fp16 cannot run on CPU ranks: DeepSpeed refuses it there "
+                        "('Type fp16 is not supported on your device'); use bf16 or fp32, "
+                        "or estimate it for a GPU")
+    if model.position == "learned" and cfg.seq_len > model.max_seq_len:
+        raise SpecError(f"seq_len {cfg.seq_len} exceeds {model.name}'s {model.max_seq_len} learned "
+                        f"positions")
+    if cfg.attention == "flash_attention_2":
+        if cluster.gpu.is_cpu:
+            raise SpecError("attention flash_attention_2 runs CUDA kernels only (flash-attn package); "
+                            "CPU ranks can run sdpa or eager")
+        if model.implementation != "hf":
+            raise SpecError(f"attention flash_attention_2 is a transformers attn_implementation; the "
+                            f"{model.implementation} code has sdpa or eager")
+    if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
+        raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")

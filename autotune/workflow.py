@@ -1,0 +1,130 @@
+"""What `autotune search` does, as a library: `open_search(...)` resolves the inputs once, opens a new
+study or resumes one (which must agree with what is given again), chooses and starts the executor,
+and returns a `SearchSession` whose `run()` searches. The CLI parses, calls this and prints.
+
+    with open_search(model="13b", gpus="4xA100") as s:
+        summary = s.run(n_trials=20)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+
+from autotune import executors
+from autotune import study as st
+from autotune.errors import SpecError
+from autotune.hardware import Cluster, parse_gpus
+from autotune.memory.correction import Correction
+from autotune.models import ModelSpec, resolve_model
+from autotune.search import Search, Summary
+from autotune.search_space import SearchSpace, load_space, parse_space
+
+DEFAULT_SEQ_LEN = 2048
+
+
+def default_seq_len(model: ModelSpec) -> int:
+    """2048 tokens, or the model's own maximum where that is shorter (GPT-2: 1024)."""
+    return min(DEFAULT_SEQ_LEN, model.max_seq_len)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Model, cluster, sequence length, global batch and space of one study."""
+
+    model: ModelSpec
+    cluster: Cluster
+    seq_len: int
+    global_batch: int | None
+    space: SearchSpace
+
+
+@dataclass
+class SearchSession:
+    """An open study with its executor; close it (or use `with`) to stop the executor."""
+
+    study: optuna.Study
+    inputs: Inputs
+    executor: object
+    how: str
+    """Which executor and why, in one sentence."""
+    search: Search
+    correction: Correction
+
+    def run(self, *, n_trials: int | None = None, timeout_s: float | None = None, progress: bool = True) -> Summary:
+        try:
+            return self.search.run(n_trials=n_trials, timeout_s=timeout_s, progress=progress)
+        finally:
+            self.study.set_user_attr("memory_correction", self.correction.summary())
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> "SearchSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_positive(**values: int | None) -> None:
+    for name, v in values.items():
+        if v is not None and v < 1:
+            raise SpecError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+
+
+def _resumed_inputs(study: optuna.Study, given: dict) -> Inputs:
+    """A resumed study's inputs; anything given again must be what the study was searched with."""
+    model, cluster, a = st.specs_of(study)
+    stored = {"--model": model.name, "--impl": model.implementation, "--gpus": a["gpus"], "--seq-len": a["seq_len"],
+              "--global-batch": a["global_batch"], "--space": a["space_text"]}
+    for flag, v in given.items():
+        if v is not None and v != stored[flag]:
+            shown = "a different file" if flag == "--space" else repr(v)
+            raise SpecError(f"--resume: study {study.study_name!r} was searched with {flag} "
+                            f"{stored[flag] if flag != '--space' else a['space_path']!r}, not {shown}; "
+                            f"drop {flag} or start another --study")
+    return Inputs(model, cluster, a["seq_len"], a["global_batch"], parse_space(a["space_text"], a["space_path"]))
+
+
+def open_search(*, model: str | None = None, impl: str = "hf", model_factory: str | None = None,
+                gpus: str | None = None, seq_len: int | None = None,
+                global_batch: int | None = None, space: str | Path | None = None, study: str | None = None,
+                storage: str | None = None, executor: str = "auto", resume: bool = False,
+                ray_address: str | None = None, concurrent_trials: int = 1) -> SearchSession:
+    """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts."""
+    _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials)
+    spec = resolve_model(model, implementation=impl, factory=model_factory) if model else None
+    cluster = parse_gpus(gpus) if gpus else None
+    if resume:
+        name = study or (st.default_name(spec, cluster) if spec and cluster else None)
+        opened = st.load_study(name, storage)
+        given = {"--model": spec and spec.name, "--impl": spec and spec.implementation, "--gpus": gpus, "--seq-len": seq_len,
+                 "--global-batch": global_batch, "--space": space and load_space(space).text}
+        inputs = _resumed_inputs(opened, given)
+        # a study keeps its executor: measured and simulated numbers do not mix
+        executor = {"measured": "ray", "simulated": "simulated"}[opened.user_attrs[st.ATTR]["source"]]
+    else:
+        if spec is None or cluster is None:
+            raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
+        inputs = Inputs(spec, cluster, seq_len or default_seq_len(spec), global_batch, load_space(space))
+        opened, name = None, study or st.default_name(spec, inputs.cluster)
+    kind, how = executors.choose(executor, inputs.cluster, ray_address)   # starts nothing, creates nothing
+    if opened is None:
+        st.assert_new(name, storage)        # before starting Ray: a taken name or a bad storage fails fast
+    ex = executors.make(kind, inputs.cluster, ray_address, concurrent_trials)
+    try:
+        if opened is None:
+            attrs = st.study_attrs(inputs.model, inputs.cluster, seq_len=inputs.seq_len,
+                                   global_batch=inputs.global_batch, space_text=inputs.space.text,
+                                   space_path=inputs.space.path, source=ex.source)
+            opened = st.create_study(name, storage, attrs, sampler=None)
+        correction = Correction()   # replayed from a resumed study's trials by Search
+        search = Search(opened, inputs.model, inputs.cluster, inputs.space, ex, seq_len=inputs.seq_len,
+                        global_batch=inputs.global_batch, corrector=correction)
+    except BaseException:
+        ex.close()
+        raise
+    return SearchSession(opened, inputs, ex, how, search, correction)

@@ -1,0 +1,341 @@
+"""One prepared GPU check: everything one GPU can tell about the CUDA path, in a few minutes.
+
+    python3 benchmarks/gpu_check.py --out DIR                 on a GPU: install, pre-build ops, run
+    python benchmarks/gpu_check.py --dry-run --out DIR        anywhere: plan, validate, write the plan
+    python benchmarks/gpu_check.py --prepare-wheels           here, with the package index (once)
+
+Real trials through the real trial path (autotune.trial.run_trials) of a Llama-style 1.1B model on
+one GPU: ZeRO 0 and 3, bf16 and fp16, no or all layers checkpointed, micro batch 1 and 4, the most
+telling first, plus one micro batch the memory model says cannot fit (it must fail as `oom`, leaving
+no process behind). Per trial, measured beside predicted: the allocator's peaks against the memory
+estimate, samples/s against the cost model, the fp16 loss scale. Results go row by row to
+DIR/gpu_check.csv and DIR/summary.md, so a run cut short keeps what it has. Columns: docs/gpu_check.md.
+Exit code: 0 the checks held (however large an error), 1 a check failed (the first trial did not
+run ok, a trial crashed or timed out, the probe was not CUDA's `oom`, a rank was left), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+# A bare GPU machine has no installed autotune: the ranks find it through PYTHONPATH as this does.
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+# TrialRequest and TrialResult are moving to autotune.trial: this is the one line to change then.
+from autotune.trial.record import TrialRequest, TrialResult  # noqa: E402
+
+import gpu_check_install as setup  # noqa: E402
+from autotune.costmodel import simulate  # noqa: E402
+from autotune.deepspeed_config import deepspeed_config  # noqa: E402
+from autotune.hardware import Cluster, parse_gpus  # noqa: E402
+from autotune.memory import estimate  # noqa: E402
+from autotune.models import ModelSpec, SpecError, from_shape  # noqa: E402
+from autotune.train_config import TrainConfig, check_config  # noqa: E402
+from autotune.units import GiB  # noqa: E402
+from gpu_check_run import Gauge, leftover, rows_for, write_summary  # noqa: E402
+
+MODEL_SHAPE = dict(num_layers=22, hidden_size=2048, num_heads=32, num_kv_heads=4, ffn_hidden_size=5632,
+                   vocab_size=32000, max_seq_len=2048)
+MODEL_SOURCE = ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json (Hugging Face Hub): "
+                "LlamaForCausalLM, 22 layers, hidden 2048, 32 heads, 4 kv heads, intermediate 5632, "
+                "vocab 32000, 2048 positions, untied head; 1,100,048,384 parameters")
+IMPLEMENTATION: str | None = None
+"""None: whatever ModelSpec builds by default. Once ModelSpec carries an implementation choice,
+name one here (e.g. "hf") to pin it; model_spec() applies it, the plan reports it."""
+SEQ_LEN = 2048
+"""TinyLlama's max_position_embeddings, the context it was pre-trained with."""
+ZERO, PRECISION, MICRO_BATCH = (0, 3), ("bf16", "fp16"), (1, 4)
+"""The axes issue #15 asks for (world size 1); ckpt_layers takes 0 and L (every layer)."""
+OOM_MARGIN = 2.0
+"""The OOM probe's micro batch needs at least this multiple of the GPU's memory by the estimate:
+the estimate's GPU error is what this check measures, so the probe must fail even if it is off by
+half; past it the first activations already fail to allocate."""
+GROUP_SIZE = 4
+"""Configs per process group after the first trial and the probe: one spawn (python, torch,
+DeepSpeed, NCCL) per 4 configs, and a run cut short loses at most the group in flight."""
+STEPS, WARMUP_STEPS = 8, 2
+"""TrialRequest's defaults are 6 and 2; 8 measured steps cost under 2 s here (the cost model gives
+0.05-0.21 s per step) and give the fp16 loss scale more steps to move."""
+TRIAL_TIMEOUT_S = 180.0
+"""Per config: build + initialize of 1.1B parameters (ZeRO-3 partitions it as it is built) and
+10 steps; generous, so that only a hang reaches it."""
+BUDGET_S = 450.0
+"""Issue #15: within 8 minutes (480 s) from a cold start. No group starts after BUDGET_S - MIN_GROUP_S
+= 405 s, and a group of 4 takes about a minute, so the run ends near 8 minutes at worst."""
+MIN_GROUP_S = 45.0
+"""No group starts with less left: its spawn alone (python, torch, DeepSpeed, NCCL) is expected to
+take 10-20 s on a GPU host, its first config as much again."""
+DRY_RUN_GPUS = "1xH200"
+"""The GPU lent to this project (autotune/data/gpus.yaml has its preset)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planned:
+    """One trial of the plan, in the order it runs."""
+
+    order: int
+    name: str
+    role: str
+    """'trial', or 'oom_probe': must end as status `oom`."""
+    group: int
+    """Configs of one group share one process group (autotune.trial.run_trials)."""
+    config: TrainConfig
+
+
+def model_spec() -> ModelSpec:
+    """The model every trial trains: TinyLlama-1.1B's shape (MODEL_SOURCE)."""
+    spec = from_shape("tinyllama-1.1b", "llama", source=MODEL_SOURCE, **MODEL_SHAPE)
+    return dataclasses.replace(spec, implementation=IMPLEMENTATION) if IMPLEMENTATION else spec
+
+
+def implementation(model: ModelSpec) -> str:
+    return getattr(model, "implementation", None) or (
+        "autotune.trial.model.Transformer (autotune's own Llama-style code; ModelSpec has no "
+        "implementation field yet)")
+
+
+def importance(cfg: TrainConfig, base: TrainConfig) -> tuple:
+    """Fewer changes from the baseline first; among as many, ZeRO before precision, before
+    checkpointing, before micro batch (what the cost and memory models differ on most)."""
+    changed = [getattr(cfg, a) != getattr(base, a) for a in ("zero_stage", "precision", "ckpt_layers", "micro_batch")]
+    return (sum(changed), [not c for c in changed])
+
+
+def oom_micro_batch(model: ModelSpec, cluster: Cluster, base: TrainConfig, limit: int = 4096) -> int:
+    """The smallest micro batch whose estimated peak is OOM_MARGIN x the GPU's memory."""
+    for mb in range(1, limit + 1):
+        if estimate(model, cluster, dataclasses.replace(base, micro_batch=mb)).total_bytes >= \
+                OOM_MARGIN * cluster.capacity_bytes:
+            return mb
+    raise SpecError(f"no micro batch up to {limit} exceeds {OOM_MARGIN} x {cluster.describe()}")
+
+
+def plan(model: ModelSpec, cluster: Cluster) -> list[Planned]:
+    """Baseline alone, the OOM probe alone, then the rest by importance in groups of GROUP_SIZE."""
+    base = TrainConfig(zero_stage=0, precision="bf16", ckpt_layers=0, micro_batch=1, seq_len=SEQ_LEN)
+    rest = [TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=SEQ_LEN)
+            for z, p, k, mb in itertools.product(ZERO, PRECISION, (0, model.num_layers), MICRO_BATCH)]
+    rest = sorted((c for c in rest if c != base), key=lambda c: importance(c, base))
+    probe = dataclasses.replace(base, micro_batch=oom_micro_batch(model, cluster, base))
+    out = [Planned(order=0, name=name(base), role="trial", group=0, config=base),
+           Planned(order=1, name="oom-probe-" + name(probe), role="oom_probe", group=1, config=probe)]
+    for i, cfg in enumerate(rest):
+        out.append(Planned(order=i + 2, name=name(cfg), role="trial", group=2 + i // GROUP_SIZE, config=cfg))
+    return out
+
+
+def name(cfg: TrainConfig) -> str:
+    return f"z{cfg.zero_stage}-{cfg.precision}-k{cfg.ckpt_layers}-mb{cfg.micro_batch}"
+
+
+def make_requests(trials: list[Planned], model: ModelSpec, cluster: Cluster, root: Path,
+                  timeout_s: float = TRIAL_TIMEOUT_S) -> list[TrialRequest]:
+    """The one place trials become TrialRequests."""
+    return [TrialRequest(model=model, cluster=cluster, config=p.config, out_dir=root / "trials" / p.name,
+                         steps=STEPS, warmup_steps=WARMUP_STEPS, timeout_s=timeout_s, trial_id=p.order)
+            for p in trials]
+
+
+class DataParallel:
+    """DeepSpeedConfig takes the data-parallel world size from an mpu (as tests/test_report_export.py)."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+
+def validate(ds: dict, world: int) -> dict:
+    """`ds` through DeepSpeed's own parser; what it read back. Raises on a config it rejects."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    c = DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=DataParallel(world))
+    return {"train_batch_size": c.train_batch_size, "micro_batch": c.train_micro_batch_size_per_gpu,
+            "zero_stage": c.zero_optimization_stage, "fp16": c.float16_config.enabled,
+            "bf16": c.bfloat16_config.enabled}
+
+
+def expected(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict:
+    """What the models predict for `cfg`: the memory estimate and the cost model's speed."""
+    est, sim = estimate(model, cluster, cfg), simulate(model, cluster, cfg)
+    return {"est_tensor_peak_gib": est.tensor_peak_bytes / GiB, "est_overhead_gib": est.overhead_bytes / GiB,
+            "est_total_gib": est.total_bytes / GiB, "est_fits": est.fits, "est_phase": est.phase,
+            "est_fragmentation_gib": est.overhead.get("allocator_fragmentation", 0) / GiB,
+            "est_context_gib": sum(v for k, v in est.overhead.items() if k != "allocator_fragmentation") / GiB,
+            "sim_samples_per_s": sim.samples_per_s, "sim_step_time_s": sim.step_time_s}
+
+
+def planned_entries(trials: list[Planned], model: ModelSpec, cluster: Cluster) -> list[dict]:
+    """Every trial checked (check_config, DeepSpeed's parser) and priced; raises on the first bad one."""
+    out = []
+    for p in trials:
+        check_config(p.config, model, cluster)
+        ds = deepspeed_config(p.config, model, cluster)
+        out.append({"order": p.order, "name": p.name, "role": p.role, "group": p.group,
+                    "config": p.config.to_dict(), "deepspeed_config": ds,
+                    "parsed": validate(ds, cluster.world_size), **expected(model, cluster, p.config)})
+    return out
+
+
+def write_plan(out: Path, entries: list[dict], model: ModelSpec, cluster: Cluster) -> None:
+    head = {"model": model.describe(), "model_source": model.source, "implementation": implementation(model),
+            "gpus": cluster.describe(), "seq_len": SEQ_LEN, "steps": STEPS, "warmup_steps": WARMUP_STEPS}
+    (out / "plan.json").write_text(json.dumps({**head, "trials": entries}, indent=2))
+    lines = ["# GPU check plan\n", *(f"- {k}: {v}" for k, v in head.items()), "",
+             "| # | group | trial | role | est. peak GiB (tensor + overhead) | fits | sim. samples/s "
+             "| DeepSpeed parser |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        lines.append(f"| {e['order']} | {e['group']} | {e['name']} | {e['role']} | {e['est_tensor_peak_gib']:.2f} + "
+                     f"{e['est_overhead_gib']:.2f} | {'yes' if e['est_fits'] else 'no'} | {e['sim_samples_per_s']:.2f} "
+                     f"| ok: train_batch {e['parsed']['train_batch_size']}, stage {e['parsed']['zero_stage']} |")
+    (out / "plan.md").write_text("\n".join(lines) + "\n")
+
+
+def print_plan(entries: list[dict], model: ModelSpec, cluster: Cluster) -> None:
+    print(f"{model.describe()}\n  implementation: {implementation(model)}\n  on {cluster.describe()}, seq {SEQ_LEN}")
+    print(f"{'#':>2} {'grp':>3}  {'trial':<28} {'est GiB':>8} {'fits':>4} {'sim sps':>8}  parsed")
+    for e in entries:
+        print(f"{e['order']:>2} {e['group']:>3}  {e['name']:<28} {e['est_total_gib']:>8.2f} "
+              f"{'yes' if e['est_fits'] else 'no':>4} {e['sim_samples_per_s']:>8.2f}  ok")
+
+
+def preset_for(device: str) -> str:
+    """The gpus.yaml preset whose name or alias the device's name contains, the longest such
+    (so "NVIDIA A100-SXM4-40GB" is A100-40GB, not the A100 alias of the 80 GB part)."""
+    from autotune.hardware import _raw
+
+    key = device.upper()
+    found = [(len(a), n) for n, e in _raw().items() if n != "cpu"
+             for a in (n, *map(str, e.get("aliases", []))) if a.upper() in key]
+    if not found:
+        raise SpecError(f"GPU {device!r} matches no preset in autotune/data/gpus.yaml; pass --gpus")
+    return max(found)[1]
+
+
+def detect_cluster(gpus: str | None) -> Cluster:
+    """--gpus if given, else the GPU torch sees: its preset (by name), with its real memory."""
+    if gpus:
+        return parse_gpus(gpus)
+    import subprocess
+
+    # In a child: this process stays without a CUDA context, so the device gauge sees only the ranks.
+    probe = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory); print(p.name)"
+    seen = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if seen.returncode:
+        raise SpecError(f"torch sees no CUDA device (pass --gpus, or --dry-run):\n{seen.stderr[-1000:]}")
+    total, device = seen.stdout.strip().splitlines()[-2:]
+    return parse_gpus(f"1x{preset_for(device)}@{int(total) // 2**20}MiB")
+
+
+def preflight(args) -> dict:
+    """Install from the wheels, then pre-build DeepSpeed's ops; each timed and printed."""
+    env = setup.install(args.wheels)
+    if os.environ.get("DS_ACCELERATOR") == "cpu":  # ./run's default: the ranks must pick CUDA
+        del os.environ["DS_ACCELERATOR"]
+    setup.put_scripts_on_path()  # inherited by the ranks
+    return env | setup.prebuild_ops()
+
+
+def run(args, runner: Callable[[list[TrialRequest]], list[TrialResult]] | None = None,
+        prepare: Callable[[argparse.Namespace], dict] = preflight) -> int:
+    """Preflight, then the plan group by group; rows written as each group ends. `runner`
+    (autotune.trial.run_trials) and `prepare` are replaced only by the tests."""
+    t0 = time.monotonic()
+    env = prepare(args)
+    cluster, model = detect_cluster(args.gpus), model_spec()
+    trials = plan(model, cluster)
+    listed = planned_entries(trials, model, cluster)
+    write_plan(args.out, listed, model, cluster)
+    entries = {e["name"]: e for e in listed}
+    if runner is None:
+        from autotune.trial import run_trials as runner
+    head = {"model": model.describe(), "implementation": implementation(model),
+            "gpus": f"{cluster.describe()} (--gpus {cluster.text})", **env}
+    rows, gauge = [], Gauge()
+    for group in sorted({p.group for p in trials}):
+        todo = [p for p in trials if p.group == group]
+        left = args.budget_s - (time.monotonic() - t0)
+        if left < MIN_GROUP_S:
+            rows += rows_for(todo, [None] * len(todo), entries, {}, f"not run: {left:.0f} s of the budget left")
+            continue
+        print(f"[gpu-check] group {group}: {', '.join(p.name for p in todo)}", flush=True)
+        with gauge:
+            results = runner(make_requests(todo, model, cluster, args.out, timeout_s=min(TRIAL_TIMEOUT_S, left)))
+        stray = leftover(args.out)
+        rows += rows_for(todo, results, entries, {**gauge.reading(), "processes_left": len(stray)}, "")
+        write_summary(args.out, head, rows, time.monotonic() - t0)
+        if group == 0 and results[0].status != "ok":
+            rows += rows_for([p for p in trials if p.group], [None] * (len(trials) - 1), entries, {},
+                             "not run: the first trial failed, and every other trial builds on it")
+            break
+    write_summary(args.out, head, rows, time.monotonic() - t0)
+    print(f"[gpu-check] {len(rows)} rows in {args.out / 'gpu_check.csv'}, {time.monotonic() - t0:.0f} s", flush=True)
+    return int(any(r["check"] == "FAIL" for r in rows) or rows[0]["status"] != "ok")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="folder for the plan or the results ($OUT on the GPU machine)")
+    ap.add_argument("--dry-run", action="store_true", help="plan and validate every config; no GPU, no trial")
+    ap.add_argument("--gpus", help=f"cluster, as autotune's --gpus (dry run: {DRY_RUN_GPUS}; GPU run: detected)")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="no group starts past this (seconds)")
+    ap.add_argument("--wheels", type=Path, default=setup.WHEEL_DIR, help="wheel folder (default %(default)s)")
+    ap.add_argument("--prepare-wheels", action="store_true", help="fill --wheels from the index (run here)")
+    ap.add_argument("--install", action="store_true", help="only install from --wheels (run on the GPU machine)")
+    args = ap.parse_args(argv)
+    if not (args.prepare_wheels or args.install or args.out):
+        ap.error("--out DIR is needed to plan or run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.prepare_wheels:
+        setup.prepare_wheels(args.wheels)
+        return 0
+    if args.install:
+        setup.install(args.wheels)
+        return 0
+    args.out = args.out.resolve()  # the ranks' command lines name it: leftover() looks for it there
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        if not args.dry_run:
+            # A SIGTERM (a time limit) unwinds like Ctrl-C: run_trials kills its ranks, rows stay written.
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            return run(args)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # validation only: no device is touched
+        t0 = time.monotonic()
+        model, cluster = model_spec(), parse_gpus(args.gpus or DRY_RUN_GPUS)
+        entries = planned_entries(plan(model, cluster), model, cluster)
+        write_plan(args.out, entries, model, cluster)
+        print_plan(entries, model, cluster)
+        print(f"{len(entries)} trials planned, every DeepSpeed config parsed, in {time.monotonic() - t0:.1f} s; "
+              f"plan in {args.out / 'plan.md'}")
+        return 0
+    except SpecError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gpu_check: cut short; the rows finished are in {args.out}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

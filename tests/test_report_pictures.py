@@ -1,0 +1,143 @@
+"""The report's pictures from real study databases (issue 17): a simulated 13B x 4xA100 search and,
+slow, a measured 2-trial CPU search. Content is checked on the data each picture draws."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from autotune import memory as mem
+from autotune import report, report_pictures as rp
+from autotune import study as st
+from autotune.trial.record import FAILED
+from autotune.workflow import open_search
+
+PICTURES = ("memory_terms.png", "frontier.png", "step_time.png")
+
+
+def _search(root: Path, monkeypatch, n_trials: int, **kw):
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(root))
+    with open_search(**kw) as s:
+        s.run(n_trials=n_trials, progress=False)
+        name = s.study.study_name
+    return st.load_study(name)        # read back from the database, as `autotune report` does
+
+
+@pytest.fixture(scope="module")
+def sim_root(tmp_path_factory):
+    """A simulated 13B x 4xA100 search of 20 trials (about 30 s), searched once per module."""
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("sim")
+    try:
+        _search(root, mp, 20, model="13b", gpus="4xA100", executor="simulated")
+    finally:
+        mp.undo()
+    return root
+
+
+@pytest.fixture
+def sim_study(sim_root, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(sim_root))
+    return st.load_study(None)        # the most recent (the only) study under the root
+
+
+def check_content(study) -> rp.Pictures:
+    """What every study's pictures must hold: terms summing to the estimate, every decided trial once."""
+    model, cluster, _ = st.specs_of(study)
+    p = rp.pictures(study)
+    recs = {r.number: r for r in st.records(study)}
+    for b in p.memory:
+        e = mem.estimate(model, cluster, recs[b.trial].config)
+        assert sum(b.groups.values()) == b.total_bytes == e.total_bytes
+        assert b.tensor_peak_bytes == e.tensor_peak_bytes and b.phase == e.phase
+        if b.status == "ok":     # a run's bar is its recorded estimate
+            assert b.total_bytes == recs[b.trial].estimate["total_bytes"]
+    decided = {n for n, r in recs.items() if r.status in ("ok", "pruned", *FAILED)}
+    numbers = [f.trial for f in p.frontier]
+    assert sorted(numbers) == sorted(decided) and len(set(numbers)) == len(numbers)
+    for f in p.frontier:
+        r = recs[f.trial]
+        assert f.status == r.status and f.peak_bytes == r.estimate["total_bytes"]
+        if r.status == "pruned":
+            assert f.why == r.pruned_by and f.throughput_source not in ("measured", "simulated")  # never a run's mark
+        if r.status == "ok":
+            assert f.samples_per_s == r.result.samples_per_s and f.throughput_source == p.source
+    ok = sorted((r for r in recs.values() if r.status == "ok"), key=lambda r: -r.result.samples_per_s)
+    assert [f.trial for f in p.frontier if f.winner] == [ok[0].number]
+    assert [t.trial for t in p.time] == [r.number for r in ok]
+    for t in p.time:
+        assert t.step_time_s == pytest.approx(recs[t.trial].result.step_time_s, rel=1e-6)
+        assert sum(t.parts.values()) == pytest.approx(t.step_time_s)
+    return p
+
+
+def check_files(study, out: Path) -> None:
+    paths = report.write_outputs(study, out)
+    for name in PICTURES + ("report.md", "report.html"):
+        assert out / name in paths and (out / name).stat().st_size > 1000
+    md = (out / "report.md").read_text()
+    assert md.index("## Why this configuration") < md.index("![memory_terms]") < md.index("## Ranked runs")
+    assert "**Winner #" in md and "**Memory**" in md and "**Ruled out**" in md
+    assert md.count("data:image/png;base64,") == 0 and (out / "report.html").read_text().count(
+        "data:image/png;base64,") == md.count("![")
+
+
+def test_simulated_13b_pictures(sim_study, tmp_path):
+    p = check_content(sim_study)
+    assert p.source == "simulated" and len(p.time) >= 2
+    pruned = [b for b in p.memory if b.status == "pruned"]
+    assert {b.trial for b in pruned} and all(b.total_bytes > b.capacity_bytes for b in pruned)
+    winner = p.memory[0]
+    assert winner.status == "ok" and winner.total_bytes <= winner.capacity_bytes
+    # the cost model's split: compute dominates a 13B step; communication is a named part
+    assert {"compute", "recompute", "exposed communication", "optimizer"} <= set(p.time[0].parts)
+    # pruned points are hollow "simulated (not run)", never the runs' mark
+    assert {f.throughput_source for f in p.frontier if f.status == "pruned"} == {"simulated (not run)"}
+    check_files(sim_study, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_measured_cpu_pictures(tmp_path, monkeypatch):
+    study = _search(tmp_path / "trials", monkeypatch, 2, model="tiny-llama", gpus="2xcpu",
+                    space=Path(__file__).parents[1] / "search_spaces" / "tiny-cpu.yaml", executor="ray")
+    p = check_content(study)
+    assert p.source == "measured"
+    assert all(b.measured_peak_bytes for b in p.memory if b.status == "ok")
+    assert all(t.source.startswith("measured") for t in p.time)
+    check_files(study, tmp_path / "out")
+
+
+def test_cli_open_without_a_browser(sim_study, monkeypatch, capsys):
+    import webbrowser
+
+    from autotune.cli import main
+
+    def no_browser(*_a, **_k):
+        raise webbrowser.Error("could not locate runnable browser")
+
+    monkeypatch.setattr(webbrowser, "get", no_browser)
+    assert main(["report", "--open", "--top", "1"]) == 0
+    page = st.study_dir(sim_study.study_name) / "report.html"
+    assert f"report page: {page} (no browser found to open it)" in capsys.readouterr().out and page.exists()
+
+
+def test_html_in_headless_chromium(sim_study, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on PATH (apt-get install chromium): the HTML page is not checked in a browser")
+    out = tmp_path / "out"
+    report.write_outputs(sim_study, out)
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,2400",
+                    f"--screenshot={shot}", (out / "report.html").as_uri()],
+                   check=True, timeout=120, capture_output=True)
+    import matplotlib.image
+
+    img = matplotlib.image.imread(shot)
+    assert img.shape[0] >= 2000 and img.shape[1] >= 1000
+    # a blank page is one colour; the embedded pictures make many
+    assert img[..., :3].std() > 0.05
+    assert len({tuple(px) for px in img[::7, ::7, :3].reshape(-1, 3).round(2).tolist()}) > 50
