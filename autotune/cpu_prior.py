@@ -5,8 +5,9 @@ timed here, plus what DeepSpeed adds to a step.
            + collectives (gloo: per call + per byte) + AdamW over the rank's parameters [probe]
            + DeepSpeed per parameter
 
-The probe builds the trial's own model (autotune.trial.model.Transformer) in this process, with
-the threads one rank gets, and times a forward+backward and one block's forward per micro batch
+The probe builds the trial's own model (through autotune.impl: the Hugging Face code by default)
+in this process, with the threads one rank gets, and times a forward+backward and one block's
+forward per micro batch
 (the recompute of a checkpointed block is a forward; Narayanan et al. 2021, SC'21, sec. 5.1), and
 one AdamW step. A first version used FLOPs at a fixed 20 GFLOP/s measured on a 197K-parameter
 model; on a model of 11M parameters the same cores reach ~120 GFLOP/s in its GEMMs, so that prior
@@ -80,37 +81,50 @@ def rank_threads(cluster: Cluster) -> int:
 @cache
 def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str, attention: str,
                 threads: int) -> tuple[float, float]:
-    """(forward+backward of the whole model, forward of one block) in seconds, the faster of two
-    timings each, after a warm-up at micro batch 1 (first calls pay allocator and kernel selection).
+    """(forward+backward of the whole model, forward of one decoder layer) in seconds, the faster
+    of two timings each, after a warm-up at micro batch 1 (first calls pay allocator and kernel
+    selection). The model is the trial's own, built through autotune.impl (Hugging Face, builtin or
+    factory code); a layer's forward is the mean over the layers, timed by forward hooks inside the
+    same forward+backward (every code's layers take different arguments, so none is called alone).
     With one timing, two candidates 15% apart on the Llama landscape swapped in 3 of 5 searches;
     with two, in 3 of 10."""
     import torch
 
-    from autotune.trial.model import rotary_tables
+    from autotune.impl import impl_for
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(0)  # fixed inputs, the process's own RNG left alone
-        dtype = torch_dtype(precision)
-        net = _probe_net(model, attention, dtype)
-        block = net.blocks[0]
+        impl = impl_for(model)
+        net = _probe_net(model, attention, torch_dtype(precision))
+        layers = impl.layers(net)
+        spent = [0.0]
+
+        def pre(mod, args):
+            mod._autotune_t0 = time.perf_counter()
+
+        def post(mod, args, out):
+            spent[0] += time.perf_counter() - mod._autotune_t0
+
+        hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(pre),
+                                                 layer.register_forward_hook(post))]
 
         def run(mb: int) -> tuple[float, float]:
-            tokens = torch.randint(0, model.vocab_size, (mb, seq_len), generator=gen)
+            tokens = torch.randint(0, model.vocab_size, (mb, seq_len + 1), generator=gen)
+            spent[0] = 0.0
             t0 = time.perf_counter()
-            net(tokens, tokens).backward()
+            impl.loss(net, tokens).backward()
             t1 = time.perf_counter()
-            x = torch.randn(mb, seq_len, model.hidden_size, dtype=dtype, generator=gen)
-            rope = rotary_tables(seq_len, model.head_dim, dtype) if model.position == "rotary" else None
-            t2 = time.perf_counter()
-            block(x, rope)
-            t3 = time.perf_counter()
             net.zero_grad(set_to_none=True)
-            return t1 - t0, t3 - t2
+            return t1 - t0, spent[0] / len(layers)
 
-        run(1)
-        a, b = run(micro_batch), run(micro_batch)
+        try:
+            run(1)
+            a, b = run(micro_batch), run(micro_batch)
+        finally:
+            for h in hooks:
+                h.remove()
         return min(a[0], b[0]), min(a[1], b[1])
     finally:
         torch.set_num_threads(before)
@@ -118,13 +132,23 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
 
 @cache
 def _probe_net(model: ModelSpec, attention: str, dtype):
-    from autotune.trial.model import Transformer, init_weights
+    """The trial's model in host memory, initialised as the trial initialises it."""
+    import torch
 
-    net = Transformer(model, attention=attention)
-    # The trial's own initialisation: with nn.Linear's default one, the tied GPT-2 head's backward
-    # meets denormal floats and its GEMMs run ~7x slower on x86 (0.43 vs 0.06 s, landscape-gpt2).
-    init_weights(net)
-    return net.to(dtype)
+    from autotune.impl import impl_for
+
+    # The hf and factory constructors draw from the global stream, seeded as in the trial; forked,
+    # so the search process's own stream is left alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = impl_for(model).build(model, dtype=dtype, attention=attention)
+    if model.implementation == "builtin":
+        from autotune.trial.model import init_weights
+
+        # The trial's own initialisation: with nn.Linear's default one, the tied GPT-2 head's backward
+        # meets denormal floats and its GEMMs run ~7x slower on x86 (0.43 vs 0.06 s, landscape-gpt2).
+        init_weights(net)
+    return net
 
 
 @cache

@@ -54,7 +54,7 @@ def export(study: optuna.Study, out: Path, number: int | None = None) -> tuple[F
     out.write_text(json.dumps(ds, indent=2) + "\n")
     source = record.source or "measured"
     head = (f"wrote {out}: trial {trial.number} of study {study.study_name} ({cfg.short()}), "
-            f"{trial.value:.4g} samples/s ({source})")
+            f"{trial.value:.4g} samples/s ({source}, model code {model.code_name})")
     return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out)
 
 
@@ -85,15 +85,35 @@ def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path) -> s
     return "\n".join(lines)
 
 
+_HF_LAYERS = {"gpt2": "model.transformer.h", "gpt_neox": "model.gpt_neox.layers", "mpt": "model.transformer.blocks"}
+"""Where each family's decoder layers sit in its *ForCausalLM (transformers' modeling files); the
+rest of the architectures autotune's presets use keep them at model.model.layers."""
+
+
 def _ckpt_lines(cfg: TrainConfig, model: ModelSpec) -> list[str]:
     k, layers = cfg.ckpt_layers, model.num_layers
     if k == 0:
         return ["Activation checkpointing: none (every layer keeps its activations)."]
     if k >= layers:
         return [f"Activation checkpointing: all {layers} layers (gradient_checkpointing=True above)."]
+    head = (f"Activation checkpointing: the first {k} of {layers} layers only. The Trainer's flag covers all "
+            "layers, so keep it False and before training:")
+    if model.implementation == "hf":
+        where = _HF_LAYERS.get(model.model_type, "model.model.layers")
+        return [head,
+                "  from autotune.hf import checkpoint_first_layers",
+                f"  checkpoint_first_layers(model, {k})",
+                "  (what the trials ran; the same as transformers' own mechanism by hand:",
+                '  model.activation_checkpointing_enable({"use_reentrant": False})',
+                f"  for layer in {where}[{k}:]:",
+                "      layer.gradient_checkpointing = False",
+                "  GradientCheckpointingLayer checkpoints a layer only while its flag is set)"]
+    if model.implementation == "factory":
+        return [f"Activation checkpointing: the first {k} of {layers} layers, as the trials ran it: each of the "
+                f"first {k} decoder layers' forward under torch.utils.checkpoint.checkpoint(..., use_reentrant=False)",
+                f"  (autotune.impl.impl_for(spec).checkpoint_first(model, {k}) does it for your module)"]
     return [
-        f"Activation checkpointing: the first {k} of {layers} layers only. The Trainer's flag covers all layers, "
-        "so keep it False and before training:",
+        head,
         '  model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
         f"  for layer in model.model.layers[{k}:]:",
         "      layer.gradient_checkpointing = False",

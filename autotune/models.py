@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -19,6 +19,8 @@ import yaml
 from autotune.errors import SpecError  # noqa: F401 - re-exported: models raise it
 
 Family = Literal["llama", "gpt2", "gpt_neox", "mpt"]
+Implementation = Literal["hf", "builtin", "factory"]
+IMPLEMENTATIONS = ("hf", "builtin", "factory")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +54,27 @@ class ModelSpec:
     """Per-head width; 0 means hidden_size // num_heads."""
     source: str = ""
     """Where the shape comes from (model card, config.json on the Hub, paper)."""
+    implementation: Implementation = "hf"
+    """Whose code trials run and the memory model prices (autotune/impl.py): `hf` the Hugging Face
+    transformers model of `hf_config`, `builtin` the stand-in of autotune/trial/model.py, `factory`
+    the user's module made by `factory`."""
+    hf_config: dict | None = field(default=None, hash=False)
+    """The Hugging Face config (PretrainedConfig.to_dict(), or for a preset the few keys of its
+    family's config class that its shape sets); None: built from the shape when needed
+    (autotune.hf.config_dict). Not hashed: a dict is not hashable, and the shape fields identify."""
+    factory: str = ""
+    """`package.module:function` that makes the module, for implementation `factory` (docs/models.md)."""
+    param_count: int = 0
+    """Exact parameter count of the model built on the meta device, where it was built (Hugging Face
+    configs); 0: the shape's count (`shape_params`), which tests check equal to it for the presets."""
 
     def __post_init__(self) -> None:
+        if self.implementation not in IMPLEMENTATIONS:
+            raise SpecError(f"model {self.name}: implementation must be one of "
+                            f"{', '.join(IMPLEMENTATIONS)}, got {self.implementation!r}")
+        if self.implementation == "factory" and ":" not in self.factory:
+            raise SpecError(f"model {self.name}: implementation factory needs factory="
+                            f"'package.module:function', got {self.factory!r}")
         for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                   "vocab_size", "max_seq_len"):
             v = getattr(self, f)
@@ -113,9 +134,14 @@ class ModelSpec:
         return n
 
     @property
-    def num_params(self) -> int:
-        """Exact parameter count (Llama-2-13B: 13,015,864,320 as on its model card's safetensors)."""
+    def shape_params(self) -> int:
+        """Parameter count from the shape (Llama-2-13B: 13,015,864,320 as on its model card's safetensors)."""
         return self.embedding_params + self.num_layers * self.layer_params
+
+    @property
+    def num_params(self) -> int:
+        """Exact parameter count: the meta-device model's where it was counted, else the shape's."""
+        return self.param_count or self.shape_params
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, forward+backward: 6N plus attention's 12*L*h*s.
@@ -133,7 +159,23 @@ class ModelSpec:
         kv = f", {self.num_kv_heads} kv heads" if self.num_kv_heads != self.num_heads else ""
         return (f"{self.name}: {fmt_count(self.num_params)} params, {self.num_layers} layers, hidden "
                 f"{self.hidden_size}, {self.num_heads} heads{kv}, ffn {self.ffn_hidden_size}, "
-                f"vocab {self.vocab_size} ({self.family})")
+                f"vocab {self.vocab_size} ({self.family}; code: {self.code_name})")
+
+    @property
+    def code_name(self) -> str:
+        """Which code the numbers describe, for reports: `hf:LlamaForCausalLM`-like, `builtin`, or
+        `factory:pkg.mod:fn`."""
+        if self.implementation == "factory":
+            return f"factory:{self.factory}"
+        if self.implementation == "hf":
+            arch = (self.hf_config or {}).get("architectures") or []
+            return f"hf:{arch[0]}" if arch else f"hf:{self.model_type}"
+        return "builtin"
+
+    @property
+    def model_type(self) -> str:
+        """The Hugging Face model_type: the config's, else the family's (mistral-7b: mistral)."""
+        return (self.hf_config or {}).get("model_type") or self.family
 
 
 # ---- family defaults ------------------------------------------------------------------------
@@ -186,6 +228,7 @@ def presets() -> dict[str, ModelSpec]:
         family, source = entry.pop("family"), entry.pop("source")
         entry.pop("aliases", None)
         entry.pop("published_params", None)
+        entry.pop("model_type", None)
         out[name] = _build(name, family, entry, source)
     return out
 
@@ -204,24 +247,52 @@ def published_params() -> dict[str, int]:
     return {n: e["published_params"] for n, e in _raw().items() if "published_params" in e}
 
 
-def resolve_model(text: str) -> ModelSpec:
-    """A preset name, an alias (`13b`), or a path to a Hugging Face config.json."""
+def resolve_model(text: str, *, implementation: Implementation = "hf", factory: str | None = None) -> ModelSpec:
+    """A preset name, an alias (`13b`), a Hugging Face config.json, a directory holding one, or a
+    hub id already in the local Hugging Face cache, for the code `implementation` names.
+
+    hf: presets become the config of their family (autotune.hf.preset_config); a config keeps all
+    its fields and its exact parameter count is that of the model built on the meta device.
+    builtin: the stand-in of autotune/trial/model.py, for the four families it reproduces.
+    factory: the shape from `text`, the module from `factory` ("package.module:function")."""
+    if implementation not in IMPLEMENTATIONS:
+        raise SpecError(f"--impl must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+    if implementation == "factory" and not factory:
+        raise SpecError("--impl factory needs --model-factory package.module:function")
+    if factory and implementation != "factory":
+        implementation = "factory"  # --model-factory alone means the factory's code
     key = text.strip().lower()
     table = presets()
-    if key in table:
-        return table[key]
-    if key in aliases():
-        return table[aliases()[key]]
+    name = key if key in table else aliases().get(key)
+    if name is not None:
+        spec = table[name]
+        if implementation == "hf":
+            from autotune import hf
+
+            return replace(spec, implementation="hf",
+                           hf_config=hf.preset_config(spec, _raw()[name].get("model_type", spec.family)))
+        return replace(spec, implementation=implementation, factory=factory or "")
     path = Path(text).expanduser()
     if path.suffix == ".json" or path.exists():
         if path.is_dir():
             path = path / "config.json"
-        return from_hf_config(path)
+        if implementation == "builtin":
+            return replace(from_hf_config(path), implementation="builtin")
+        from autotune import hf
+
+        spec = hf.spec_from_config(hf.load_config(str(path)), name=str(path), source=f"config.json at {path}")
+        return replace(spec, implementation=implementation, factory=factory or "")
+    if "/" in text and implementation != "builtin":
+        from autotune import hf  # a hub id: only the local cache is read, never the network
+
+        spec = hf.spec_from_config(hf.load_config(text), name=text, source=f"{text} in the local Hugging Face cache")
+        return replace(spec, implementation=implementation, factory=factory or "")
     names = sorted(set(table) | set(aliases()))
     close = difflib.get_close_matches(key, names, n=4, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     raise SpecError(f"unknown model {text!r}.{hint} Run `autotune models` for the presets, "
-                    f"or pass the path of a Hugging Face config.json.")
+                    f"or pass a Hugging Face config.json, a directory holding one, or a hub id in "
+                    f"the local Hugging Face cache.")
 
 
 # ---- Hugging Face config.json ---------------------------------------------------------------

@@ -21,7 +21,8 @@ from autotune.units import GiB
 # (column label, trials_frame column): numbers that come from the run, labelled with its source
 _MEASURED = (("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"), ("TFLOPS", "tflops"),
              ("MFU %", "mfu_pct"))
-_RESULT = ("samples_per_s", "tokens_per_s", "tflops", "mfu", "step_time_s", "peak_bytes", "wall_s", "log_tail")
+_RESULT = ("samples_per_s", "tokens_per_s", "tflops", "mfu", "step_time_s", "peak_bytes", "wall_s", "log_tail",
+           "implementation")
 
 
 def _label(f) -> str:
@@ -75,6 +76,8 @@ def ranked(df: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
     out["status"] = ok["status"].to_numpy() if len(ok) else []
     if len(ok) and df["source"].nunique() > 1:
         out["source"] = ok["source"].to_numpy()
+    # Whose code each row measured (ModelSpec.code_name): hf:<architecture>, builtin, factory:<fn>.
+    out["implementation"] = ok["implementation"].to_numpy() if len(ok) else []
     return out.head(top) if top else out
 
 
@@ -132,6 +135,7 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None, titl
     if fmt == "json":
         ranked_rows = json.loads(table.to_json(orient="records", double_precision=15))
         return json.dumps({"study": study.study_name, "source": source_label(df) if len(df) else None,
+                           "implementation": st.specs_of(study)[0].code_name,
                            "ranked": ranked_rows, **counts,
                            "memory_correction": study.user_attrs.get("memory_correction")}, indent=1) + "\n"
     lines = header(study)

@@ -56,9 +56,13 @@ def check_name(name: str) -> str:
 
 
 def default_name(model: ModelSpec, cluster: Cluster) -> str:
-    """`llama-2-13b_4xA100`; a config.json model is named after its folder (or file stem)."""
+    """`llama-2-13b_4xA100`; a config.json model is named after its folder (or file stem); code
+    other than Hugging Face's adds its name (`tiny-llama_builtin_2xcpu`), so studies of two codes
+    never resume each other."""
     p = Path(model.name)
     base = (p.parent.name or p.stem) if p.suffix == ".json" else model.name
+    if model.implementation != "hf":
+        base += f"_{model.implementation}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{base}_{cluster.text or cluster.world_size}").strip("-")
 
 

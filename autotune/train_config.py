@@ -72,9 +72,12 @@ class TrainConfig:
     """AdamW with fp32 moments, or 8-bit AdamW (bitsandbytes; moments in 1 byte each)."""
     offload_optimizer: bool = _setting(False, space=(False,), help="ZeRO-Offload of the optimizer states")
     """ZeRO-Offload: optimizer states and the step on the CPU (needs ZeRO >= 1)."""
-    attention: Literal["sdpa", "eager"] = _setting("sdpa", space=("sdpa",), help="attention implementation")
-    """sdpa: memory-efficient/flash scaled-dot-product attention (no s x s matrix kept);
-    eager: the explicit softmax(QK^T)V that keeps the s x s scores."""
+    attention: Literal["sdpa", "eager", "flash_attention_2"] = _setting(
+        "sdpa", space=("sdpa",), help="attention implementation, transformers' names (flash_attention_2: GPU, hf only)")
+    """transformers' attn_implementation names. sdpa: torch's scaled_dot_product_attention
+    (memory-efficient/flash kernels, no s x s matrix kept; what transformers picks by default);
+    eager: the explicit softmax(QK^T)V that keeps the s x s scores; flash_attention_2: the
+    flash-attn package's kernels (GPU and the hf code only)."""
     seq_len: int = _setting(2048, space=None, minimum=1, help="sequence length (default: min(2048, model max))")
     """Tokens per sequence; fixed per study (`--seq-len`), not a search axis."""
 
@@ -177,5 +180,12 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
     if model.position == "learned" and cfg.seq_len > model.max_seq_len:
         raise SpecError(f"seq_len {cfg.seq_len} exceeds {model.name}'s {model.max_seq_len} learned "
                         f"positions")
+    if cfg.attention == "flash_attention_2":
+        if cluster.gpu.is_cpu:
+            raise SpecError("attention flash_attention_2 runs CUDA kernels only (flash-attn package); "
+                            "CPU ranks can run sdpa or eager")
+        if model.implementation != "hf":
+            raise SpecError(f"attention flash_attention_2 is a transformers attn_implementation; the "
+                            f"{model.implementation} code has sdpa or eager")
     if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
         raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")

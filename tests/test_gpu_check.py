@@ -133,8 +133,14 @@ def run_fake(tmp_path, statuses=None, budget_s=gc.BUDGET_S):
     return code, rows, seen, (tmp_path / "summary.md").read_text()
 
 
+def probe_name() -> str:
+    """The OOM probe's trial name: its micro batch is the memory model's first that cannot fit."""
+    trials = gc.plan(gc.model_spec(), gc.detect_cluster("1xH200"))
+    return next(t.name for t in trials if t.role == "oom_probe")
+
+
 def test_a_good_run_passes_and_writes_every_row(tmp_path):
-    probe = "oom-probe-z0-bf16-k0-mb51"
+    probe = probe_name()
     code, rows, seen, summary = run_fake(tmp_path, {probe: ("oom", CUDA_OOM)})
     assert code == 0 and len(rows) == 17 and len(seen) == 6          # 1 + 1 + 4 + 4 + 4 + 3 per group
     assert seen[0] == ["z0-bf16-k0-mb1"] and seen[1] == [probe]
@@ -163,7 +169,7 @@ def test_allocated_and_reserved_cover_the_same_window():
 
 def test_an_oom_that_is_not_cudas_fails_the_probe(tmp_path):
     cap = "measured peak of 300 tensor bytes in a training step exceeds the per-rank cap"
-    code, rows, _, summary = run_fake(tmp_path, {"oom-probe-z0-bf16-k0-mb51": ("oom", cap)})
+    code, rows, _, summary = run_fake(tmp_path, {probe_name(): ("oom", cap)})
     assert code == 1 and rows[1]["check"] == "FAIL" and "OOM probe: FAIL" in summary
 
 
@@ -174,7 +180,7 @@ def test_a_failed_first_trial_stops_the_run(tmp_path):
 
 
 def test_a_trial_oom_is_a_finding_not_a_failure(tmp_path):
-    code, rows, _, _ = run_fake(tmp_path, {"oom-probe-z0-bf16-k0-mb51": ("oom", CUDA_OOM),
+    code, rows, _, _ = run_fake(tmp_path, {probe_name(): ("oom", CUDA_OOM),
                                            "z3-bf16-k0-mb4": ("oom", CUDA_OOM)})
     assert code == 0 and {r["trial"]: r for r in rows}["z3-bf16-k0-mb4"]["check"] == "finding"
 

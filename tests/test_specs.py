@@ -71,13 +71,20 @@ def test_hf_gpt2_neox_mpt_configs(tmp_path):
 
 def test_hf_config_missing_field_and_unknown_type(tmp_path):
     p = _write(tmp_path, {"model_type": "llama", "hidden_size": 64})
+    # The stand-in parses each family's fields itself and needs them all ...
     with pytest.raises(SpecError, match="missing field 'num_hidden_layers'"):
-        resolve_model(str(p))
+        resolve_model(str(p), implementation="builtin")
+    # ... the Hugging Face code takes LlamaConfig's defaults for the rest, as transformers would.
+    assert resolve_model(str(p)).num_layers == 32
     p.write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(SpecError, match="not supported"):
+        resolve_model(str(p), implementation="builtin")
+    with pytest.raises(SpecError, match="AutoModelForCausalLM cannot build model_type 't5'"):
         resolve_model(str(p))
     p.write_text("{not json")
     with pytest.raises(SpecError, match="not valid JSON"):
+        resolve_model(str(p), implementation="builtin")
+    with pytest.raises(SpecError, match="cannot read it"):
         resolve_model(str(p))
 
 

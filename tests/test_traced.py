@@ -76,7 +76,7 @@ def measure_cpu(spec, cfg) -> dict[str, int]:
 
 @functools.cache
 def traced(name, precision, attention, ckpt):
-    return trace(resolve_model(name), CPU, config(precision, attention, ckpt))
+    return trace(resolve_model(name, implementation="builtin"), CPU, config(precision, attention, ckpt))
 
 
 REAL = [(n, p, "sdpa", k) for n in FAMILIES for p in PRECISIONS for k in (0, 2)] + [("tiny-llama", "bf16", "eager", 2)]
@@ -85,7 +85,7 @@ REAL = [(n, p, "sdpa", k) for n in FAMILIES for p in PRECISIONS for k in (0, 2)]
 @pytest.mark.slow
 @pytest.mark.parametrize("name,precision,attention,ckpt", REAL)
 def test_traced_peaks_match_a_real_cpu_run(name, precision, attention, ckpt):
-    spec = resolve_model(name)
+    spec = resolve_model(name, implementation="builtin")
     real = measure_cpu(spec, config(precision, attention, ckpt))
     t = traced(name, precision, attention, ckpt)
     got = {**t.raw_peaks, "after_forward": sum(t.points["fwd.end"].values())}
@@ -104,7 +104,7 @@ ACT = [(n, p, a, k) for n in FAMILIES for p in PRECISIONS for a in ("sdpa", "eag
 
 @pytest.mark.parametrize("name,precision,attention,ckpt", ACT)
 def test_traced_activations_are_the_analytic_terms(name, precision, attention, ckpt):
-    spec, t = resolve_model(name), traced(name, precision, attention, ckpt)
+    spec, t = resolve_model(name, implementation="builtin"), traced(name, precision, attention, ckpt)
     kw = dict(micro_batch=B, seq_len=S, precision=precision)
     eager_scalar = act.EAGER_SCALE_BYTES if attention == "eager" else 0  # see the test above
     assert t.layer_bytes["full_layer"] == act.layer_saved_bytes(spec, attention=attention, **kw) - eager_scalar
@@ -123,7 +123,7 @@ def test_traced_activations_are_the_analytic_terms(name, precision, attention, c
     ("tiny-llama", "bf16", "sdpa", 6, 0), ("tiny-llama", "bf16", "sdpa", 6, 1), ("tiny-llama", "fp32", "sdpa", 6, 6),
     ("tiny-gpt2", "fp32", "eager", 9, 4)])
 def test_extrapolation_equals_a_direct_trace(name, precision, attention, layers, ckpt):
-    spec = dataclasses.replace(resolve_model(name), num_layers=layers)
+    spec = dataclasses.replace(resolve_model(name, implementation="builtin"), num_layers=layers)
     cfg = config(precision, attention, ckpt)
     direct = _trace_program(spec, cfg, ckpt=ckpt, full=layers - ckpt, fused=False, host_rng=True)
     assert trace(spec, CPU, cfg).points == direct  # every segment peak, every category, to the byte
@@ -131,7 +131,7 @@ def test_extrapolation_equals_a_direct_trace(name, precision, attention, layers,
 
 @pytest.mark.parametrize("name,ckpt", [("llama-2-13b", 0), ("llama-2-13b", 40), ("llama-2-70b", 0)])
 def test_large_models_trace_in_seconds_and_agree(name, ckpt, capsys):
-    spec, gpus = resolve_model(name), parse_gpus("8xA100")
+    spec, gpus = resolve_model(name, implementation="builtin"), parse_gpus("8xA100")
     cfg = TrainConfig(micro_batch=1, seq_len=2048, precision="bf16", ckpt_layers=ckpt, zero_stage=3)
     t0 = time.perf_counter()
     t = trace(spec, gpus, cfg)
@@ -147,7 +147,7 @@ def test_large_models_trace_in_seconds_and_agree(name, ckpt, capsys):
 
 
 def test_stage_accounting():
-    spec, gpus = resolve_model("llama-2-13b"), parse_gpus("8xA100")
+    spec, gpus = resolve_model("llama-2-13b", implementation="builtin"), parse_gpus("8xA100")
     cfg = TrainConfig(micro_batch=1, seq_len=2048, precision="bf16", zero_stage=3)
     t = trace(spec, gpus, cfg)
     for phase, terms in t.phases.items():  # states, gradients, buffers: the analytic model's for the stage
@@ -156,7 +156,7 @@ def test_stage_accounting():
         for term in set(source) - TRACED_TERMS - ({"comm_buffers", "embedding_gradient"} if layers else set()):
             assert terms[term] == source[term], (phase, term)
     assert "optimizer_temporaries" not in t.phases["optimizer"]  # FusedAdam (fused=True) steps in place
-    tiny = resolve_model("tiny-llama")
+    tiny = resolve_model("tiny-llama", implementation="builtin")
     # stage 0 on CPU: AdamW foreach=False makes two fp32 temporaries per parameter while the previous
     # parameter's `denom` is still alive: max_i 8*n_i + 4*n_(i-1) (model_states.single_tensor_adam_peak,
     # added to the analytic model after this trace found it): for the LM head, the final norm's 4h
@@ -171,14 +171,14 @@ def test_stage_accounting():
 
 def test_compare_table():
     cfg = config("bf16", "sdpa", 2)
-    est, t = estimate(resolve_model("tiny-llama"), CPU, cfg), traced("tiny-llama", "bf16", "sdpa", 2)
+    est, t = estimate(resolve_model("tiny-llama", implementation="builtin"), CPU, cfg), traced("tiny-llama", "bf16", "sdpa", 2)
     table = compare(est, t)
     assert {r.phase for r in table.rows} >= set(est.phases)
     totals = {r.phase: r for r in table.rows if r.term == "total"}
     assert all(totals[p].analytic == v for p, v in est.phases.items())
     assert "diff %" in str(table) and str(table).count("\n") == len(table.rows) + 1
     with pytest.raises(ValueError, match="different"):
-        compare(estimate(resolve_model("tiny-llama"), CPU, config("fp32", "sdpa", 2)), t)
+        compare(estimate(resolve_model("tiny-llama", implementation="builtin"), CPU, config("fp32", "sdpa", 2)), t)
 
 
 @pytest.mark.slow

@@ -13,9 +13,25 @@ from autotune.train_config import TrainConfig, check_config, choices, kind
 
 def add_model_gpus(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
-                   help="preset name or alias (`autotune models`), or a Hugging Face config.json path")
+                   help="preset name or alias (`autotune models`), a Hugging Face config.json, a directory "
+                        "holding one, or a hub id already in the local Hugging Face cache (docs/models.md)")
+    add_impl(p)
     p.add_argument("--gpus", required=True,
                    help="[NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 16xH100, 2xcpu (`autotune gpus`)")
+
+
+def add_impl(p: argparse.ArgumentParser) -> None:
+    """--impl and --model-factory: whose code trials run and the memory model prices."""
+    p.add_argument("--impl", default="hf", choices=["hf", "builtin", "factory"],
+                   help="model code: hf (transformers, default), builtin (autotune's stand-in), "
+                        "factory (--model-factory)")
+    p.add_argument("--model-factory", default=None, metavar="PKG.MODULE:FUNCTION",
+                   help="your own torch module: function(spec, attention=...) -> nn.Module (docs/models.md)")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    return resolve_model(args.model, implementation=getattr(args, "impl", "hf"),
+                         factory=getattr(args, "model_factory", None))
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -38,7 +54,7 @@ def add_train_config(p: argparse.ArgumentParser) -> None:
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, TrainConfig]:
     from autotune.workflow import default_seq_len
 
-    model = resolve_model(args.model)
+    model = model_from_args(args)
     cluster = parse_gpus(args.gpus)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     if values["seq_len"] is None:

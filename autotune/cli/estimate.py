@@ -12,7 +12,9 @@ ORDER = 10
 def register(sub) -> None:
     p = sub.add_parser("estimate", help="per-GPU memory breakdown of one configuration (no GPU needed)",
                        description="Price one training configuration per GPU, term by term, at the peak "
-                                   "phase of a step. Every figure is estimated by the analytic model.")
+                                   "phase of a step. Every figure is estimated by the memory model: "
+                                   "analytic terms for the builtin model, terms traced from the module's "
+                                   "code for Hugging Face and factory models (docs/memory.md).")
     add_model_gpus(p)
     add_train_config(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -38,7 +40,8 @@ def run(args) -> int:
     model, cluster, cfg = specs_from_args(args)
     est = estimate(model, cluster, cfg)
     if args.json:
-        out = {**est.to_json(), "model": model.name, "gpus": cluster.text, "config": cfg.to_dict()}
+        out = {"implementation": model.code_name, **est.to_json(), "model": model.name, "gpus": cluster.text,
+               "config": cfg.to_dict()}
         out["simulated"] = _simulated(model, cluster, cfg)
         if cluster.note:
             out["note"] = cluster.note

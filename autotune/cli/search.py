@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 
+from autotune.cli.common import add_impl
 from autotune.errors import SpecError
 
 ORDER = 30
@@ -15,7 +16,9 @@ def register(sub) -> None:
     p = sub.add_parser("search", help="search the fastest DeepSpeed configuration (Optuna, memory-pruned)",
                        description="Search the fastest DeepSpeed configuration: the memory model prunes what "
                                    "cannot fit, the rest runs (or is simulated), ranked by samples/s.")
-    p.add_argument("--model", help="preset, alias (`autotune models`) or config.json; optional with --resume")
+    p.add_argument("--model", help="preset, alias (`autotune models`), a Hugging Face config.json, a directory "
+                                   "holding one, or a cached hub id (docs/models.md); optional with --resume")
+    add_impl(p)
     p.add_argument("--gpus", help="[NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 2xcpu@2GiB; optional with --resume")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, model max))")
     p.add_argument("--global-batch", type=int, default=None,
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--timeout: {e}") from None
     if args.n_trials is not None and args.n_trials < 1:
         raise SpecError(f"--n-trials must be at least 1, got {args.n_trials}")
-    session = open_search(model=args.model, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
+    session = open_search(model=args.model, impl=args.impl, model_factory=args.model_factory, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
                           space=args.space, study=args.study, storage=args.storage, executor=args.executor,
                           resume=args.resume, ray_address=args.ray_address,
                           concurrent_trials=args.concurrent_trials)

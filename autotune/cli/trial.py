@@ -66,7 +66,7 @@ def run(args) -> int:
 
 def summary(req, res, estimate: dict) -> str:
     cfg = req.config
-    lines = [f"{req.model.name} on {req.cluster.describe()}: {cfg.short()}, seq {cfg.seq_len}",
+    lines = [f"{req.model.name} ({req.model.code_name}) on {req.cluster.describe()}: {cfg.short()}, seq {cfg.seq_len}",
              f"status      {res.status}{'  (' + res.reason + ')' if res.reason else ''}"]
     if res.samples_per_s is not None:
         mfu = f"MFU {res.mfu:.1%}" if res.mfu is not None else f"MFU n/a (no peak for {req.cluster.gpu.name})"

@@ -29,6 +29,13 @@ _FAULTS = {"nan": ("diverged", "simulated fault: non-finite loss"),
 
 
 def simulated_result(request: TrialRequest) -> TrialResult:
+    """_simulated's result, naming the model code the models priced."""
+    res = _simulated(request)
+    res.implementation = request.model.code_name
+    return res
+
+
+def _simulated(request: TrialRequest) -> TrialResult:
     """What the trial would report, from the models: oom if the memory estimate exceeds the
     device, else the cost model's throughput. Invalid configs come back crashed, with why.
     peak_bytes is the estimate's tensor bytes: what a measured trial's peak_bytes counts."""

@@ -77,13 +77,26 @@ class MemoryEstimate:
                 f"({pct:.1f}%); largest term: {self.dominant_term}")
 
 
+def builtin(model: ModelSpec) -> bool:
+    """Whether `model` runs autotune/trial/model.py, which the analytic activation terms describe;
+    any other code (Hugging Face, a factory module) is traced (memory/code_trace.py)."""
+    return getattr(model, "implementation", "builtin") == "builtin"
+
+
 def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, dict[str, int]]:
+    """The analytic phases. For code other than the builtin model the activation terms here are
+    placeholders that traced.trace replaces; ZeRO-3's persistent parameters are then counted on the
+    module itself (a Qwen2 has biases on q, k, v only, which the shape does not say)."""
     buckets = bucket_sizes(model)
     threshold = buckets["stage3_param_persistence_threshold"]
     fused = not cluster.gpu.is_cpu
     kw = dict(micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, precision=cfg.precision)
-    static = model_states.states(model, cluster, cfg, threshold, buckets["reduce_bucket_size"])
-    gathered = {"zero3_gathered_params": model_states.zero3_gathered(model, cluster, cfg, threshold)}
+    keep = None
+    if not builtin(model) and cfg.zero_stage == 3:
+        from autotune.memory.code_trace import persistent_params
+        keep = persistent_params(model, threshold)
+    static = model_states.states(model, cluster, cfg, threshold, buckets["reduce_bucket_size"], keep)
+    gathered = {"zero3_gathered_params": model_states.zero3_gathered(model, cluster, cfg, threshold, keep)}
     carried = {"accumulated_gradients": buffers.accumulated_gradients(model, cluster, cfg)}
     saved = act.activation_bytes(model, ckpt_layers=cfg.ckpt_layers, attention=cfg.attention, **kw)
     grads = {"gradients": buffers.backward_gradients(model, cluster, cfg)}
@@ -115,8 +128,17 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
 
 
 def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEstimate:
-    """Peak bytes per GPU of one training step of `model` under `cfg` on `cluster`."""
-    phases = _phases(model, cluster, cfg)
+    """Peak bytes per GPU of one training step of `model` under `cfg` on `cluster`.
+
+    The builtin model's activations are the analytic terms of activations.py; any other code's
+    (`model.implementation` hf or factory) are traced from the module itself on fake tensors
+    (traced.trace via code_trace.py; the small programs are cached, so a second config of the same
+    model, precision, attention, sequence length and micro batch costs milliseconds)."""
+    if builtin(model):
+        phases = _phases(model, cluster, cfg)
+    else:
+        from autotune.memory.traced import trace
+        phases = trace(model, cluster, cfg).phases
     totals = {name: sum(t.values()) for name, t in phases.items()}
     peak_phase = max(totals, key=totals.get)
     peak = totals[peak_phase]

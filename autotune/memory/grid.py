@@ -7,6 +7,12 @@ For a fixed model, cluster, ZeRO stage, precision and sequence length, every pha
 for k inputs; the eager mask and all model states do not depend on b). Four calls of `estimate`
 give the coefficients of each phase; numpy then prices thousands of candidates in microseconds.
 tests/test_memory.py checks the grid against `estimate` point by point.
+
+Traced code (hf, factory: memory/code_trace.py) is bilinear in b and affine in k for k >= 1, but
+k = 0 is off that line by what a checkpointed run adds once (measured, GPT-2 eager: one b x s x s
+mask more from k = 1 on), so its k = 0 column is priced apart and k >= 1 is fitted on k = 1, 2;
+`backward (layers)`, the backward of the blocks that are not checkpointed, exists only for k < L.
+tests/test_memory_hf.py checks that grid against traces at the exact micro batch and k.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import dataclasses
 import numpy as np
 
 from autotune.hardware import Cluster
-from autotune.memory import estimate
+from autotune.memory import builtin, estimate
 from autotune.memory.overhead import overhead_terms
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
@@ -33,19 +39,28 @@ def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,
     b = np.asarray(micro_batches, dtype=np.float64)[:, None]
     k = np.asarray(ckpt_layers, dtype=np.float64)[None, :]
     peak = np.zeros((b.shape[0], k.shape[1]))
-    for name in set().union(*(p.keys() for p in pts.values())):
-        # the recompute point exists only for k >= 1: fit it on k = 1, 2
-        k0, k1 = (1, 2) if name.startswith("backward (recompute") else (0, 1)
-        if k1 not in ks:
-            k1 = k0
-        f = {key: p.get(name, 0) for key, p in pts.items()}
+    traced = not builtin(model)
+
+    def bilinear(f, k0, k1):
         c_bk = ((f[(2, k1)] - f[(2, k0)]) - (f[(1, k1)] - f[(1, k0)])) / max(k1 - k0, 1)
         c_k = (f[(1, k1)] - f[(1, k0)]) / max(k1 - k0, 1) - c_bk
         c_b = f[(2, k0)] - f[(1, k0)] - c_bk * k0
         a = f[(1, k0)] - c_b - (c_k + c_bk) * k0
-        total = a + c_b * b + c_k * k + c_bk * b * k
+        return a + c_b * b + c_k * k + c_bk * b * k
+
+    for name in set().union(*(p.keys() for p in pts.values())):
+        # the recompute point exists only for k >= 1: fit it on k = 1, 2
+        k0, k1 = (1, 2) if name.startswith("backward (recompute") or traced else (0, 1)
+        if k1 not in ks:
+            k1 = k0
+        f = {key: p.get(name, 0) for key, p in pts.items()}
+        total = bilinear(f, k0, k1)
         if name.startswith("backward (recompute"):
             total = np.where(k > 0, total, 0)
+        elif traced:
+            total = np.where(k > 0, total, bilinear(f, 0, 0))
+        if name == "backward (layers)":
+            total = np.where(k < layers, total, 0)
         peak = np.maximum(peak, total)
     fixed = sum(v for n, v in overhead_terms(cluster, 0).items() if n != "allocator_fragmentation")
     frac = overhead_terms(cluster, 10**12).get("allocator_fragmentation", 0) / 10**12

@@ -90,8 +90,10 @@ def largest_param(spec: ModelSpec) -> int:
 
 
 def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
-           reduce_bucket_elements: int = 0) -> dict[str, int]:
-    """Bytes held for the whole run (present at the start of every forward), by term."""
+           reduce_bucket_elements: int = 0, persistent: int | None = None) -> dict[str, int]:
+    """Bytes held for the whole run (present at the start of every forward), by term. `persistent`:
+    ZeRO-3's whole-kept parameter elements counted on the module (code_trace.persistent_params),
+    else from the shape."""
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
     pb = dtype_bytes(cfg.precision)
     state_b = ADAM8BIT_STATE_BYTES if cfg.optimizer == "adamw8bit" else ADAM_STATE_BYTES
@@ -100,7 +102,7 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
     if z == 3:
         # every parameter is partitioned; the small ones are also kept whole (measured: the
         # persistent ones add their full size on top of p/N)
-        keep = persistent_params(spec, persistence_threshold)
+        keep = persistent_params(spec, persistence_threshold) if persistent is None else persistent
         out["parameters"] = int(pb * (p / n + keep))
         out["gradient_partition"] = int(pb * p / n)
         # the reduce bucket is allocated at the first backward and kept (measured on CPU:
@@ -158,12 +160,13 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     return {"gradients": fp32_partition, "optimizer_temporaries": temps}
 
 
-def zero3_gathered(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int) -> int:
+def zero3_gathered(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
+                   persistent: int | None = None) -> int:
     """Stage 3 parameters gathered for forward/backward and kept live: up to
     stage3_max_live_parameters elements (measured: with the default 1e9 and reuse distance 1e9,
     a small model keeps every gathered parameter from forward through backward)."""
     if cfg.zero_stage != 3 or cluster.world_size == 1:
         return 0
-    p = spec.num_params - persistent_params(spec, persistence_threshold)
+    p = spec.num_params - (persistent_params(spec, persistence_threshold) if persistent is None else persistent)
     gathered = min(p, STAGE3_MAX_LIVE_PARAMETERS)
     return int(dtype_bytes(cfg.precision) * gathered)

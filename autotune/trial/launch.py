@@ -370,7 +370,7 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
         bad = [d for _, d in sorted(outcome.ranks.items()) if d.status != "ok"]
         status, reason = (bad[0].status, bad[0].reason) if bad else ("ok", "")
     res = TrialResult(status=status, reason=reason, log_tail=outcome.log_tail, out_dir=str(req.out_dir),
-                      wall_s=outcome.wall_s + outcome.timings_s.get("exit_s", 0.0))
+                      implementation=req.model.code_name, wall_s=outcome.wall_s + outcome.timings_s.get("exit_s", 0.0))
     timed = [d.step_times_s for d in ranks if d.step_times_s]
     if timed and len(timed) == len(ranks):
         cfg, world = req.config, req.cluster.world_size

@@ -155,6 +155,8 @@ class TrialResult(_Json):
     """Live bytes at the end of each measured step (rank 0): growth across steps is a leak."""
     nodes: list[str] = field(default_factory=list)
     """Where each node's ranks ran (Ray node ids, node 0 first); empty for a local run."""
+    implementation: str = ""
+    """The model code measured or priced (ModelSpec.code_name): hf:<architecture>, builtin, factory:<fn>."""
     timings_s: dict[str, float] = field(default_factory=dict)
     """Where wall_s went: spawn_s, setup_s, build_s, initialize_s, warmup_s, measured_s,
     profiler_stop_s, analysis_s, teardown_s, exit_s, and under Ray placement_s and ray_s."""

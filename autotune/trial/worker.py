@@ -131,25 +131,61 @@ def failure(status: str, e: BaseException):
 
 # ---- one config ---------------------------------------------------------------------------------
 def build_model(req, device, ds_cfg: dict):
-    """The trial's Transformer, initialised, without the full fp32 model ever on this rank.
+    """The trial's model through the seam (autotune/impl.py), initialised, checkpointing set,
+    without the full fp32 model ever on this rank.
 
-    ZeRO-3: built under deepspeed.zero.Init, which partitions each module's parameters as soon as
-    its __init__ returns (DeepSpeed docs, "Constructing Massive Models"), then initialised one
-    top-level child at a time under GatheredParameters. ZeRO 0-2 keep a full replica anyway: built
-    on the meta device, cast to the training dtype there (free), then materialised once with
-    to_empty, so a bf16 trial never holds an fp32 copy. Both paths run the same init_weights per
-    child with the same seeds, so every stage starts from the same weights.
+    hf: AutoModelForCausalLM.from_config initialises with the model's own _init_weights. ZeRO-3
+    the Trainer's way: a live HfDeepSpeedConfig makes from_config build under deepspeed.zero.Init
+    and initialise each module gathered on rank 0 (transformers' initialize_weights_zero3); ZeRO 0-2
+    build on the rank's device in the training dtype. torch.manual_seed(0) first, so every rank and
+    every stage draws from the same stream (DeepSpeed broadcasts rank 0's weights at 0-2 anyway).
+    factory: the same, under deepspeed.zero.Init for ZeRO-3; its constructor initialises.
+    builtin: built under deepspeed.zero.Init (ZeRO-3) or on the meta device, cast to the training
+    dtype there (free), materialised once with to_empty, then trial.model.init_weights per
+    top-level child (under GatheredParameters at ZeRO-3) with the same seeds, so every stage starts
+    from the same weights.
     """
+    import deepspeed
+    import torch
+
+    from autotune.impl import impl_for
+    from autotune.train_config import torch_dtype
+
+    cfg = req.config
+    impl = impl_for(req.model)
+    dtype = torch_dtype(cfg.precision)
+    make = lambda: impl.build(req.model, dtype=dtype, attention=cfg.attention)  # noqa: E731
+    if impl.name == "builtin":
+        model = _build_builtin(make, cfg, device, ds_cfg, dtype)
+    else:
+        torch.manual_seed(0)
+        if cfg.zero_stage == 3 and impl.name == "hf":
+            from transformers.integrations import HfDeepSpeedConfig
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            keep = HfDeepSpeedConfig(ds_cfg)  # noqa: F841 - transformers holds only a weak reference
+            try:
+                model = make()
+            finally:
+                unset_hf_deepspeed_config()  # the next config on this rank may be another stage
+        elif cfg.zero_stage == 3:
+            with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+                model = make()
+        else:
+            with torch.device(device):
+                model = make()
+    impl.checkpoint_first(model, cfg.ckpt_layers)
+    return model
+
+
+def _build_builtin(make, cfg, device, ds_cfg: dict, dtype):
     import contextlib
 
     import deepspeed
     import torch
 
-    from autotune.train_config import torch_dtype
-    from autotune.trial.model import Transformer, init_weights
+    from autotune.trial.model import init_weights
 
-    cfg = req.config
-    make = lambda: Transformer(req.model, attention=cfg.attention, ckpt_layers=cfg.ckpt_layers)  # noqa: E731
     if cfg.zero_stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
             model = make()
@@ -157,7 +193,7 @@ def build_model(req, device, ds_cfg: dict):
     else:
         with torch.device("meta"):
             model = make()
-        model = model.to(torch_dtype(cfg.precision)).to_empty(device=device)
+        model = model.to(dtype).to_empty(device=device)
         gather = lambda m: contextlib.nullcontext()  # noqa: E731
     children = [c for name, c in model.named_children() if name != "blocks"]
     for seed, child in enumerate([*children, *model.blocks]):
@@ -232,7 +268,9 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
     import torch
     from torch.profiler import record_function
 
-    cfg, tokens, targets = req.config, data[0], data[1]
+    from autotune.impl import impl_for
+
+    cfg, tokens, loss_of = req.config, data[0], impl_for(req.model).loss
     losses, times, step_peaks, step_ends = [], [], [], []
     for step in range(req.warmup_steps + req.steps):
         measured = step >= req.warmup_steps
@@ -245,7 +283,7 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
             total = torch.zeros((), dtype=torch.float64, device=tokens.device)
             for _ in range(cfg.grad_accum):
                 with phases("forward"):
-                    loss = engine(tokens, targets)
+                    loss = loss_of(engine, tokens)
                 if req.fault == "nan" and rank == 0 and step == req.warmup_steps:
                     loss = loss * float("nan")
                 total += loss.detach().double()
@@ -287,7 +325,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     ds_cfg = deepspeed_config(cfg, req.model, cluster)
     gen = torch.Generator().manual_seed(1000 + rank)  # a fixed batch per rank: the loss must fall
     batch = torch.randint(0, req.model.vocab_size, (cfg.micro_batch, cfg.seq_len + 1), generator=gen)
-    data = (batch[:, :-1].contiguous().to(device), batch[:, 1:].contiguous().to(device))
+    data = (batch.to(device),)  # (b, s+1): the implementation's loss takes inputs and targets from it
     del batch
     # On CPU the profiler IS the memory measurement. torch.autograd.profiler.profile rather than
     # torch.profiler.profile: the latter's first start imports torch._inductor (measured: 1.2-4 s of

@@ -1,0 +1,262 @@
+"""The memory of the code a trial really runs (Hugging Face, a user's factory module, or the builtin
+stand-in), traced through autotune/impl.py's one seam: `impl.build`, `impl.layers`, `impl.loss`,
+`impl.checkpoint_first`.
+
+`trace_program(spec, cfg, ckpt=, full=, ...)` is traced.py's `_trace_program` for any
+implementation: the model of `ckpt + full` layers is built on CPU fake tensors in the training
+dtype, a first AdamW step makes the optimizer states, then one step (forward, backward, step) runs
+under `traced._LiveBytes`, which counts every storage until its last reference dies. Module hooks on
+the decoder layers (`impl.layers`) and gradient hooks on their outputs cut the step into the same
+segments traced.py uses (fwd.start, fwd.block<i>, fwd.head, fwd.end, bwd.head, bwd.block<i>,
+bwd.end, opt); each segment's peak is kept by category (parameters, gradients, optimizer states,
+batch and loss, the tensors every layer is handed, activations, temporaries). traced.trace then
+extrapolates the peaks to L layers (affine in checkpointed and full layers) and accounts ZeRO on top.
+
+Nothing here knows a family: what a Hugging Face layer saves (dropout masks, the attention
+probabilities of the math path, RMSNorm's fp32 upcast, the eager path's 4-D mask, the loss's fp32
+logits) is whatever its code allocates. Traces are cached per (model, implementation, precision,
+attention, sequence length, micro batch, layer counts); the same small program serves every ZeRO
+stage, cluster and grad_accum, since the stage is accounted analytically on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import torch
+from torch.utils._pytree import tree_leaves
+
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig, torch_dtype
+
+_PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
+"""Segment peaks by category of each small program traced, by `_key`."""
+
+
+def impl_of(spec: ModelSpec):
+    """The ModelImpl that builds `spec`'s module in trials (autotune/impl.py)."""
+    from autotune.impl import impl_for
+
+    return impl_for(spec)
+
+
+_KEYS: dict[ModelSpec, str] = {}
+
+
+def spec_key(spec: ModelSpec) -> str:
+    """What a traced program depends on in `spec`: every field but its name, source and layer count
+    (each program is built with its own layer count). Memoised: asdict copies the whole config."""
+    if spec not in _KEYS:
+        d = dataclasses.asdict(spec)
+        for f in ("name", "source", "num_layers", "param_count"):
+            d.pop(f, None)
+        _KEYS[spec] = json.dumps(d, sort_keys=True, default=str)
+    return _KEYS[spec]
+
+
+def build(spec: ModelSpec, precision: str, attention: str, num_layers: int):
+    """`impl.build` in the training dtype: fake parameters cannot be cast after construction
+    (`.to(dtype)` fails on fakes), so the default dtype is set while the model is built."""
+
+    impl = impl_of(spec)
+    spec = _with_layer_types(spec, num_layers)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype(precision))
+    try:
+        model = impl.build(spec, dtype=torch_dtype(precision), attention=attention, num_layers=num_layers)
+    finally:
+        torch.set_default_dtype(default)
+    return impl, model
+
+
+def _with_layer_types(spec: ModelSpec, num_layers: int) -> ModelSpec:
+    """A config that lists a type per layer (Qwen2, Mistral-likes: `layer_types`) must list as many
+    as are built; the programs traced may have a layer more than the model. The extrapolation
+    assumes every layer is the same code, so a config whose layers differ is refused."""
+    types = (spec.hf_config or {}).get("layer_types")
+    if not isinstance(types, list) or len(types) >= num_layers:
+        return spec
+    if len(set(types)) > 1:
+        raise NotImplementedError(f"model {spec.name}: layers of different kinds ({sorted(set(types))}); the "
+                                  f"traced memory model extrapolates from identical layers")
+    more = {"layer_types": types[:1] * num_layers, "num_hidden_layers": num_layers}  # validated together
+    return dataclasses.replace(spec, hf_config={**spec.hf_config, **more})
+
+
+def _first_grad_tensor(tree) -> torch.Tensor | None:
+    return next((t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+
+
+def _hooks(impl, model, live, marks: dict) -> None:
+    """Segment boundaries on the decoder layers: a forward pre-hook enters fwd.block<i>, the last
+    layer's forward hook enters fwd.head (final norm, LM head, loss); gradient hooks on each layer's
+    output enter bwd.block<i>, on the first layer's input bwd.end (embedding backward, reductions).
+    transformers 5 checkpoints a layer's `forward`, not its `__call__`, so these hooks do not run
+    again in the recomputation; `marks["backward"]` guards against implementations that do."""
+    layers = impl.layers(model)
+    last = len(layers) - 1
+
+    def on_grad(segment):
+        return lambda grad: live.enter(segment)
+
+    def measuring_forward() -> bool:
+        return marks["measure"] and not marks["backward"]
+
+    def pre(i):
+        def hook(_, args, kwargs):
+            if not measuring_forward():
+                return
+            live.enter(f"fwd.block{i}")
+            if i == 0:
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                    hidden.register_hook(on_grad("bwd.end"))
+                # what the model hands every layer: rotary cos/sin, position ids, the eager mask
+                shared = [t for t in tree_leaves((args[1:] if args else (), kwargs))
+                          if isinstance(t, torch.Tensor) and t is not hidden]
+                marks["shared"] = {live.track(t) for t in shared}
+        return hook
+
+    def post(i):
+        def hook(_, args, kwargs, out):
+            if not measuring_forward():
+                return
+            t = _first_grad_tensor(out)
+            if t is not None:
+                t.register_hook(on_grad(f"bwd.block{i}"))
+            if i == last:
+                live.enter("fwd.head")
+        return hook
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(pre(i), with_kwargs=True)
+        layer.register_forward_hook(post(i), with_kwargs=True)
+
+
+@contextlib.contextmanager
+def _unpacked_sequences():
+    """transformers takes another branch on fake tensors than on real ones: masking_utils'
+    `find_packed_sequence_indices` reads the position ids to tell packed sequences apart, and on a
+    fake tensor (`is_tracing`) it cannot, so it returns the packing index and the model builds a
+    4-D mask where a real run passes none and lets SDPA use is_causal (measured, Llama GQA fp32
+    sdpa, 3 layers, b 2, s 64: the mask and SDPA's expanded k and v, 288 KiB over a real CPU step).
+    The trial's positions are 0..s-1 in every row (impl.loss passes no position ids), so the answer
+    a real run reads is "not packed": the function still runs (its small int64 temporaries are
+    allocated as in a real run) and None is returned."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: nothing to correct
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def unpacked(*args, **kwargs):
+        original(*args, **kwargs)
+        return None
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
+         host_rng: bool) -> dict[str, dict[str, int]]:
+    from autotune.memory.traced import _adamw, _classify, _tracing
+
+    marks = {"measure": False, "backward": False, "shared": set()}
+    with _tracing(host_rng) as live, _unpacked_sequences():
+        impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full)
+        impl.checkpoint_first(model, ckpt)
+        _hooks(impl, model, live, marks)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = _adamw(params, fused)
+        for p in params:  # a first step makes the optimizer states: the steady state
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        batch = torch.randint(0, spec.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
+        marks["measure"] = True
+        live.enter("fwd.start")
+        loss = impl.loss(model, batch)
+        marks["loss"] = live.track(loss)
+        marks["saved"] = live.live_serials()
+        live.peaks["fwd.end"] = (live.live, marks["saved"])
+        marks["backward"] = True
+        live.enter("bwd.head")
+        loss.backward()
+        marks["backward"] = False
+        live.enter("opt")
+        opt.step()
+        live.enter(None)
+        grads = {live.track(p.grad) for p in params}
+        del loss
+        known = {
+            "parameters": {live.track(p) for p in model.parameters()} | {live.track(b) for b in model.buffers()},
+            "gradients": grads,
+            "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
+                                 if isinstance(t, torch.Tensor)},
+            "batch_and_loss": {live.track(batch), marks["loss"]},
+            "rotary_tables": marks["shared"],
+        }
+        known["activations"] = set(marks["saved"]) - set().union(*known.values())
+    pairs = [(s, s) for s in ("fwd.start", "fwd.head", "fwd.end", "bwd.head", "bwd.end", "opt")]
+    last = ckpt + full - 1
+    if ckpt:
+        pairs += [("fwd.block0", "fwd.ckpt.first"), (f"fwd.block{ckpt - 1}", "fwd.ckpt.last"),
+                  (f"bwd.block{ckpt - 1}", "bwd.ckpt.first"), ("bwd.block0", "bwd.ckpt.last")]
+    if full:
+        pairs += [(f"fwd.block{ckpt}", "fwd.full.first"), (f"fwd.block{last}", "fwd.full.last"),
+                  (f"bwd.block{last}", "bwd.full.first"), (f"bwd.block{ckpt}", "bwd.full.last")]
+    return {name: _classify(live.peaks[segment][1], known) for segment, name in pairs if segment in live.peaks}
+
+
+def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
+                  host_rng: bool) -> dict[str, dict[str, int]]:
+    """Segment peaks by category of a (ckpt + full)-layer `spec` in its own code, its first `ckpt`
+    layers checkpointed (traced.py's `_trace_program` contract), cached. Only the fields that change
+    the program are in the key: not the ZeRO stage, cluster size or grad_accum."""
+    key = (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
+    return _PROGRAMS[key]
+
+
+_NUMELS: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _numels(spec: ModelSpec, layers: int = 2) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(before the first layer, one layer, after the last) parameter sizes, from a `layers`-layer model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    key = spec_key(spec)
+    if key in _NUMELS:
+        return _NUMELS[key]
+    with FakeTensorMode():
+        impl, model = build(spec, "fp32", "sdpa", layers)
+        in_layers = {id(p) for layer in impl.layers(model) for p in layer.parameters()}
+        named = [(id(p) in in_layers, p.numel()) for p in model.parameters()]
+    first = next(i for i, (inside, _) in enumerate(named) if inside)
+    end = max(i for i, (inside, _) in enumerate(named) if inside) + 1
+    body = tuple(n for _, n in named[first:end])
+    _NUMELS[key] = tuple(n for _, n in named[:first]), body[: len(body) // layers], tuple(n for _, n in named[end:])
+    return _NUMELS[key]
+
+
+def param_numels(spec: ModelSpec, num_layers: int | None = None) -> list[int]:
+    """Element counts of the module's parameters in the order an optimizer visits them, for
+    `num_layers` layers (spec's by default): what comes before the first layer, each layer's
+    (read from a 2-layer model), what comes after."""
+    pre, layer, post = _numels(spec)
+    return [*pre, *(layer * (spec.num_layers if num_layers is None else num_layers)), *post]
+
+
+def persistent_params(spec: ModelSpec, threshold: int) -> int:
+    """Parameters ZeRO-3 keeps whole on every rank: those with fewer than `threshold` elements
+    (DeepSpeed stage3.py, persistence_threshold), counted on the module itself."""
+    return sum(n for n in param_numels(spec) if n < threshold)

@@ -1,0 +1,165 @@
+"""Hugging Face models of five families on 2 CPU ranks: the real DeepSpeed runs memory_accuracy.py
+judges the estimate with (`measure_all` records them, `report` prints the per-family table).
+
+Each row of benchmarks/data/hf_memory_runs.csv is one real trial: autotune.trial.launch.run_trials,
+2 CPU ranks (gloo), the model built by autotune/impl.py's hf implementation (AutoModelForCausalLM
+from the row's config, random init), 1 warm-up and 2 measured optimizer steps; `measured_bytes` is
+the largest per-rank tensor peak of the measured steps, from the profiler's live CPU bytes
+(autotune/trial/memprof.py). The versions that measured it are in the row.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from autotune.hardware import parse_gpus
+from autotune.train_config import TrainConfig
+
+CSV = Path(__file__).resolve().parent / "data" / "hf_memory_runs.csv"
+RANKS = 2
+
+FAMILIES: dict[str, dict] = {
+    # dropout 0.1 everywhere (GPT2Config's defaults), gelu_new, learned positions, tied head
+    "gpt2": dict(model_type="gpt2", n_layer=4, n_embd=96, n_head=4, vocab_size=1536, n_positions=512,
+                 bos_token_id=1535, eos_token_id=1535),
+    # grouped-query attention: 8 query heads, 2 key/value heads
+    "llama": dict(model_type="llama", num_hidden_layers=4, hidden_size=128, num_attention_heads=8,
+                  num_key_value_heads=2, intermediate_size=336, vocab_size=2048, max_position_embeddings=512),
+    "mistral": dict(model_type="mistral", num_hidden_layers=3, hidden_size=96, num_attention_heads=6,
+                    num_key_value_heads=2, intermediate_size=288, vocab_size=1800, max_position_embeddings=512),
+    # tied embeddings, biases on q, k and v only
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=3, hidden_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=320, vocab_size=1664, max_position_embeddings=512,
+                  tie_word_embeddings=True),
+    # parallel residual (the default), rotary on a quarter of each head
+    "gpt_neox": dict(model_type="gpt_neox", num_hidden_layers=3, hidden_size=128, num_attention_heads=4,
+                     intermediate_size=448, vocab_size=2000, max_position_embeddings=512),
+}
+"""Shapes no test uses (tests/test_memory_hf.py has its own)."""
+
+# (zero stage, precision, checkpointed layers (-1: all), micro batch, seq len, attention, grad_accum)
+CONFIGS = [
+    (0, "fp32", 0, 2, 128, "sdpa", 1), (1, "bf16", 1, 3, 96, "sdpa", 1), (2, "fp32", 2, 1, 256, "eager", 1),
+    (3, "bf16", 0, 4, 128, "sdpa", 1), (0, "bf16", -1, 2, 192, "eager", 1), (1, "fp32", 0, 1, 160, "eager", 1),
+    (2, "bf16", 0, 2, 224, "sdpa", 1), (3, "fp32", 1, 2, 96, "eager", 1), (2, "bf16", -1, 3, 128, "sdpa", 2),
+]
+
+
+def spec_of(family: str, config: dict | None = None):
+    """The ModelSpec autotune makes of the family's config (autotune/hf.py, exact parameter count)."""
+    from transformers import AutoConfig
+
+    from autotune import hf
+
+    d = dict(config or FAMILIES[family])
+    return hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name=f"hf-{family}",
+                               source="benchmarks/hf_memory.py")
+
+
+def train_config(row: dict) -> TrainConfig:
+    return TrainConfig(zero_stage=int(row["zero_stage"]), precision=row["precision"],
+                       ckpt_layers=int(row["ckpt_layers"]), micro_batch=int(row["micro_batch"]),
+                       seq_len=int(row["seq_len"]), attention=row["attention"], grad_accum=int(row["grad_accum"]))
+
+
+def cases() -> list[tuple[str, TrainConfig]]:
+    out = []
+    for family in FAMILIES:
+        layers = spec_of(family).num_layers
+        for z, p, k, mb, s, att, ga in CONFIGS:
+            out.append((family, TrainConfig(zero_stage=z, precision=p, ckpt_layers=layers if k < 0 else k,
+                                            micro_batch=mb, seq_len=s, attention=att, grad_accum=ga)))
+    return out
+
+
+def measure_all() -> None:
+    """Run every case as a real trial (one process group for all) and rewrite the CSV."""
+    import deepspeed
+    import torch
+    import transformers
+
+    from autotune.trial.record import TrialRequest
+    from autotune.trial.launch import run_trials
+
+    cluster = parse_gpus(f"{RANKS}xcpu")
+    todo = cases()
+    versions = f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs = [TrialRequest(model=spec_of(f), cluster=cluster, config=c, steps=2, warmup_steps=1,
+                             out_dir=Path(tmp) / f"{i}-{f}") for i, (f, c) in enumerate(todo)]
+        t0 = time.perf_counter()
+        results = run_trials(reqs)
+        print(f"{len(reqs)} trials on {RANKS} CPU ranks in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for (family, c), res in zip(todo, results):
+        if res.status != "ok" or not res.peak_bytes:
+            print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
+            continue
+        rows.append({"family": family, "hf_config": json.dumps(FAMILIES[family], sort_keys=True),
+                     "ranks": RANKS, "zero_stage": c.zero_stage, "precision": c.precision,
+                     "ckpt_layers": c.ckpt_layers, "micro_batch": c.micro_batch, "seq_len": c.seq_len,
+                     "attention": c.attention, "grad_accum": c.grad_accum, "measured_bytes": res.peak_bytes,
+                     "measured_by": f"run_trials, {RANKS} CPU ranks (gloo), steps 2 after 1 warm-up, "
+                                    f"profiler peak, max over ranks; {versions}"})
+    CSV.parent.mkdir(parents=True, exist_ok=True)
+    with CSV.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {len(rows)} rows to {CSV}")
+
+
+def load() -> list[dict]:
+    with CSV.open() as f:
+        return list(csv.DictReader(f))
+
+
+def rows_with_estimates() -> list[dict]:
+    """Each recorded run with today's estimate (traced code) and the stand-in's analytic estimate
+    of the same shape (what `autotune estimate` said before the traced code tier)."""
+    from dataclasses import replace
+
+    from autotune.memory import estimate
+
+    cluster = parse_gpus(f"{RANKS}xcpu")
+    out = []
+    for row in load():
+        spec, cfg = spec_of(row["family"], json.loads(row["hf_config"])), train_config(row)
+        measured = int(row["measured_bytes"])
+        ours = estimate(spec, cluster, cfg).tensor_peak_bytes
+        standin = estimate(replace(spec, implementation="builtin"), cluster, cfg).tensor_peak_bytes
+        out.append({**row, "measured": measured, "ours": ours, "standin": standin,
+                    "err": ours / measured - 1, "standin_err": standin / measured - 1})
+    return out
+
+
+def report() -> dict[str, dict]:
+    """Print the per-family table; return it (family -> n, median and max |error| in percent)."""
+    t0 = time.perf_counter()
+    rows = rows_with_estimates()
+    print(f"== Hugging Face models: estimate vs real DeepSpeed runs on {RANKS} CPU ranks "
+          f"({len(rows)} runs, {CSV.name}; estimated in {time.perf_counter() - t0:.0f} s) ==")
+    print(f"  {'family':<10} {'runs':>4} {'median |err|':>13} {'max |err|':>10}   "
+          f"{'stand-in analytic: median':>26} {'max':>8}")
+    table = {}
+    for family in [*FAMILIES, "all"]:
+        sel = [r for r in rows if family in ("all", r["family"])]
+        if not sel:
+            continue
+        e = [100 * abs(r["err"]) for r in sel]
+        se = [100 * abs(r["standin_err"]) for r in sel]
+        table[family] = {"n": len(sel), "median": statistics.median(e), "max": max(e)}
+        print(f"  {family:<10} {len(sel):>4} {statistics.median(e):>12.3f}% {max(e):>9.3f}%   "
+              f"{statistics.median(se):>25.1f}% {max(se):>7.1f}%")
+    ranked = sorted(rows, key=lambda r: -abs(r["err"]))
+    print(f"  five worst (the other {len(ranked) - 5} within {100 * max(abs(r['err']) for r in ranked[5:]):.3f}%):")
+    for r in ranked[:5]:
+        cfg = train_config(r)
+        print(f"    {r['family']:<9} {cfg.short()} s{cfg.seq_len}: measured {r['measured']:,}, "
+              f"estimate {r['ours']:,} ({100 * r['err']:+.3f}%)")
+    return table

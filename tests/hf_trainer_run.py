@@ -1,0 +1,53 @@
+"""One rank of `test_trainer_runs_the_exported_json` (tests/test_hf.py), started by torch.distributed.run:
+the Hugging Face Trainer trains a tiny Llama for 2 steps with autotune's exported DeepSpeed JSON, the
+arguments `autotune export` prints, and checkpointing of the first k layers by autotune.hf.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_run.py CONFIG_DIR DS_JSON K OUT_DIR
+"""
+
+import json
+import sys
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+from autotune.deepspeed_config import ADAMW
+from autotune.hf import checkpoint_first_layers, decoder_layers
+
+
+def main(config_dir: str, ds_path: str, k: int, out_dir: str) -> None:
+    ds = json.loads(open(ds_path).read())
+    # Before the model: with ZeRO-3 in the JSON, TrainingArguments keeps the HfDeepSpeedConfig that
+    # makes from_config build under deepspeed.zero.Init (transformers' "non-Trainer integration" docs).
+    args = TrainingArguments(
+        output_dir=out_dir, deepspeed=ds_path, per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
+        gradient_accumulation_steps=ds["gradient_accumulation_steps"], bf16=ds.get("bf16", {}).get("enabled", False),
+        learning_rate=ADAMW["lr"], adam_beta1=ADAMW["betas"][0], adam_beta2=ADAMW["betas"][1],
+        adam_epsilon=ADAMW["eps"], weight_decay=ADAMW["weight_decay"], max_grad_norm=1.0,
+        max_steps=2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    # The Trainer's own device setup (accelerate) joins the process group; zero.Init below needs the
+    # world size, and the Trainer would run this setup first too.
+    print(f"rank {args.process_index}/{args.world_size} on {args.device}", flush=True)
+    # On CPU, accelerate joins torch.distributed itself but not DeepSpeed's comm, whose world size
+    # zero.Init reads (1 otherwise, and the JSON's train_batch_size then fails its check).
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    checkpoint_first_layers(model, k)
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, model.config.vocab_size, (8, 64), generator=gen)]
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    result = trainer.train()
+    if args.process_index == 0:
+        flags = [layer.gradient_checkpointing for layer in decoder_layers(model)]
+        print("AUTOTUNE_TRAINER", json.dumps({"steps": result.global_step, "loss": result.training_loss,
+                                              "zero3": hasattr(next(model.parameters()), "ds_id"),
+                                              "engine": type(trainer.model_wrapped).__name__,
+                                              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                                              "flags": flags}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

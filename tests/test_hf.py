@@ -1,0 +1,218 @@
+"""Hugging Face models and the model-code seam (autotune/hf.py, autotune/impl.py): configs from files,
+directories and the local hub cache; exact counts from the meta-device model; checkpointing the first
+k layers through transformers' mechanism; the user's own module; real trials of all three codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotune import hf
+from autotune.hardware import parse_gpus
+from autotune.impl import impl_for
+from autotune.models import ModelSpec, SpecError, presets, published_params, resolve_model
+from autotune.train_config import TrainConfig, check_config
+
+DATA = Path(__file__).parent / "data"
+TINY = ["hf-llama", "hf-gpt2", "hf-gpt-neox", "hf-qwen2", "hf-mistral"]
+
+
+@pytest.mark.parametrize("name", sorted(published_params()))
+def test_preset_meta_count_is_published(name):
+    """A preset becomes its family's transformers config; the model built from it on the meta
+    device has exactly the published count (and the shape formula's)."""
+    spec = resolve_model(name)
+    assert spec.implementation == "hf" and spec.hf_config["model_type"] in ("llama", "mistral", "gpt2", "mpt")
+    n = sum(p.numel() for p in hf.meta_model(hf.config_object(spec)).parameters())
+    assert n == published_params()[name] == presets()[name].shape_params
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_configs_count_from_meta(name):
+    spec = resolve_model(str(DATA / name))   # a directory holding config.json
+    assert spec.param_count == sum(p.numel() for p in hf.meta_model(hf.load_config(str(DATA / name))).parameters())
+    if name == "hf-qwen2":
+        # Qwen2 has biases on q, k, v but not on o or the MLP: the meta count is the truth, and it
+        # differs from the bias-free shape formula by exactly those biases.
+        assert spec.num_params - spec.shape_params == spec.num_layers * (spec.q_dim + 2 * spec.kv_dim)
+    else:
+        assert spec.num_params == spec.shape_params
+    assert 0.5e6 < spec.num_params < 5e6
+    # JSON-able and rebuilt as the study does (dataclasses.asdict -> ModelSpec(**d))
+    d = json.loads(json.dumps(dataclasses.asdict(spec)))
+    assert ModelSpec(**d) == spec and hash(ModelSpec(**d)) == hash(spec)
+
+
+def test_llama_gqa_shape_and_code_name():
+    spec = resolve_model(str(DATA / "hf-llama" / "config.json"))
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (4, 128, 4, 2)
+    assert spec.code_name == "hf:LlamaForCausalLM" and not spec.tied_embeddings
+    assert resolve_model(str(DATA / "hf-gpt2")).tied_embeddings
+    assert resolve_model("tiny-llama", implementation="builtin").code_name == "builtin"
+
+
+def test_hub_id_is_read_from_the_local_cache_only(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    with pytest.raises(SpecError, match="not in the local Hugging Face cache .*never downloads"):
+        resolve_model("someone/not-a-cached-model-xyz")
+    # A cache laid out as huggingface_hub writes it: models--org--name/{refs/main, snapshots/<rev>/}
+    repo = tmp_path / "models--acme--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text((DATA / "hf-llama" / "config.json").read_text())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = resolve_model("acme/tiny-llama")
+    assert spec.num_params == resolve_model(str(DATA / "hf-llama")).num_params
+
+
+@pytest.mark.parametrize("impl", ["hf", "builtin", "factory"])
+def test_seam_builds_every_code_on_meta_with_fewer_layers(impl):
+    spec = resolve_model("tiny-llama", implementation=impl, factory="tiny_factory:make" if impl == "factory" else None)
+    code = impl_for(spec)
+    with torch.device("meta"):
+        model = code.build(spec, dtype=torch.bfloat16, attention="sdpa", num_layers=2)
+    assert len(code.layers(model)) == 2 and model.training
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def _saved_bytes(code, model, tokens) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes autograd keeps for backward in one forward (saved_tensors_hooks sees every saved tensor),
+    and the gradients of the backward that follows."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = code.loss(model, tokens)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+@pytest.mark.parametrize("impl", ["hf", "factory"])
+def test_checkpointing_first_layers_saves_less_and_keeps_gradients(impl):
+    spec = resolve_model(str(DATA / "hf-llama"), implementation=impl,
+                         factory="tiny_factory:make" if impl == "factory" else None)
+    code = impl_for(spec)
+    torch.manual_seed(0)
+    model = code.build(spec, dtype=torch.float32, attention="sdpa")
+    tokens = torch.randint(0, spec.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
+    saved, grads = {}, {}
+    for k in (0, 2, 4, 0):
+        code.checkpoint_first(model, k)
+        saved[k], g = _saved_bytes(code, model, tokens)
+        grads.setdefault(k, g)
+    # Each checkpointed layer keeps only its input instead of its internals.
+    assert saved[0] > saved[2] > saved[4] > 0
+    # the same saving per layer: layers 3-4 free what layers 1-2 free
+    assert saved[2] - saved[4] == pytest.approx(saved[0] - saved[2], rel=0.05)
+    for n, g in grads[0].items():  # recomputing changes no gradient (no dropout in this config)
+        torch.testing.assert_close(grads[4][n], g)
+        torch.testing.assert_close(grads[2][n], g)
+    if impl == "hf":
+        layers = hf.decoder_layers(model)
+        hf.checkpoint_first_layers(model, 1)
+        assert [layer.gradient_checkpointing for layer in layers] == [True, False, False, False]
+        with pytest.raises(SpecError, match="0..4"):
+            hf.checkpoint_first_layers(model, 5)
+
+
+def test_gpt2_dropout_is_on_in_training():
+    spec = resolve_model(str(DATA / "hf-gpt2"))
+    model = impl_for(spec).build(spec, dtype=torch.float32, attention="eager")
+    assert spec.hf_config["resid_pdrop"] == 0.1 and model.training
+    tokens = torch.randint(0, spec.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
+    code = impl_for(spec)
+    assert code.loss(model, tokens).item() != code.loss(model, tokens).item()   # dropout masks differ
+
+
+def test_flash_attention_refused_on_cpu_and_outside_hf():
+    m, cpu, a100 = resolve_model("tiny-llama"), parse_gpus("2xcpu"), parse_gpus("2xA100")
+    with pytest.raises(SpecError, match="CUDA kernels only"):
+        check_config(TrainConfig(attention="flash_attention_2", seq_len=64), m, cpu)
+    with pytest.raises(SpecError, match="transformers attn_implementation"):
+        check_config(TrainConfig(attention="flash_attention_2", seq_len=64),
+                     resolve_model("tiny-llama", implementation="builtin"), a100)
+    check_config(TrainConfig(attention="flash_attention_2", seq_len=64), m, a100)
+
+
+def test_factory_errors_say_what_is_allowed():
+    with pytest.raises(SpecError, match="--model-factory"):
+        resolve_model("tiny-llama", implementation="factory")
+    spec = resolve_model("tiny-llama", factory="no_such_module_xyz:make")
+    assert spec.implementation == "factory"
+    with pytest.raises(SpecError, match="cannot import 'no_such_module_xyz'"):
+        impl_for(spec).build(spec, dtype=torch.float32, attention="sdpa")
+
+
+@pytest.mark.slow
+def test_real_trials_of_hf_and_factory_code(tmp_path, monkeypatch):
+    """2 gloo ranks, one process group: the Hugging Face Llama at ZeRO-3 then ZeRO-0 (the second must
+    not be built under zero.Init: the HfDeepSpeedConfig of the first is unset), GPT-2 with its dropout
+    at ZeRO-3 with 2 of 4 layers checkpointed, and the user's module at ZeRO-3 with checkpointing."""
+    from autotune.trial.record import TrialRequest
+    from autotune.trial import run_trials
+
+    # The ranks import the factory by name, as a user's would be: from their PYTHONPATH.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+    cluster = parse_gpus("2xcpu")
+    llama, gpt2 = resolve_model(str(DATA / "hf-llama")), resolve_model(str(DATA / "hf-gpt2"))
+    factory = resolve_model(str(DATA / "hf-llama"), factory="tiny_factory:make")
+    runs = [(llama, 3, "bf16", 2), (llama, 0, "bf16", 0), (gpt2, 3, "fp32", 2), (factory, 3, "bf16", 1)]
+    reqs = [TrialRequest(model=m, cluster=cluster, out_dir=tmp_path / f"t{i}", steps=3, warmup_steps=1,
+                         timeout_s=240, config=TrainConfig(zero_stage=z, precision=p, ckpt_layers=k,
+                                                           micro_batch=2, seq_len=64))
+            for i, (m, z, p, k) in enumerate(runs)]
+    results = run_trials(reqs)
+    for req, res in zip(reqs, results):
+        assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
+        assert res.losses[-1] < res.losses[0], res.losses            # a fixed batch: the loss falls
+        assert abs(res.losses[0] - 7.62) < 0.3, res.losses           # small random init: ~ln(2048) at start
+        assert res.implementation == req.model.code_name
+    assert [r.implementation for r in results] == ["hf:LlamaForCausalLM"] * 2 + ["hf:GPT2LMHeadModel",
+                                                                                 "factory:tiny_factory:make"]
+    n = llama.num_params
+    assert results[1].param_bytes_per_rank == [2 * n] * 2            # ZeRO-0: the whole bf16 model per rank
+    assert max(results[0].param_bytes_per_rank) < 2 * n * 0.6         # ZeRO-3: about half of it
+
+
+@pytest.mark.slow
+def test_trainer_runs_the_exported_json(tmp_path):
+    """The Hugging Face Trainer, 2 gloo ranks, trains 2 steps with the DeepSpeed JSON `autotune export`
+    writes (deepspeed_config, ZeRO-3), the TrainingArguments it prints, and the first 2 of 4 layers
+    checkpointed by autotune.hf.checkpoint_first_layers (tests/hf_trainer_run.py)."""
+    import subprocess
+    import sys
+
+    from autotune.deepspeed_config import deepspeed_config
+    from autotune.trial.launch import free_port
+
+    model = resolve_model(str(DATA / "hf-llama"))
+    cfg = TrainConfig(zero_stage=3, micro_batch=2, seq_len=64, ckpt_layers=2)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(deepspeed_config(cfg, model, parse_gpus("2xcpu"))))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": "2", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(free_port()), str(Path(__file__).parent / "hf_trainer_run.py"),
+                          str(DATA / "hf-llama"), str(ds), "2", str(tmp_path / "out")],
+                         env=env, capture_output=True, text=True, timeout=400)
+    line = [x for x in run.stdout.splitlines() if x.startswith("AUTOTUNE_TRAINER ")]
+    assert run.returncode == 0 and line, run.stdout[-3000:] + run.stderr[-3000:]
+    out = json.loads(line[0].split(" ", 1)[1])
+    assert out["steps"] == 2 and out["engine"] == "DeepSpeedEngine" and out["zero3"]
+    assert out["flags"] == [True, True, False, False]
+    assert all(abs(loss - 7.62) < 0.3 for loss in out["losses"])   # ~ln(2048): random init, as the trials

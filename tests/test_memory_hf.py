@@ -1,0 +1,166 @@
+"""The memory model on code other than the stand-in (memory/code_trace.py): Hugging Face models traced
+on fake tensors against real CPU runs of the same code, single-process (fast) and in DeepSpeed on 2
+CPU ranks (slow), the cache, and the micro-batch fit the grid relies on.
+
+Shapes here are the tests' own; benchmarks/hf_memory.py judges the model on others.
+"""
+
+import dataclasses
+import gc
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from autotune.hardware import parse_gpus
+from autotune.impl import default_dtype, impl_for
+from autotune.memory import _phases, code_trace, estimate
+from autotune.memory.grid import grid_total_bytes
+from autotune.memory.traced import trace
+from autotune.train_config import TrainConfig
+from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
+
+enable_cpu_memory_reporting()  # before any tensor the profiler must count (memprof docstring)
+
+CPU = parse_gpus("1xcpu@8GiB")
+CONFIGS = {
+    "gpt2": dict(model_type="gpt2", n_layer=3, n_embd=64, n_head=4, vocab_size=1000, n_positions=128,
+                 bos_token_id=999, eos_token_id=999),  # dropout 0.1 (the defaults)
+    "llama": dict(model_type="llama", num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=160, vocab_size=1000, max_position_embeddings=128),
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=1, intermediate_size=128, vocab_size=900, max_position_embeddings=128,
+                  tie_word_embeddings=True),
+    "gpt_neox": dict(model_type="gpt_neox", num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                     intermediate_size=192, vocab_size=1100, max_position_embeddings=128),
+}
+
+
+def spec(family):
+    from transformers import AutoConfig
+
+    from autotune import hf
+    from autotune.models import from_shape
+
+    if family == "factory":  # a user's own module (tests/tiny_factory.py), through the same seam
+        return dataclasses.replace(
+            from_shape("test-factory", "gpt2", num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=256,
+                       vocab_size=700, max_seq_len=128), implementation="factory", factory="tiny_factory:make")
+    d = dict(CONFIGS[family])
+    return hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name=f"test-{family}", source="test")
+
+
+def live_bytes_now() -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.empty(1)
+    return CpuCurve.from_profiler(prof).live_bytes[-1]
+
+
+def measure_cpu(s, cfg) -> dict[str, int]:
+    """The same program on real CPU tensors (impl.build, impl.loss, AdamW foreach=False, one process),
+    measured as a trial is (memprof.CpuCurve): the second step's phase peaks, relative to the live
+    bytes before the model is built."""
+    impl = impl_for(s)
+    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
+    gc.collect()
+    gc.disable()  # a collection inside the window would free unrelated tensors and lower the count
+    try:
+        base = live_bytes_now()
+        torch.manual_seed(0)
+        with default_dtype(dtype):
+            model = impl.build(s, dtype=dtype, attention=cfg.attention)
+        impl.checkpoint_first(model, cfg.ckpt_layers)
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        batch = torch.randint(0, s.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
+        impl.loss(model, batch).backward()  # the first step makes the optimizer states
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("autotune.step1"):
+                with record_function("autotune.forward"):
+                    loss = impl.loss(model, batch)
+                with record_function("autotune.backward"):
+                    loss.backward()
+                with record_function("autotune.optimizer"):
+                    opt.step()
+    finally:
+        gc.enable()
+    curve = CpuCurve.from_profiler(prof)
+    shift = curve.baseline_bytes - base
+    return {phase: peak + shift for phase, peak in curve.phase_peaks("autotune.step1").items()}
+
+
+REAL = [("gpt2", "fp32", "sdpa", 0), ("gpt2", "bf16", "eager", 2), ("llama", "bf16", "sdpa", 1),
+        ("llama", "fp32", "eager", 0), ("qwen2", "bf16", "sdpa", 0), ("gpt_neox", "bf16", "sdpa", 3),
+        ("factory", "bf16", "sdpa", 1)]
+
+
+@pytest.mark.parametrize("family,precision,attention,ckpt", REAL)
+def test_traced_hf_step_matches_a_real_cpu_run(family, precision, attention, ckpt):
+    s = spec(family)
+    cfg = TrainConfig(micro_batch=2, seq_len=48, precision=precision, attention=attention, ckpt_layers=ckpt)
+    real = measure_cpu(s, cfg)
+    got = trace(s, CPU, cfg).raw_peaks
+    for phase in ("forward", "backward", "optimizer"):
+        # to the byte but for 0-dim CPU tensors c10 makes from Python scalars, which never reach a
+        # dispatch mode (a scale or dropout's 1/(1-p) per layer, AdamW's step scalars)
+        assert 0 <= real[phase] - got[phase] <= 128, (phase, got, real)
+
+
+def test_estimate_prices_the_code_and_leaves_the_builtin_alone():
+    s = spec("llama")
+    cfg = TrainConfig(micro_batch=2, seq_len=48, precision="bf16", zero_stage=3, ckpt_layers=1)
+    gpus = parse_gpus("2xcpu@4GiB")
+    ours, t = estimate(s, gpus, cfg), trace(s, gpus, cfg)
+    assert ours.tensor_peak_bytes == t.tensor_peak_bytes and ours.phases == t.totals
+    stand_in = dataclasses.replace(s, implementation="builtin")
+    analytic = {n: sum(v.values()) for n, v in _phases(stand_in, gpus, cfg).items()}
+    assert estimate(stand_in, gpus, cfg).phases == analytic  # the builtin path is the analytic model
+    assert ours.tensor_peak_bytes != estimate(stand_in, gpus, cfg).tensor_peak_bytes
+    # ZeRO-3 keeps parameters under 10 h elements whole: counted on the module (Qwen2's q, k, v biases)
+    q = spec("qwen2")
+    small = sum(n for n in code_trace.param_numels(q) if n < 10 * q.hidden_size)
+    assert code_trace.persistent_params(q, 10 * q.hidden_size) == small
+    assert small == (2 * q.num_layers + 1) * q.hidden_size + q.num_layers * (q.q_dim + 2 * q.kv_dim)
+
+
+def test_traces_are_cached_per_program():
+    s = spec("gpt_neox")
+    cfg = TrainConfig(micro_batch=1, seq_len=40, precision="bf16", ckpt_layers=0)
+    estimate(s, CPU, cfg)
+    n = len(code_trace._PROGRAMS)
+    for z in range(4):  # the stage, the cluster and grad_accum do not change the program
+        estimate(s, parse_gpus("2xcpu@4GiB"), dataclasses.replace(cfg, zero_stage=z, grad_accum=2))
+    assert len(code_trace._PROGRAMS) == n
+
+
+@pytest.mark.parametrize("family,precision,attention", [("gpt2", "bf16", "eager"), ("llama", "fp32", "sdpa")])
+def test_grid_fit_in_micro_batch_and_k_matches_pointwise(family, precision, attention):
+    """The grid prices every micro batch and k from traces at micro batch 1, 2 and k 0, 1, 2: check
+    it against traces at the exact micro batch and k."""
+    s, gpus = spec(family), parse_gpus("2xcpu@4GiB")
+    base = TrainConfig(seq_len=64, precision=precision, attention=attention, zero_stage=1)
+    mbs, ks = np.array([1, 3, 5]), np.array([0, 2, 3])
+    grid = grid_total_bytes(s, gpus, base, mbs, ks)
+    for i, mb in enumerate(mbs):
+        for j, k in enumerate(ks):
+            exact = estimate(s, gpus, dataclasses.replace(base, micro_batch=int(mb), ckpt_layers=int(k))).total_bytes
+            assert abs(grid[i, j] - exact) <= 1e-3 * exact, (mb, k, grid[i, j], exact)
+
+
+@pytest.mark.slow
+def test_deepspeed_runs_of_hf_models_match_the_estimate(tmp_path):
+    """Real DeepSpeed trials on 2 CPU ranks (the issue's 'done when': within 5%; it is far closer)."""
+    from autotune.trial.record import TrialRequest
+    from autotune.trial.launch import run_trials
+
+    gpus = parse_gpus("2xcpu")
+    cases = [("gpt2", TrainConfig(zero_stage=2, precision="bf16", micro_batch=2, seq_len=96, ckpt_layers=1)),
+             ("qwen2", TrainConfig(zero_stage=3, precision="fp32", micro_batch=3, seq_len=64, attention="eager"))]
+    reqs = [TrialRequest(model=spec(f), cluster=gpus, config=c, steps=2, warmup_steps=1, out_dir=tmp_path / f)
+            for f, c in cases]
+    for req, res in zip(reqs, run_trials(reqs)):
+        assert res.status == "ok", res.reason
+        est = estimate(req.model, gpus, req.config).tensor_peak_bytes
+        assert abs(est / res.peak_bytes - 1) <= 0.01, (req.model.name, req.config.short(), est, res.peak_bytes)
