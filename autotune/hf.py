@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -237,8 +236,3 @@ class HfImpl:
     def checkpoint_first(self, model, k: int) -> None:
         checkpoint_first_layers(model, k)
 
-
-def hf_offline() -> None:
-    """Forbid transformers and huggingface_hub the network in this process (trial ranks)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -42,6 +42,23 @@ FAMILIES: dict[str, dict] = {
 }
 """Shapes no test uses (tests/test_memory_hf.py has its own)."""
 
+HELD_OUT: dict[str, dict] = {
+    # wider and deeper than FAMILIES, other vocabularies; measured after the table above was final
+    "gpt2": dict(model_type="gpt2", n_layer=6, n_embd=192, n_head=6, vocab_size=4096, n_positions=512,
+                 bos_token_id=4095, eos_token_id=4095),
+    "llama": dict(model_type="llama", num_hidden_layers=5, hidden_size=256, num_attention_heads=8,
+                  num_key_value_heads=4, intermediate_size=688, vocab_size=8000, max_position_embeddings=512),
+    "mistral": dict(model_type="mistral", num_hidden_layers=6, hidden_size=160, num_attention_heads=10,
+                    num_key_value_heads=2, intermediate_size=432, vocab_size=3000, max_position_embeddings=512),
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=5, hidden_size=192, num_attention_heads=6,
+                  num_key_value_heads=2, intermediate_size=512, vocab_size=5000, max_position_embeddings=512,
+                  tie_word_embeddings=True),
+    "gpt_neox": dict(model_type="gpt_neox", num_hidden_layers=6, hidden_size=192, num_attention_heads=6,
+                     intermediate_size=768, vocab_size=6000, max_position_embeddings=512),
+}
+"""The held-out set: other shapes, two configs each, judged with nothing changed."""
+HELD_OUT_CONFIGS = [(1, "bf16", 2, 2, 200, "sdpa", 1), (3, "fp32", 0, 1, 144, "eager", 1)]
+
 # (zero stage, precision, checkpointed layers (-1: all), micro batch, seq len, attention, grad_accum)
 CONFIGS = [
     (0, "fp32", 0, 2, 128, "sdpa", 1), (1, "bf16", 1, 3, 96, "sdpa", 1), (2, "fp32", 2, 1, 256, "eager", 1),
@@ -67,18 +84,23 @@ def train_config(row: dict) -> TrainConfig:
                        seq_len=int(row["seq_len"]), attention=row["attention"], grad_accum=int(row["grad_accum"]))
 
 
-def cases() -> list[tuple[str, TrainConfig]]:
+SETS = {"main": (FAMILIES, CONFIGS), "held-out": (HELD_OUT, HELD_OUT_CONFIGS)}
+
+
+def cases(which: str = "main") -> list[tuple[str, dict, TrainConfig]]:
+    families, configs = SETS[which]
     out = []
-    for family in FAMILIES:
-        layers = spec_of(family).num_layers
-        for z, p, k, mb, s, att, ga in CONFIGS:
-            out.append((family, TrainConfig(zero_stage=z, precision=p, ckpt_layers=layers if k < 0 else k,
-                                            micro_batch=mb, seq_len=s, attention=att, grad_accum=ga)))
+    for family, config in families.items():
+        layers = spec_of(family, config).num_layers
+        for z, p, k, mb, s, att, ga in configs:
+            out.append((family, config, TrainConfig(zero_stage=z, precision=p, ckpt_layers=layers if k < 0 else k,
+                                                    micro_batch=mb, seq_len=s, attention=att, grad_accum=ga)))
     return out
 
 
-def measure_all() -> None:
-    """Run every case as a real trial (one process group for all) and rewrite the CSV."""
+def measure_all(which: tuple[str, ...] = tuple(SETS)) -> None:
+    """Run every case of the sets `which` as real trials (one process group for all) and rewrite
+    their rows of the CSV (the other sets' rows are kept)."""
     import deepspeed
     import torch
     import transformers
@@ -87,28 +109,29 @@ def measure_all() -> None:
     from autotune.trial.launch import run_trials
 
     cluster = parse_gpus(f"{RANKS}xcpu")
-    todo = cases()
+    todo = [(w, *c) for w in which for c in cases(w)]
     versions = f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
     with tempfile.TemporaryDirectory() as tmp:
-        reqs = [TrialRequest(model=spec_of(f), cluster=cluster, config=c, steps=2, warmup_steps=1,
-                             out_dir=Path(tmp) / f"{i}-{f}") for i, (f, c) in enumerate(todo)]
+        reqs = [TrialRequest(model=spec_of(f, d), cluster=cluster, config=c, steps=2, warmup_steps=1,
+                             out_dir=Path(tmp) / f"{i}-{f}") for i, (_, f, d, c) in enumerate(todo)]
         t0 = time.perf_counter()
         results = run_trials(reqs)
         print(f"{len(reqs)} trials on {RANKS} CPU ranks in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = []
-    for (family, c), res in zip(todo, results):
+    rows = [r for r in (load() if CSV.exists() else []) if r.get("set", "main") not in which]
+    for (which_set, family, config, c), res in zip(todo, results):
         if res.status != "ok" or not res.peak_bytes:
             print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
             continue
-        rows.append({"family": family, "hf_config": json.dumps(FAMILIES[family], sort_keys=True),
+        rows.append({"set": which_set, "family": family, "hf_config": json.dumps(config, sort_keys=True),
                      "ranks": RANKS, "zero_stage": c.zero_stage, "precision": c.precision,
                      "ckpt_layers": c.ckpt_layers, "micro_batch": c.micro_batch, "seq_len": c.seq_len,
                      "attention": c.attention, "grad_accum": c.grad_accum, "measured_bytes": res.peak_bytes,
                      "measured_by": f"run_trials, {RANKS} CPU ranks (gloo), steps 2 after 1 warm-up, "
                                     f"profiler peak, max over ranks; {versions}"})
     CSV.parent.mkdir(parents=True, exist_ok=True)
+    rows.sort(key=lambda r: list(SETS).index(r["set"]))
     with CSV.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(rows[-1]))
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {len(rows)} rows to {CSV}")
@@ -139,11 +162,20 @@ def rows_with_estimates() -> list[dict]:
 
 
 def report() -> dict[str, dict]:
-    """Print the per-family table; return it (family -> n, median and max |error| in percent)."""
+    """Print the per-family table of each set; return the main one's (family -> n, median and max
+    |error| in percent)."""
     t0 = time.perf_counter()
-    rows = rows_with_estimates()
-    print(f"== Hugging Face models: estimate vs real DeepSpeed runs on {RANKS} CPU ranks "
-          f"({len(rows)} runs, {CSV.name}; estimated in {time.perf_counter() - t0:.0f} s) ==")
+    every = rows_with_estimates()
+    print(f"Hugging Face models: estimate vs real DeepSpeed runs on {RANKS} CPU ranks ({CSV.name}; "
+          f"{len(every)} runs estimated in {time.perf_counter() - t0:.0f} s)")
+    tables = {w: _table([r for r in every if r.get("set", "main") == w], w) for w in SETS}
+    return tables["main"]
+
+
+def _table(rows: list[dict], which: str) -> dict[str, dict]:
+    if not rows:
+        return {}
+    print(f"== {which} set: {len(rows)} runs ==")
     print(f"  {'family':<10} {'runs':>4} {'median |err|':>13} {'max |err|':>10}   "
           f"{'stand-in analytic: median':>26} {'max':>8}")
     table = {}
@@ -157,8 +189,10 @@ def report() -> dict[str, dict]:
         print(f"  {family:<10} {len(sel):>4} {statistics.median(e):>12.3f}% {max(e):>9.3f}%   "
               f"{statistics.median(se):>25.1f}% {max(se):>7.1f}%")
     ranked = sorted(rows, key=lambda r: -abs(r["err"]))
-    print(f"  five worst (the other {len(ranked) - 5} within {100 * max(abs(r['err']) for r in ranked[5:]):.3f}%):")
-    for r in ranked[:5]:
+    worst = min(5, len(ranked) - 1)
+    print(f"  {worst} worst (the other {len(ranked) - worst} within "
+          f"{100 * max(abs(r['err']) for r in ranked[worst:]):.3f}%):")
+    for r in ranked[:worst]:
         cfg = train_config(r)
         print(f"    {r['family']:<9} {cfg.short()} s{cfg.seq_len}: measured {r['measured']:,}, "
               f"estimate {r['ours']:,} ({100 * r['err']:+.3f}%)")

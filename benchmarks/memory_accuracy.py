@@ -4,6 +4,7 @@
                                                          # (benchmarks/data/hf_memory_runs.csv) against
                                                          # today's estimate, per family; ~1-2 min of tracing
     python benchmarks/memory_accuracy.py --run           # re-measure those runs first (~10-15 min on 2 cores)
+    python benchmarks/memory_accuracy.py --run held-out  # only the held-out set (other shapes)
     python benchmarks/memory_accuracy.py --builtin       # the stand-in model: analytic vs measured runs,
                                                          # vs the traced tier, and the two rules people use
                                                          # instead (DeepSpeed's estimators, 18 B/param)
@@ -119,7 +120,8 @@ def summarize(rows: list[dict], truth: str, columns: list[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", action="store_true", help="re-measure the Hugging Face runs, rewrite the CSV")
+    ap.add_argument("--run", nargs="*", metavar="SET", choices=["main", "held-out"],
+                    help="re-measure the Hugging Face runs of these sets (all if none named), rewrite their rows")
     ap.add_argument("--builtin", action="store_true", help="the stand-in model's sections instead")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-traced", action="store_true")
@@ -128,8 +130,8 @@ def main() -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import hf_memory
 
-        if args.run:
-            hf_memory.measure_all()
+        if args.run is not None:
+            hf_memory.measure_all(tuple(args.run) or tuple(hf_memory.SETS))
         hf_memory.report()
         return 0
     print("== analytic (ours) vs measured DeepSpeed runs on CPU (tensor peak, max over ranks) ==")

@@ -162,7 +162,8 @@ def test_factory_errors_say_what_is_allowed():
 def test_real_trials_of_hf_and_factory_code(tmp_path, monkeypatch):
     """2 gloo ranks, one process group: the Hugging Face Llama at ZeRO-3 then ZeRO-0 (the second must
     not be built under zero.Init: the HfDeepSpeedConfig of the first is unset), GPT-2 with its dropout
-    at ZeRO-3 with 2 of 4 layers checkpointed, and the user's module at ZeRO-3 with checkpointing."""
+    at ZeRO-3 with 2 of 4 layers checkpointed, the user's module and the builtin stand-in at ZeRO-3
+    with checkpointing."""
     from autotune.trial.record import TrialRequest
     from autotune.trial import run_trials
 
@@ -172,7 +173,9 @@ def test_real_trials_of_hf_and_factory_code(tmp_path, monkeypatch):
     cluster = parse_gpus("2xcpu")
     llama, gpt2 = resolve_model(str(DATA / "hf-llama")), resolve_model(str(DATA / "hf-gpt2"))
     factory = resolve_model(str(DATA / "hf-llama"), factory="tiny_factory:make")
-    runs = [(llama, 3, "bf16", 2), (llama, 0, "bf16", 0), (gpt2, 3, "fp32", 2), (factory, 3, "bf16", 1)]
+    builtin = resolve_model(str(DATA / "hf-llama"), implementation="builtin")
+    runs = [(llama, 3, "bf16", 2), (llama, 0, "bf16", 0), (gpt2, 3, "fp32", 2), (factory, 3, "bf16", 1),
+            (builtin, 3, "bf16", 2)]
     reqs = [TrialRequest(model=m, cluster=cluster, out_dir=tmp_path / f"t{i}", steps=3, warmup_steps=1,
                          timeout_s=240, config=TrainConfig(zero_stage=z, precision=p, ckpt_layers=k,
                                                            micro_batch=2, seq_len=64))
@@ -183,8 +186,8 @@ def test_real_trials_of_hf_and_factory_code(tmp_path, monkeypatch):
         assert res.losses[-1] < res.losses[0], res.losses            # a fixed batch: the loss falls
         assert abs(res.losses[0] - 7.62) < 0.3, res.losses           # small random init: ~ln(2048) at start
         assert res.implementation == req.model.code_name
-    assert [r.implementation for r in results] == ["hf:LlamaForCausalLM"] * 2 + ["hf:GPT2LMHeadModel",
-                                                                                 "factory:tiny_factory:make"]
+    assert [r.implementation for r in results] == ["hf:LlamaForCausalLM"] * 2 + [
+        "hf:GPT2LMHeadModel", "factory:tiny_factory:make", "builtin"]
     n = llama.num_params
     assert results[1].param_bytes_per_rank == [2 * n] * 2            # ZeRO-0: the whole bf16 model per rank
     assert max(results[0].param_bytes_per_rank) < 2 * n * 0.6         # ZeRO-3: about half of it

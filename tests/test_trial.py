@@ -116,10 +116,18 @@ def test_parameter_bytes_per_rank(matrix, name):
 
 @pytest.mark.parametrize("name", SHAPES)
 def test_checkpointing_lowers_forward_peak(matrix, name):
-    """Activation memory is exact on CPU: each extra checkpointed layer keeps fewer tensors in forward."""
+    """Activation memory is exact on CPU: each extra checkpointed layer keeps fewer tensors in forward.
+    ZeRO-3 is compared at k = 0 and 4 only: its forward peak also holds the weights DeepSpeed has
+    gathered and not yet released, whose timing varies with gloo's threads. Measured on the Hugging
+    Face tiny-llama (fp32, seq 32, micro batch 1): the same ZeRO-3 config peaked 360 KB apart in two
+    runs (k=4: 19,236,889 and 18,876,441 bytes), more than the ~150 KB two more checkpointed layers
+    save at that peak; all four layers save ~400 KB."""
     for z, p in itertools.product(range(4), ("fp32", "bf16")):
         fwd = [matrix[(name, z, p, k)][1].phase_peak_bytes["forward"] for k in (0, 2, 4)]
-        assert fwd[0] > fwd[1] > fwd[2], (z, p, fwd)
+        if z == 3:
+            assert fwd[0] > fwd[2], (z, p, fwd)
+        else:
+            assert fwd[0] > fwd[1] > fwd[2], (z, p, fwd)
 
 
 def test_failure_classes_are_real_and_leave_no_process(tmp_path):

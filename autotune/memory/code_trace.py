@@ -55,9 +55,18 @@ def spec_key(spec: ModelSpec) -> str:
     return _KEYS[spec]
 
 
+TRACED_AS = {"flash_attention_2": "sdpa"}
+"""Attention the trace cannot run: flash_attention_2 is the flash-attn package's CUDA kernels, which
+neither load on CPU nor have fake-tensor rules. It is traced as sdpa, whose flash kernel keeps the
+same per layer (q, k, v, the output and a fp32 log-sum-exp per head and token): an approximation,
+unmeasured here, not the exact code."""
+
+
 def build(spec: ModelSpec, precision: str, attention: str, num_layers: int):
     """`impl.build` in the training dtype: fake parameters cannot be cast after construction
     (`.to(dtype)` fails on fakes), so the default dtype is set while the model is built."""
+
+    attention = TRACED_AS.get(attention, attention)
 
     impl = impl_of(spec)
     spec = _with_layer_types(spec, num_layers)

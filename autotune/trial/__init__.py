@@ -1,5 +1,5 @@
-"""Real trials: one process group of N ranks trains the trial Transformer under DeepSpeed and
-reports measured speed and memory (docs/trials.md).
+"""Real trials: one process group of N ranks trains the model under DeepSpeed (through autotune/impl.py:
+the Hugging Face code by default, docs/models.md) and reports measured speed and memory (docs/trials.md).
 
     run_trial(request) -> TrialResult               one trial here
     run_trials(requests) -> list[TrialResult]       several configs in one process group
