@@ -4,7 +4,7 @@ A `ModelImpl` is named by `ModelSpec.implementation` (torchtitan's TrainSpec ide
 registered by name):
 
 - `hf`      autotune/hf.py: the Hugging Face transformers model of the spec's config (the default);
-- `builtin` autotune/trial/model.py: autotune's own stand-in transformer;
+- `builtin` autotune/builtin.py: autotune's own stand-in transformer;
 - `factory` the user's module from `ModelSpec.factory` ("package.module:function"; docs/models.md).
 """
 
@@ -15,7 +15,8 @@ import importlib
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-from autotune.models import ModelSpec, SpecError
+from autotune.errors import SpecError
+from autotune.models import ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +33,7 @@ class ModelImpl(Protocol):
         wraps the call in torch.device("meta"), FakeTensorMode or deepspeed.zero.Init (for `hf`
         under ZeRO-3: a live transformers HfDeepSpeedConfig, as the Trainer does). No weight init
         beyond what the constructor does (`hf`: the model's own _init_weights; `builtin`:
-        nn.Linear's default, the worker then runs trial.model.init_weights). Returned in train
+        nn.Linear's default, the worker then runs builtin.init_weights). Returned in train
         mode: dropout as the config says. `attention`: transformers' names, sdpa | eager |
         flash_attention_2 (`hf` only)."""
         ...
@@ -75,12 +76,12 @@ def _next_token_loss(logits, tokens):
 
 
 class BuiltinImpl:
-    """`builtin`: autotune.trial.model.Transformer, the stand-in that computes its own loss."""
+    """`builtin`: autotune.builtin.Transformer, the stand-in that computes its own loss."""
 
     name = "builtin"
 
     def build(self, spec, *, dtype, attention, num_layers=None):
-        from autotune.trial.model import Transformer
+        from autotune.builtin import Transformer
 
         if attention not in ("sdpa", "eager"):
             raise SpecError(f"the builtin model has attention sdpa or eager, not {attention!r}")

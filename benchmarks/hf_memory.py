@@ -71,7 +71,7 @@ def spec_of(family: str, config: dict | None = None):
     """The ModelSpec autotune makes of the family's config (autotune/hf.py, exact parameter count)."""
     from transformers import AutoConfig
 
-    from autotune import hf
+    from autotune.models import hf_config as hf
 
     d = dict(config or FAMILIES[family])
     return hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name=f"hf-{family}",

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from autotune import hf
+from autotune.models import hf_config
 from autotune.hardware import parse_gpus
 from autotune.impl import impl_for
 from autotune.models import ModelSpec, SpecError, presets, published_params, resolve_model
@@ -28,14 +29,14 @@ def test_preset_meta_count_is_published(name):
     device has exactly the published count (and the shape formula's)."""
     spec = resolve_model(name)
     assert spec.implementation == "hf" and spec.hf_config["model_type"] in ("llama", "mistral", "gpt2", "mpt")
-    n = sum(p.numel() for p in hf.meta_model(hf.config_object(spec)).parameters())
+    n = sum(p.numel() for p in hf_config.meta_model(hf_config.config_object(spec)).parameters())
     assert n == published_params()[name] == presets()[name].shape_params
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_configs_count_from_meta(name):
     spec = resolve_model(str(DATA / name))   # a directory holding config.json
-    assert spec.param_count == sum(p.numel() for p in hf.meta_model(hf.load_config(str(DATA / name))).parameters())
+    assert spec.param_count == sum(p.numel() for p in hf_config.meta_model(hf_config.load_config(str(DATA / name))).parameters())
     if name == "hf-qwen2":
         # Qwen2 has biases on q, k, v but not on o or the MLP: the meta count is the truth, and it
         # differs from the bias-free shape formula by exactly those biases.

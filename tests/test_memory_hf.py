@@ -40,7 +40,7 @@ CONFIGS = {
 def spec(family):
     from transformers import AutoConfig
 
-    from autotune import hf
+    from autotune.models import hf_config as hf
     from autotune.models import from_shape
 
     if family == "factory":  # a user's own module (tests/tiny_factory.py), through the same seam

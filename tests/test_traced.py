@@ -20,7 +20,7 @@ from autotune.memory.traced import TRACED_TERMS, _trace_program, compare, trace
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
-from autotune.trial.model import Transformer, init_weights
+from autotune.builtin import Transformer, init_weights
 
 enable_cpu_memory_reporting()  # before any tensor the profiler must count (memprof docstring)
 

@@ -24,7 +24,7 @@ from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 from autotune.trial import run_trials
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
-from autotune.trial.model import Transformer
+from autotune.builtin import Transformer
 
 pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs
 

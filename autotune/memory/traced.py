@@ -1,5 +1,5 @@
 """Traced tier of the memory model: `trace(model, cluster, cfg)` runs the trial model's own code
-(autotune/trial/model.py) on fake tensors and counts the bytes it allocates; `compare(est, traced)`
+(autotune/builtin.py) on fake tensors and counts the bytes it allocates; `compare(est, traced)`
 sets it beside `autotune.memory.estimate`. docs/memory.md ("The traced tier") explains it; the
 checks against real CPU runs, the analytic terms and direct traces are in tests/test_traced.py.
 
@@ -30,7 +30,7 @@ from autotune.hardware import Cluster
 from autotune.memory import MemoryEstimate, _phases, builtin, code_trace, model_states
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, torch_dtype
-from autotune.trial.model import Transformer
+from autotune.builtin import Transformer
 from autotune.units import fmt_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "batch_and_loss", "rotary_tables",

@@ -15,7 +15,7 @@ def build_model(req, device, ds_cfg: dict):
     every stage draws from the same stream (DeepSpeed broadcasts rank 0's weights at 0-2 anyway).
     factory: the same, under deepspeed.zero.Init for ZeRO-3; its constructor initialises.
     builtin: built under deepspeed.zero.Init (ZeRO-3) or on the meta device, cast to the training
-    dtype there (free), materialised once with to_empty, then trial.model.init_weights per
+    dtype there (free), materialised once with to_empty, then builtin.init_weights per
     top-level child (under GatheredParameters at ZeRO-3) with the same seeds, so every stage starts
     from the same weights.
     """
@@ -58,7 +58,7 @@ def _build_builtin(make, cfg, device, ds_cfg: dict, dtype):
     import deepspeed
     import torch
 
-    from autotune.trial.model import init_weights
+    from autotune.builtin import init_weights
 
     if cfg.zero_stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_cfg):

@@ -56,12 +56,12 @@ class ModelSpec:
     """Where the shape comes from (model card, config.json on the Hub, paper)."""
     implementation: Implementation = "hf"
     """Whose code trials run and the memory model prices (autotune/impl.py): `hf` the Hugging Face
-    transformers model of `hf_config`, `builtin` the stand-in of autotune/trial/model.py, `factory`
+    transformers model of `hf_config`, `builtin` the stand-in of autotune/builtin.py, `factory`
     the user's module made by `factory`."""
     hf_config: dict | None = field(default=None, hash=False)
     """The Hugging Face config (PretrainedConfig.to_dict(), or for a preset the few keys of its
     family's config class that its shape sets); None: built from the shape when needed
-    (autotune.hf.config_dict). Not hashed: a dict is not hashable, and the shape fields identify."""
+    (autotune.models.hf_config.config_dict). Not hashed: a dict is not hashable, and the shape fields identify."""
     factory: str = ""
     """`package.module:function` that makes the module, for implementation `factory` (docs/models.md)."""
     param_count: int = 0
@@ -251,9 +251,9 @@ def resolve_model(text: str, *, implementation: Implementation = "hf", factory: 
     """A preset name, an alias (`13b`), a Hugging Face config.json, a directory holding one, or a
     hub id already in the local Hugging Face cache, for the code `implementation` names.
 
-    hf: presets become the config of their family (autotune.hf.preset_config); a config keeps all
+    hf: presets become the config of their family (autotune.models.hf_config.preset_config); a config keeps all
     its fields and its exact parameter count is that of the model built on the meta device.
-    builtin: the stand-in of autotune/trial/model.py, for the four families it reproduces.
+    builtin: the stand-in of autotune/builtin.py, for the four families it reproduces.
     factory: the shape from `text`, the module from `factory` ("package.module:function")."""
     if implementation not in IMPLEMENTATIONS:
         raise SpecError(f"--impl must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
@@ -267,7 +267,7 @@ def resolve_model(text: str, *, implementation: Implementation = "hf", factory: 
     if name is not None:
         spec = table[name]
         if implementation == "hf":
-            from autotune import hf
+            from autotune.models import hf_config as hf
 
             return replace(spec, implementation="hf",
                            hf_config=hf.preset_config(spec, _raw()[name].get("model_type", spec.family)))
@@ -278,12 +278,12 @@ def resolve_model(text: str, *, implementation: Implementation = "hf", factory: 
             path = path / "config.json"
         if implementation == "builtin":
             return replace(from_hf_config(path), implementation="builtin")
-        from autotune import hf
+        from autotune.models import hf_config as hf
 
         spec = hf.spec_from_config(hf.load_config(str(path)), name=str(path), source=f"config.json at {path}")
         return replace(spec, implementation=implementation, factory=factory or "")
     if "/" in text and implementation != "builtin":
-        from autotune import hf  # a hub id: only the local cache is read, never the network
+        from autotune.models import hf_config as hf  # a hub id: only the local cache is read, never the network
 
         spec = hf.spec_from_config(hf.load_config(text), name=text, source=f"{text} in the local Hugging Face cache")
         return replace(spec, implementation=implementation, factory=factory or "")

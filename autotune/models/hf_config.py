@@ -1,0 +1,175 @@
+"""Hugging Face configs as model specs: where a config comes from and the ModelSpec it gives.
+
+- Configs: a config.json, a directory holding one, or a hub id already in the local Hugging Face
+  cache (read with local_files_only: never the network). Presets become the config class of their
+  family (`preset_config`).
+- Shape: the fields the memory model uses come from the config; the exact parameter count from
+  the model built on the meta device (no memory, no per-family arithmetic), so any architecture
+  AutoModelForCausalLM knows is accepted.
+The code a trial runs from such a config is autotune/hf.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import SpecError
+from autotune.models import FAMILY_DEFAULTS, ModelSpec
+
+# ---- configs --------------------------------------------------------------------------------
+
+
+def preset_config(spec: ModelSpec, model_type: str) -> dict[str, Any]:
+    """The keys of `model_type`'s config class that the preset's shape sets; the class's defaults
+    fill the rest when it is built (`config_object`). No transformers import: presets stay cheap."""
+    common = {"vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tied_embeddings}
+    if model_type in ("llama", "mistral", "qwen2"):
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        d = {"hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
+             "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+             "num_key_value_heads": spec.num_kv_heads, "max_position_embeddings": spec.max_seq_len,
+             "head_dim": spec.head_dim}
+        if model_type == "llama":
+            d |= {"attention_bias": spec.linear_bias, "mlp_bias": spec.linear_bias}
+    elif model_type == "gpt2":
+        arch = {"gpt2": "GPT2LMHeadModel"}
+        d = {"n_layer": spec.num_layers, "n_embd": spec.hidden_size, "n_head": spec.num_heads,
+             "n_inner": spec.ffn_hidden_size, "n_positions": spec.max_seq_len,
+             # GPT2Config's default 50256 is outside a smaller vocabulary (transformers warns)
+             "bos_token_id": min(50256, spec.vocab_size - 1), "eos_token_id": min(50256, spec.vocab_size - 1)}
+    elif model_type == "gpt_neox":
+        arch = {"gpt_neox": "GPTNeoXForCausalLM"}
+        d = {"hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
+             "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+             "max_position_embeddings": spec.max_seq_len}
+    elif model_type == "mpt":
+        arch = {"mpt": "MptForCausalLM"}
+        if spec.ffn_hidden_size % spec.hidden_size:
+            raise SpecError(f"model {spec.name}: MPT's ffn width is expansion_ratio x d_model; "
+                            f"{spec.ffn_hidden_size} is not a multiple of {spec.hidden_size}")
+        d = {"d_model": spec.hidden_size, "n_heads": spec.num_heads, "n_layers": spec.num_layers,
+             "expansion_ratio": spec.ffn_hidden_size // spec.hidden_size, "max_seq_len": spec.max_seq_len,
+             "no_bias": not spec.linear_bias}
+    else:
+        raise SpecError(f"model {spec.name}: no Hugging Face config for model_type {model_type!r}; "
+                        f"known: llama, mistral, qwen2, gpt2, gpt_neox, mpt")
+    return {"model_type": model_type, "architectures": [arch[model_type]], **common, **d}
+
+
+def config_dict(spec: ModelSpec) -> dict[str, Any]:
+    """The spec's Hugging Face config as a dict: its own, else its family's built from the shape."""
+    return spec.hf_config if spec.hf_config is not None else preset_config(spec, spec.family)
+
+
+def config_object(spec: ModelSpec, num_layers: int | None = None):
+    """A transformers PretrainedConfig for the spec, with `num_layers` decoder layers if given."""
+    from transformers import CONFIG_MAPPING
+
+    d = dict(config_dict(spec))
+    mtype = d.get("model_type")
+    if mtype not in CONFIG_MAPPING:
+        raise SpecError(f"model {spec.name}: transformers {_version()} has no model_type {mtype!r}")
+    config = CONFIG_MAPPING[mtype].from_dict(d)
+    if num_layers is not None and num_layers != config.num_hidden_layers:
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = num_layers  # attribute_map routes it (gpt2: n_layer, mpt: n_layers)
+        if isinstance(getattr(config, "layer_types", None), list):  # per-layer lists must match
+            config.layer_types = config.layer_types[:num_layers]
+    return config
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def load_config(text: str):
+    """A PretrainedConfig from a config.json, a directory holding one, or a hub id in the local
+    Hugging Face cache; SpecError naming where it looked."""
+    from transformers import AutoConfig
+
+    path = Path(text).expanduser()
+    if path.suffix == ".json" or path.exists():
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise SpecError(f"model config {file} does not exist")
+        try:
+            return AutoConfig.from_pretrained(str(file))
+        except (OSError, ValueError, KeyError) as e:
+            raise SpecError(f"model config {file}: transformers {_version()} cannot read it: {e}") from None
+    from huggingface_hub import constants
+    from transformers.utils import cached_file
+
+    try:  # local_files_only: the cache or nothing; autotune never downloads
+        file = cached_file(text, "config.json", local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise SpecError(f"model {text!r} is not a preset, not a path, and not in the local Hugging Face "
+                        f"cache (looked in {constants.HF_HUB_CACHE}; autotune never downloads). Put its "
+                        f"config.json in a directory and pass that directory. ({type(e).__name__})") from None
+    return load_config(file)
+
+
+# ---- shape and parameter count ----------------------------------------------------------------
+_FAMILY_OF = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2",
+              "gpt_neox": "gpt_neox", "mpt": "mpt"}
+
+
+def meta_model(config):
+    """The model of `config` on the meta device: shapes and counts, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
+    """ModelSpec of an AutoModelForCausalLM config; `param_count` from the meta-device model."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = meta_model(config)
+    except ValueError as e:  # AutoModelForCausalLM has no class for this config
+        names = sorted(c.model_type for c in AutoModelForCausalLM._model_mapping.keys())  # noqa: SLF001
+        raise SpecError(f"model {name}: AutoModelForCausalLM cannot build model_type "
+                        f"{config.model_type!r} ({e}); known: {', '.join(names)}") from None
+    count = sum(p.numel() for p in model.parameters())  # parameters() counts a tied matrix once
+    g = lambda *keys, default=None: next(  # noqa: E731
+        (getattr(config, k) for k in keys if getattr(config, k, None) is not None), default)
+    h, heads = g("hidden_size"), g("num_attention_heads")
+    family = _FAMILY_OF.get(config.model_type)
+    if family is None:  # nearest family for the analytic formulas; the count above is exact anyway
+        family = "llama" if g("hidden_act", "activation_function", default="") in ("silu", "swish") else "gpt_neox"
+    ffn = g("intermediate_size", "n_inner")
+    if ffn is None:
+        ratio = g("expansion_ratio")
+        ffn = int(ratio * h) if ratio is not None else 4 * h  # GPT2MLP: n_inner or 4 * n_embd
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = out is not None and inp is not None and out.weight is inp.weight
+    shape = {**FAMILY_DEFAULTS[family], "num_layers": g("num_hidden_layers"), "hidden_size": h,
+             "num_heads": heads, "num_kv_heads": g("num_key_value_heads", default=heads),
+             "ffn_hidden_size": ffn, "vocab_size": g("vocab_size"),
+             "max_seq_len": g("max_position_embeddings", "n_positions", "max_seq_len", default=2048),
+             "head_dim": g("head_dim", default=0), "tied_embeddings": tied}
+    if family == "llama":
+        shape["linear_bias"] = bool(g("attention_bias", default=False))
+    if family == "mpt":
+        shape["linear_bias"] = shape["norm_bias"] = not g("no_bias", default=True)
+    d = config.to_dict()
+    if d.get("loss_type", "") is None:
+        del d["loss_type"]  # to_dict writes None, which from_dict reads back as a named loss (a warning)
+    if not d.get("architectures"):
+        d["architectures"] = [type(model).__name__]
+    # As the study will store it (JSON): tuples become lists, so a resumed spec compares equal.
+    d = json.loads(json.dumps(d, default=str))
+    try:
+        return ModelSpec(name=name, family=family, source=source, implementation="hf", hf_config=d,
+                         param_count=count, **shape)
+    except TypeError as e:
+        raise SpecError(f"model {name}: {e}") from None
+
+
