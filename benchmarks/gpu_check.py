@@ -114,12 +114,25 @@ def importance(cfg: TrainConfig, base: TrainConfig) -> tuple:
 
 
 def oom_micro_batch(model: ModelSpec, cluster: Cluster, base: TrainConfig, limit: int = 4096) -> int:
-    """The smallest micro batch whose estimated peak is OOM_MARGIN x the GPU's memory."""
-    for mb in range(1, limit + 1):
-        if estimate(model, cluster, dataclasses.replace(base, micro_batch=mb)).total_bytes >= \
-                OOM_MARGIN * cluster.capacity_bytes:
-            return mb
-    raise SpecError(f"no micro batch up to {limit} exceeds {OOM_MARGIN} x {cluster.describe()}")
+    """The smallest micro batch whose estimated peak is OOM_MARGIN x the GPU's memory. The grid
+    (bilinear in the micro batch, memory/grid.py) proposes it from a few traces; the estimate
+    itself then confirms it, one micro batch at a time, so the probe is what `estimate` says."""
+    import numpy as np
+
+    from autotune.memory.grid import grid_total_bytes
+
+    need = OOM_MARGIN * cluster.capacity_bytes
+    mbs = np.arange(1, limit + 1)
+    totals = grid_total_bytes(model, cluster, base, mbs, np.array([base.ckpt_layers]))[:, 0]
+    over = np.nonzero(totals >= need)[0]
+    if not len(over):
+        raise SpecError(f"no micro batch up to {limit} exceeds {OOM_MARGIN} x {cluster.describe()}")
+    mb = int(mbs[over[0]])
+    while mb > 1 and estimate(model, cluster, dataclasses.replace(base, micro_batch=mb - 1)).total_bytes >= need:
+        mb -= 1
+    while estimate(model, cluster, dataclasses.replace(base, micro_batch=mb)).total_bytes < need:
+        mb += 1
+    return mb
 
 
 def plan(model: ModelSpec, cluster: Cluster) -> list[Planned]:
