@@ -213,9 +213,9 @@ so the efficiency of a GEMM of depth K is K / (K + 128) of a deep one's: why sma
 
 LAUNCH_S = 4e-6
 """GPU time a kernel costs beyond its roofline, back to back on a stream: launch latency and the
-ramp up/down of an under-filled GPU, ~3-5 us per short kernel (NVIDIA developer blog, "Getting
-Started with CUDA Graphs", 2019: 3.8 us per 2.9 us kernel launched back to back without graphs;
-order 5 us in Lustig & Martonosi / Volkov microbenchmarks). Charged once per traced kernel."""
+ramp up/down of an under-filled GPU. NVIDIA developer blog, "Getting Started with CUDA Graphs"
+(2019): 3.8 us per 2.9 us kernel launched back to back without graphs, ~1 us of it launch; a
+short kernel's own floor makes up the rest. Charged once per traced kernel."""
 
 FLASH_EFFICIENCY = {"A100": (0.73, 0.63), "H100": (0.35, 0.30)}
 """(forward, backward) fraction of the 16-bit dense peak a FlashAttention-2 kernel reaches at long
