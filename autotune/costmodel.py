@@ -168,6 +168,14 @@ def hbm_bytes_per_s(gpu: GpuSpec) -> float:
     return gpu.hbm_gbps * GB_PER_S * HBM_EFFICIENCY  # achieved, not datasheet
 
 
+def price_key(gpu: GpuSpec, precision: str) -> tuple:
+    """What autotune.costops prices a GPU by (hashable): its peaks, achieved HBM, measured E."""
+    from autotune.costops import gpu_key
+
+    peak_flops(gpu, precision)  # CPU ranks have no datasheet: say so before tracing
+    return gpu_key(gpu, precision, hbm_bytes_s=hbm_bytes_per_s(gpu), gemm_efficiency=gemm_efficiency(gpu))
+
+
 def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: Constants) -> dict[str, float]:
     """Forward+backward seconds of one micro step, per op class, priced op by op from the traced
     step of `rt.implementation` (autotune/costops.py): GEMMs (weights and LM head: `compute`),
@@ -175,9 +183,8 @@ def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: 
     scores); `recompute` reruns the forward of each checkpointed block in backward."""
     from autotune.costops import micro_step_price
 
-    peak_flops(gpu, cfg.precision)  # CPU ranks have no datasheet: say so before tracing
     p = micro_step_price(model, rt.implementation, cfg.precision, cfg.attention, cfg.micro_batch, cfg.seq_len,
-                         gpu, c.sustained)
+                         price_key(gpu, cfg.precision), c.sustained)
     return {"compute": p.gemm, "attention": p.attention, "elementwise": p.elementwise,
             "recompute": cfg.ckpt_layers * p.layer_forward}
 

@@ -243,26 +243,22 @@ clock per SM), less the max/sub fused into one (-1). FlashAttention-2 sec. 3.1: 
 ~16x matmul FLOPs on A100. Sets how efficiency falls with smaller head dimension."""
 
 
-def gpu_key(gpu: GpuSpec, precision: str) -> tuple:
+def gpu_key(gpu: GpuSpec, precision: str, *, hbm_bytes_s: float, gemm_efficiency: float) -> tuple:
     """Hashable view of a GpuSpec for the price cache (GpuSpec holds a dict): name, peak for the
-    precision, FP32 peak, HBM GB/s, sm80+ (bf16)."""
-    return (gpu.name, gpu.peak_flops(precision), gpu.peak_flops("fp32"), gpu.hbm_gbps, gpu.bf16)
+    precision, FP32 peak, achieved HBM bytes/s, sm80+ (bf16), measured large-GEMM efficiency. The
+    cost model supplies the last two (autotune.costmodel.hbm_bytes_per_s, .gemm_efficiency)."""
+    return (gpu.name, gpu.peak_flops(precision), gpu.peak_flops("fp32"), hbm_bytes_s, gpu.bf16, gemm_efficiency)
 
 
 def _hbm(key: tuple) -> float:
-    from autotune.costmodel import HBM_EFFICIENCY
-
-    return key[3] * 1e9 * HBM_EFFICIENCY
+    return key[3]
 
 
 def gemm_efficiency(key: tuple, batch: int, m: int, n: int, k: int) -> float:
-    """Fraction of the peak one GEMM reaches: the measured large-GEMM efficiency (autotune.costmodel
-    .gemm_efficiency, MAMF) x the best tile's tile and wave quantization (GEMM_TILES) x the
-    pipeline fill of its depth (GEMM_K_FILL)."""
-    from autotune.costmodel import _calibration
-
-    table = _calibration()["gemm_efficiency"]
-    e = float(table.get(key[0], table["default"])["efficiency"]) * k / (k + GEMM_K_FILL)
+    """Fraction of the peak one GEMM reaches: the measured large-GEMM efficiency (key[5]: MAMF,
+    autotune.costmodel.gemm_efficiency) x the best tile's tile and wave quantization (GEMM_TILES) x
+    the pipeline fill of its depth (GEMM_K_FILL)."""
+    e = key[5] * k / (k + GEMM_K_FILL)
     sms = SMS.get(key[0])
     if not sms:
         return e
@@ -346,8 +342,8 @@ def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.
 
 
 def micro_step_price(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
-                     seq_len: int, gpu: GpuSpec, sustained: float = 1.0) -> ComputePrice:
-    """Forward+backward of one micro step of `spec` on `gpu`, op by op (cached)."""
+                     seq_len: int, key: tuple, sustained: float = 1.0) -> ComputePrice:
+    """Forward+backward of one micro step of `spec` on the GPU `key` (gpu_key), op by op (cached)."""
     # the profile is per block: its cache key leaves the depth out
     profile = profile_for(replace(spec, num_layers=1), implementation, precision, attention, micro_batch, seq_len)
-    return price(profile, spec.num_layers, gpu_key(gpu, precision), sustained)
+    return price(profile, spec.num_layers, key, sustained)

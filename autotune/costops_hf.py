@@ -4,10 +4,11 @@ the code it is (GPT-2's eager `gelu_new`, dropout, Conv1D). A stand-in until aut
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from autotune.costops import Build
 from autotune.models import ModelSpec
 from autotune.train_config import torch_dtype
 
@@ -25,7 +26,8 @@ def _config(spec: ModelSpec, num_layers: int, attention: str):
                       attn_implementation=attention, use_cache=False, loss_type="ForCausalLM")
 
 
-def hf_build(spec: ModelSpec, *, precision: str, attention: str) -> Build:
+def hf_build(spec: ModelSpec, *, precision: str, attention: str) -> Callable[[int], nn.Module]:
+    """autotune.costops.Build for transformers' GPT-2 (costops_hf must not import costops back)."""
     def build(num_layers: int) -> nn.Module:
         from transformers import GPT2LMHeadModel
 

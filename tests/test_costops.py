@@ -67,28 +67,28 @@ def test_gemm_price_by_hand():
     """A 4096^3 bf16 GEMM on an A100: FLOPs over peak x MAMF 0.869 x depth fill 4096/(4096+128)
     x sustained (its 256x128 tiles fill 512 = 4.74 waves of 108 SMs; 128x128 tiles: 1024 = 9.48,
     so 9.48/10), bytes below the roofline; plus one launch."""
-    key = co.gpu_key(A100.gpu, "bf16")
+    key = cm.price_key(A100.gpu, "bf16")
     n = 4096
     op = co.Op("gemm", "mm", "fwd", 2.0 * n ** 3, 3 * n * n * 2, (1, n, n, n))
     eff = 0.869 * n / (n + 128) * 1024 / 1080
     assert co.gemm_s(op, key, 0.7) == pytest.approx(2 * n ** 3 / (312e12 * eff * 0.7) + co.LAUNCH_S)
     # fp32: the plain FP32 peak, ~16x slower (no TF32)
-    key32 = co.gpu_key(A100.gpu, "fp32")
+    key32 = cm.price_key(A100.gpu, "fp32")
     assert co.gemm_s(op, key32, 0.7) / co.gemm_s(op, key, 0.7) > 312 / 19.5 * 0.9
 
 
 def test_memory_bound_kernels_price_bytes_over_achieved_bandwidth():
-    key = co.gpu_key(A100.gpu, "bf16")
+    key = cm.price_key(A100.gpu, "bf16")
     op = co.Op("elementwise", "add", "fwd", 0.0, 3 * 2**27)
     assert co.elementwise_s(op, key, 0.7) == pytest.approx(3 * 2**27 / (2039e9 * 0.83) + co.LAUNCH_S)
 
 
 def test_attention_efficiency_rises_with_sequence_and_head_dim():
-    key = co.gpu_key(A100.gpu, "bf16")
+    key = cm.price_key(A100.gpu, "bf16")
     e = [co.attention_efficiency(key, "fwd", 128, s, True) for s in (512, 2048, 16384)]
     assert e[0] < e[1] < e[2] < 0.73
     assert co.attention_efficiency(key, "fwd", 64, 2048, True) < e[1]
-    v100 = co.gpu_key(parse_gpus("8xV100").gpu, "fp16")  # no flash kernel below sm80
+    v100 = cm.price_key(parse_gpus("8xV100").gpu, "fp16")  # no flash kernel below sm80
     assert co.attention_efficiency(v100, "fwd", 128, 2048, True) == pytest.approx(e[1] * co.EFFICIENT_KERNEL_SCALE)
 
 
