@@ -56,6 +56,9 @@ class Op:
     nbytes: int
     shape: tuple = ()
     """gemm: (batch, m, k, n); attention: (b, heads, s_q, s_kv, head_dim, causal)."""
+    term: str = ""
+    """The breakdown term it is reported under when not its class: "attention" for the GEMMs and
+    element-wise kernels of eager attention (they touch an s x s score tensor)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -75,10 +78,17 @@ def _gemm_shape(func, args) -> tuple:
 class _Recorder(TorchDispatchMode):
     """Counts each kernel-launching op of the step (see Op)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seq_len: int, score_numel: int) -> None:
         super().__init__()
         self.ops: Counter[Op] = Counter()
         self.phase = "fwd"
+        self.seq_len, self.score_numel = seq_len, score_numel
+
+    def _touches_scores(self, tensors: list[torch.Tensor]) -> bool:
+        """An eager attention score tensor: (..., s, s) with micro batch x heads x s x s elements
+        (not a weight or an activation whose hidden size happens to equal s)."""
+        s = self.seq_len
+        return any(t.dim() >= 3 and tuple(t.shape[-2:]) == (s, s) and t.numel() == self.score_numel for t in tensors)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,13 +98,14 @@ class _Recorder(TorchDispatchMode):
             return out
         tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         nbytes = sum(_nbytes(t) for t in tensors)
+        scores = "attention" if self._touches_scores(tensors) else ""
         if packet in GEMM_OPS:
             op = Op("gemm", packet.__name__, self.phase, float(fc.flop_registry[packet](*args, **kwargs, out_val=out)),
-                    nbytes, _gemm_shape(func, args))
+                    nbytes, _gemm_shape(func, args), scores)
         elif packet in SDPA_FWD or packet in SDPA_BWD:
             op = self._attention(packet, args, kwargs, nbytes)
         else:
-            op = Op("elementwise", packet.__name__, self.phase, 0.0, nbytes)
+            op = Op("elementwise", packet.__name__, self.phase, 0.0, nbytes, term=scores)
         self.ops[op] += 1
         return out
 
@@ -134,22 +145,24 @@ class OpProfile:
         return out
 
 
-def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len: int, vocab: int) -> Counter[Op]:
+def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len: int, vocab: int,
+           heads: int = 0) -> Counter[Op]:
     with FakeTensorMode():
         model = build(num_layers)
         model.train()  # dropout where the code has it, as in training
         batch = torch.randint(0, vocab, (micro_batch, seq_len + 1))
-        with _Recorder() as rec:
+        with _Recorder(seq_len, micro_batch * heads * seq_len * seq_len) as rec:
             value = loss(model, batch)
             rec.phase = "bwd"
             value.backward()
     return rec.ops
 
 
-def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, vocab: int) -> OpProfile:
+def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, vocab: int, heads: int = 0) -> OpProfile:
     """Trace 1- and 2-block copies and split their ops into one block's and the rest (the
-    difference of the two multisets is one block; blocks run the same ops)."""
-    one, two = (_trace(build, loss, n, micro_batch, seq_len, vocab) for n in (1, 2))
+    difference of the two multisets is one block; blocks run the same ops). `heads`: attention
+    heads, to report eager attention's kernels under attention (0: by class only)."""
+    one, two = (_trace(build, loss, n, micro_batch, seq_len, vocab, heads) for n in (1, 2))
     layer = two - one
     rest = one - layer
     if one - rest != layer:  # a block's op missing from the 1-block trace: not a per-block split
@@ -189,7 +202,8 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
         build, loss = hf_build(spec, precision=precision, attention=attention), hf_loss
     else:
         raise ValueError(f"unknown implementation {implementation!r}: builtin or hf")
-    return op_profile(build, loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size)
+    return op_profile(build, loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,
+                      heads=spec.num_heads)
 
 
 # ---- pricing ---------------------------------------------------------------------------------
@@ -318,7 +332,8 @@ OP_PRICE = {"gemm": gemm_s, "attention": attention_s, "elementwise": elementwise
 
 @dataclass(frozen=True)
 class ComputePrice:
-    """Seconds of one micro step's forward+backward by op class, and a block's forward alone."""
+    """Seconds of one micro step's forward+backward by term (an op's class; eager attention's GEMMs
+    and score kernels under attention), and a block's forward alone."""
 
     gemm: float
     attention: float
@@ -333,8 +348,8 @@ def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.
     """Price every distinct op once, times its count (cached per profile, depth, GPU, sustained)."""
     per = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0}
     ops = profile.ops(num_layers)
-    for op, n in ops.items():
-        per[op.cls] += n * OP_PRICE[op.cls](op, key, sustained)
+    for op, n in ops.items():  # priced by class, reported by term (eager attention under attention)
+        per[op.term or op.cls] += n * OP_PRICE[op.cls](op, key, sustained)
     fwd = sum(n * OP_PRICE[op.cls](op, key, sustained) for op, n in profile.layer if op.phase == "fwd")
     kernels = sum(ops.values())
     return ComputePrice(gemm=per["gemm"], attention=per["attention"], elementwise=per["elementwise"],

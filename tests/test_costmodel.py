@@ -145,12 +145,12 @@ def test_bigger_micro_batch_is_faster_per_token_and_checkpointing_slower():
 
 
 def test_eager_attention_costs_score_traffic():
-    """Eager attention writes and reads the s x s scores; sdpa keeps none (FlashAttention)."""
+    """Eager attention writes and reads the s x s scores; sdpa keeps none (FlashAttention). Eager's
+    GEMMs and score kernels are reported under attention."""
     eager = cm.simulate(L13B, A100x8, cfg(attention="eager")).breakdown_s
     sdpa = cm.simulate(L13B, A100x8, cfg(attention="sdpa")).breakdown_s
-    assert sdpa["attention"] > 0 and eager["attention"] == 0  # eager's are GEMMs and element-wise ops
-    assert eager["elementwise"] > sdpa["elementwise"] + 0.5 * sdpa["attention"]
-    assert eager["compute"] > sdpa["compute"]
+    assert eager["attention"] > 1.5 * sdpa["attention"] > 0
+    assert eager["compute"] == pytest.approx(sdpa["compute"], rel=0.01)  # the weight GEMMs alike
 
 
 def test_timer_scope_leaves_out_the_host():

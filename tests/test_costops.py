@@ -123,3 +123,13 @@ def test_per_term_view_sums_to_the_step():
                       "optimizer", "host"}
     assert sum(t.values()) == pytest.approx(s.step_time_s)
     assert t["compute"] > t["attention"] > 0 and t["recompute"] > 0
+
+
+def test_eager_attention_kernels_are_reported_under_attention():
+    """Eager's QK^T, AV and score kernels go under attention; a weight GEMM whose width equals the
+    sequence length (hidden 128, seq 128) does not."""
+    p = co.profile_for(GPT2, "builtin", "fp32", "eager", 2, GPT2.hidden_size)
+    tagged = [op for op, _ in p.layer if op.term == "attention"]
+    assert {op.name for op in tagged} >= {"bmm", "_softmax"}
+    assert all(op.shape[0] > 1 for op in tagged if op.cls == "gemm")  # batched: per (sequence, head)
+    assert not [op for op, _ in p.layer if op.cls == "gemm" and op.name in ("mm", "addmm") and op.term]
