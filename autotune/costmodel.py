@@ -1,15 +1,17 @@
 """Throughput cost model: seconds per optimizer step of a model on a cluster under a TrainConfig.
 
 One pure function per time term; `simulate()` adds them up. Every constant says where it comes
-from. One constant is fitted, globally, to the published points in data/calibration.yaml:
-`Constants.elementwise_passes` (benchmarks/fit_costmodel.py; docs/costmodel.md). Times are
+from. The compute of a micro step is priced op by op from the traced program (autotune/costops.py).
+One constant is fitted, globally, to the published points in data/calibration.yaml:
+`Constants.sustained` (benchmarks/fit_costmodel.py; docs/costmodel.md). Times are
 seconds, sizes bytes, bandwidths bytes per second inside (GB/s = 10^9 at the edge).
 
 Per GPU, data parallel over all `world_size` ranks:
 
     step = grad_accum x (compute + recompute + ZeRO comm of a micro step, less what overlaps)
            + ZeRO comm of the step (less what overlaps) + optimizer step (or offload)
-    compute = weight GEMMs and LM head + attention + element-wise ops + logits, fwd and bwd
+           + host (end to end only: the training loop outside the engine's timers)
+    compute = GEMMs + attention kernels + element-wise/reduction kernels of the traced step, fwd+bwd
 """
 
 from __future__ import annotations
@@ -43,26 +45,6 @@ CPU_ADAM_PARAMS_PER_S = 1e9 / 0.22
 """DeepSpeedCPUAdam: 1B parameters in 0.22 s on a DGX-2 host (Ren et al. 2021, "ZeRO-Offload",
 USENIX ATC, Table 3). Per node, shared by the node's ranks."""
 
-EAGER_SCORE_PASSES = 25.0
-"""Reads+writes per s x s score element, forward and backward, of the eager
-softmax(QK^T/sqrt(d))V (transformers' GPT2Attention._attn): forward QK^T write 1, scale 2,
-causal mask 2.5, softmax 2, dropout 2.5, AV read 1; backward the mirror and saved outputs, 14.
-sdpa (flash / memory-efficient) keeps no s x s matrix (Dao et al. 2022, FlashAttention, sec. 3)."""
-
-GELU_PASSES = {"fused": 5.0, "composite": 46.0}
-"""Reads+writes per MLP-activation element, forward and backward. fused (one kernel: torch's
-F.gelu, as autotune's trial model): forward 2, backward 3. composite (HF GPT-2's gelu_new,
-0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))) in eager ops): 8 ops forward (18), their backward
-with the three-way gradient sum (28)."""
-
-DROPOUT_PASSES = 10.0
-"""Per hidden element, a block's two residual dropouts (p > 0): forward read, write, 1-byte mask;
-backward read, mask, write: 2 x (2.5 + 2.5)."""
-
-LOGIT_PASSES = 8.0
-"""Per vocabulary logit per token: LM-head write, shift copy (2), log-softmax (2), its backward
-(read 2, write 1), counted from transformers' causal-LM loss."""
-
 ADAM_BYTES_PER_PARAM = {"fused": 28.0, "unfused": 88.0, "8bit": 16.0}
 """The Adam update itself. fused (DeepSpeed FusedAdam, multi-tensor): read p, g, m, v, write p, m,
 v = 7 x 4. unfused (per-tensor torch ops: transformers.AdamW, Composer's DecoupledAdamW): mul_,
@@ -84,16 +66,26 @@ Learning Go Brrrr From First Principles", "Overhead"). The per-tensor host reads
 and GPU, so the unfused step pays it on top of its memory time."""
 
 
+HOST_STEP_S = 1.1e-3
+"""Per micro step, the training loop's host work outside DeepSpeed's forward/backward/step timers,
+with the GPU idle as those timers synchronise: the next batch from a DataLoader (num_workers 0, the
+HF Trainer's default), default_data_collator over run_clm-style token lists, the copy to the device,
+the loss bookkeeping. Measured here: median 1.11 ms for micro batch 3 x 1024 tokens
+(`PYTHONPATH=. python benchmarks/host_step.py`; host CPU work, so a CPU measures it)."""
+
+SUSTAINED_FIT = 0.685
+"""benchmarks/fit_costmodel.py's result (see Constants.sustained)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Constants:
     """The fitted constant (benchmarks/fit_costmodel.py; docs/costmodel.md, "Calibration")."""
 
-    elementwise_passes: float = 324.0
-    """Hidden-sized element reads+writes per token per block, forward and backward, of the
-    non-GEMM ops not counted elsewhere (norms, residuals, casts, copies, rotary). A hand count
-    gives ~60; the fit, ~5x that, absorbs what a count misses: small-kernel bandwidth, autocast
-    casts, allocator traffic. Ivanov et al. 2021 ("Data Movement Is All You Need", MLSys, Table 1)
-    measure such ops at 39% of BERT-large's PyTorch training time on V100, at 0.2% of its FLOPs."""
+    sustained: float = SUSTAINED_FIT
+    """Share of a kernel benchmark's efficiency (MAMF for GEMMs, FlashAttention-2's for attention)
+    that the compute-bound kernels keep inside a training step: clocks under sustained power,
+    collectives running beside them on the same SMs and memory, cuBLAS' per-shape choices. One
+    global number, fitted to the calibration points; memory-bound kernels are not scaled."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,10 +102,9 @@ class Runtime:
     optimizer_tensors: int | None = None
     """Tensors an unfused optimizer loops over; None: DeepSpeed's (every parameter tensor at ZeRO-0,
     the two flat partitions, with and without weight decay, at ZeRO >= 1)."""
-    activation: str = "fused"
-    """MLP activation: "fused" (one kernel; SwiGLU counted so) or "composite" (HF GPT-2's gelu_new)."""
-    dropout: bool = False
-    """Residual dropout with p > 0 (HF GPT-2's 0.1; autotune's trial model has none)."""
+    implementation: str = "builtin"
+    """The code whose step is traced and priced op by op (autotune/costops.py): "builtin" (autotune's
+    trial model: fused GELU, no dropout) or "hf" (transformers' modeling code as it is)."""
     source: str = "autotune.deepspeed_config.zero_section"
 
 
@@ -130,11 +121,21 @@ class SimulatedStep:
     mfu: float
     """tflops_per_gpu over the GPU's dense peak for the precision (PaLM, Chowdhery et al. 2022, App. B)."""
     breakdown_s: dict[str, float] = field(default_factory=dict)
-    """Seconds per step of each term (they sum to step_time_s): matmul, attention, elementwise,
-    logits, recompute (forward+backward of all micro steps); grad_reduce, param_gather,
-    stage3_gather (ZeRO communication); overlap (the communication hidden behind compute,
-    negative); optimizer; offload."""
+    """Seconds per step of each term (they sum to step_time_s): compute (GEMMs), attention,
+    elementwise, recompute (forward+backward of all micro steps, priced op by op); grad_reduce,
+    param_gather, stage3_gather (ZeRO communication); overlap (the communication hidden behind
+    compute, negative); optimizer; offload; host (end to end only). `terms()` groups them."""
     source: str = "simulated"
+
+    def terms(self) -> dict[str, float]:
+        """The per-term view (seconds per step): compute, attention, elementwise, recompute,
+        communication exposed (collectives less what hides under compute), optimizer (with
+        offload), host."""
+        b = self.breakdown_s
+        comm = sum(b.get(k, 0.0) for k in ("grad_reduce", "param_gather", "stage3_gather", "overlap"))
+        return {"compute": b["compute"], "attention": b["attention"], "elementwise": b["elementwise"],
+                "recompute": b["recompute"], "communication exposed": comm,
+                "optimizer": b.get("optimizer", 0.0) + b.get("offload", 0.0), "host": b.get("host", 0.0)}
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -167,61 +168,25 @@ def hbm_bytes_per_s(gpu: GpuSpec) -> float:
     return gpu.hbm_gbps * GB_PER_S * HBM_EFFICIENCY  # achieved, not datasheet
 
 
-def gemm_time_s(m: int, k: int, n: int, gpu: GpuSpec, precision: str) -> float:
-    """Forward and both backward GEMMs (dgrad, wgrad) of an (m x k) @ (k x n) product.
+def price_key(gpu: GpuSpec, precision: str) -> tuple:
+    """What autotune.costops prices a GPU by (hashable): its peaks, achieved HBM, measured E."""
+    from autotune.costops import gpu_key
 
-    Each does 2mkn FLOPs and moves mk + kn + mn elements (NVIDIA, "Matrix Multiplication
-    Background User's Guide", arithmetic intensity). Compute and memory time add: the efficiency,
-    E / (1 + E * peak / (intensity * bandwidth)), then rises smoothly with the matrix sizes and
-    saturates at the measured E (roofline: Williams, Waterman & Patterson 2009, CACM 52(4))."""
-    flops = 2.0 * m * k * n
-    moved = (m * k + k * n + m * n) * dtype_bytes(precision)
-    one = flops / (gemm_efficiency(gpu) * peak_flops(gpu, precision)) + moved / hbm_bytes_per_s(gpu)
-    return 3.0 * one
+    peak_flops(gpu, precision)  # CPU ranks have no datasheet: say so before tracing
+    return gpu_key(gpu, precision, hbm_bytes_s=hbm_bytes_per_s(gpu), gemm_efficiency=gemm_efficiency(gpu))
 
 
-def layer_gemm_shapes(model: ModelSpec) -> list[tuple[int, int]]:
-    """(k, n) of each weight matrix of one block: QKV, attention output, MLP."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    mlp = [(h, f), (h, f), (f, h)] if model.mlp == "swiglu" else [(h, f), (f, h)]
-    return [(h, model.q_dim + 2 * model.kv_dim), (model.q_dim, h), *mlp]
+def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: Constants) -> dict[str, float]:
+    """Forward+backward seconds of one micro step, per op class, priced op by op from the traced
+    step of `rt.implementation` (autotune/costops.py): GEMMs (weights and LM head: `compute`),
+    attention kernels, element-wise and reduction kernels (norms, activations, loss, casts, eager
+    scores); `recompute` reruns the forward of each checkpointed block in backward."""
+    from autotune.costops import micro_step_price
 
-
-def layer_matmul_s(model: ModelSpec, tokens: int, gpu: GpuSpec, precision: str) -> float:
-    """One block's weight GEMMs, forward and backward."""
-    return sum(gemm_time_s(tokens, k, n, gpu, precision) for k, n in layer_gemm_shapes(model))
-
-
-def layer_attention_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec) -> float:
-    """QK^T and AV of one block, forward and backward: 12 s q_dim FLOPs per token (Kaplan et al.
-    2020, Table 1, x3 for backward), plus the eager path's s x s score traffic."""
-    tokens = cfg.tokens_per_micro_batch
-    t = 12.0 * cfg.seq_len * model.q_dim * tokens / (gemm_efficiency(gpu) * peak_flops(gpu, cfg.precision))
-    if cfg.attention == "eager":
-        scores = tokens * model.num_heads * cfg.seq_len
-        t += scores * EAGER_SCORE_PASSES * dtype_bytes(cfg.precision) / hbm_bytes_per_s(gpu)
-    return t
-
-
-def layer_elementwise_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: Constants) -> float:
-    """Memory-bound non-GEMM ops of one block, forward and backward: the fitted hidden-sized
-    passes, the MLP activation over the FFN width, residual dropout if any."""
-    per_token = model.hidden_size * (c.elementwise_passes + (DROPOUT_PASSES if rt.dropout else 0.0))
-    per_token += model.ffn_hidden_size * GELU_PASSES[rt.activation]
-    return cfg.tokens_per_micro_batch * per_token * dtype_bytes(cfg.precision) / hbm_bytes_per_s(gpu)
-
-
-def logits_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec) -> float:
-    """Softmax cross-entropy over the vocabulary, forward and backward (memory bound)."""
-    moved = cfg.tokens_per_micro_batch * model.vocab_size * LOGIT_PASSES * dtype_bytes(cfg.precision)
-    return moved / hbm_bytes_per_s(gpu)
-
-
-def recompute_s(cfg: TrainConfig, layer_fwd_bwd_s: float) -> float:
-    """Checkpointing reruns the forward of the k checkpointed blocks during backward. A forward is
-    a third of forward+backward (backward = 2 x forward FLOPs; Narayanan et al. 2021, SC'21,
-    sec. 5.1: a step with recomputation costs four forward passes)."""
-    return cfg.ckpt_layers * layer_fwd_bwd_s / 3.0
+    p = micro_step_price(model, rt.implementation, cfg.precision, cfg.attention, cfg.micro_batch, cfg.seq_len,
+                         price_key(gpu, cfg.precision), c.sustained)
+    return {"compute": p.gemm, "attention": p.attention, "elementwise": p.elementwise,
+            "recompute": cfg.ckpt_layers * p.layer_forward}
 
 
 # ---- communication ---------------------------------------------------------------------------
@@ -328,20 +293,15 @@ def runtime_for(cfg: TrainConfig, model: ModelSpec) -> Runtime:
                    contiguous_gradients=bool(z.get("contiguous_gradients", True)))
 
 
-def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: Constants) -> dict[str, float]:
-    """Forward+backward seconds of one micro step, per term."""
-    tokens, L = cfg.tokens_per_micro_batch, model.num_layers
-    mm = layer_matmul_s(model, tokens, gpu, cfg.precision)
-    attn = layer_attention_s(model, cfg, gpu)
-    elt = layer_elementwise_s(model, cfg, gpu, rt, c)
-    head = gemm_time_s(tokens, model.hidden_size, model.vocab_size, gpu, cfg.precision)
-    return {"matmul": L * mm + head, "attention": L * attn,
-            "elementwise": L * elt, "logits": logits_s(model, cfg, gpu), "recompute": recompute_s(cfg, mm + attn + elt)}
-
-
 def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: Runtime | None = None,
-             constants: Constants | None = None) -> SimulatedStep:
-    """Simulated step time and throughput of `cfg` (the sum in the module docstring)."""
+             constants: Constants | None = None, scope: str = "end_to_end") -> SimulatedStep:
+    """Simulated step time and throughput of `cfg` (the sum in the module docstring).
+
+    scope "end_to_end": what a user's training loop gets, the host's per-step work included;
+    "engine_timers": DeepSpeed's forward + backward + step timers only, the quantity its autotuner
+    reports (deepspeed/runtime/engine.py `_autotuning_exit`), without the host term."""
+    if scope not in ("end_to_end", "engine_timers"):
+        raise ValueError(f"scope {scope!r}: end_to_end or engine_timers")
     rt = runtime or runtime_for(cfg, model)
     ga, L = cfg.grad_accum, model.num_layers
     micro = compute_s(model, cfg, cluster.gpu, rt, constants or Constants())
@@ -363,6 +323,8 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
         "overlap": -overlap,
         "optimizer": optimizer_s(model, cfg, cluster, rt),
         "offload": offload_s(model, cfg, cluster)}
+    if scope == "end_to_end":
+        parts["host"] = ga * HOST_STEP_S  # a batch is fetched per micro step
     step_s = sum(parts.values())
     tok_s = cfg.tokens_per_micro_batch * ga / step_s
     flops = model.flops_per_token(cfg.seq_len) * tok_s
@@ -382,6 +344,7 @@ class CalibrationPoint:
     config: TrainConfig
     runtime: Runtime
     metric: str  # the SimulatedStep field the measurement is compared on
+    scope: str  # what the figure times: end_to_end, or engine_timers (DeepSpeed's autotuner metric)
     measured: float
     source: str
 
@@ -395,11 +358,12 @@ def calibration_points() -> list[CalibrationPoint]:
         metric, value = next(iter(p["measured"].items()))
         out.append(CalibrationPoint(name=name, model=resolve_model(p["model"]), cluster=parse_gpus(p["gpus"]),
                                     config=TrainConfig(**p["config"]), runtime=Runtime(**p["runtime"]),
-                                    metric=metric, measured=float(value), source=p["source"]))
+                                    metric=metric, scope=p.get("scope", "end_to_end"), measured=float(value),
+                                    source=p["source"]))
     return out
 
 
 def calibration_errors(constants: Constants | None = None) -> dict[str, float]:
     """Point name -> simulated / measured - 1."""
-    return {p.name: getattr(simulate(p.model, p.cluster, p.config, runtime=p.runtime, constants=constants),
-                            p.metric) / p.measured - 1 for p in calibration_points()}
+    return {p.name: getattr(simulate(p.model, p.cluster, p.config, runtime=p.runtime, constants=constants,
+                                     scope=p.scope), p.metric) / p.measured - 1 for p in calibration_points()}

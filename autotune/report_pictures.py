@@ -175,12 +175,12 @@ def time_bars(recs, model, cluster, source: str) -> list[TimeBar]:
     for r in _ranked_runs(recs):
         if source == "simulated":
             b = costmodel.simulate(model, cluster, r.config).breakdown_s
-            parts = {"compute": b["matmul"] + b["attention"] + b["elementwise"] + b["logits"],
+            parts = {"compute": b["compute"] + b["attention"] + b["elementwise"],
                      "recompute": b["recompute"],
                      # exposed: the collectives minus what hides under compute (overlap is negative)
                      "exposed communication": b["grad_reduce"] + b["param_gather"] + b["stage3_gather"]
                      + b["overlap"],
-                     "optimizer": b["optimizer"], "offload": b["offload"]}
+                     "optimizer": b["optimizer"], "offload": b["offload"], "host": b.get("host", 0.0)}
             bars.append(TimeBar(_label(r), r.number, "simulated (cost model)", parts, sum(parts.values())))
         else:
             # A search records no profiler trace (TrialRequest.profile is off), so a measured step

@@ -1,4 +1,5 @@
-"""`autotune estimate`: the memory model's breakdown for one configuration."""
+"""`autotune estimate`: the memory model's breakdown for one configuration, and the throughput cost
+model's step time per term (`simulated`, with `breakdown_s` in --json)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def _simulated(model, cluster, cfg) -> dict | None:
     return simulate(model, cluster, cfg).to_json()
 
 
+def _print_simulated(model, cluster, cfg) -> None:
+    """The cost model's step time, per term (simulated: plan and rank with it, then measure)."""
+    if cluster.gpu.is_cpu:
+        return
+    from autotune.costmodel import simulate
+
+    s = simulate(model, cluster, cfg)
+    print(f"\nsimulated step {s.step_time_s:.4f} s: {s.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+          f"{s.samples_per_s:,.1f} samples/s, MFU {100 * s.mfu:.1f}%")
+    print(f"{'term (simulated)':<26} {'seconds':>10} {'share':>6}")
+    for name, t in s.terms().items():
+        print(f"{name:<26} {t:>10.4f} {100 * t / s.step_time_s:>5.1f}%")
+
+
 def run(args) -> int:
     from autotune.memory import estimate
     from autotune.units import GiB, fmt_bytes
@@ -63,6 +78,7 @@ def run(args) -> int:
     print(f"{'total per GPU':<26} {est.total_bytes:>16,} {est.total_bytes / GiB:>9.3f}")
     print("\npeak by phase: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.phases.items()))
     print(f"verdict: {est.verdict()}")
+    _print_simulated(model, cluster, cfg)
     if args.trace:
         from autotune.memory.traced import compare, trace
 

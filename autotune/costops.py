@@ -1,0 +1,364 @@
+"""Op-level compute pricing: trace the step that runs, price each op on a roofline of its class.
+
+`op_profile(build, loss, ...)` runs ONE forward+backward of a few-layer copy of the model on fake
+tensors (FakeTensorMode: shapes, no data) under a TorchDispatchMode that records every kernel-
+launching op: its class, FLOPs (torch.utils.flop_counter's formulas), bytes read and written, and
+the shape a roofline needs. Two copies (1 and 2 blocks) give the ops of one block and of the rest
+(embedding, head, loss); a model of L blocks is the rest + L x one block, as the memory model's
+traced tier extrapolates (autotune/memory/traced.py). `price(profile, gpu, precision)` prices each
+distinct op once and multiplies by its count (seconds per class). Both are cached per
+(model, implementation, precision, attention, micro batch, seq len) and per GPU, so a search
+re-traces only when one of those changes. docs/costmodel.md ("Op-level compute") lists the sources.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import cache
+
+import torch
+import torch.utils.flop_counter as fc
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autotune.hardware import GpuSpec
+from autotune.models import ModelSpec
+from autotune.train_config import torch_dtype
+
+aten = torch.ops.aten
+GEMM_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+"""aten ops a linear layer or a matmul lowers to (nn.Linear -> addmm/mm; q @ k^T -> bmm)."""
+SDPA_FWD = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention}
+SDPA_BWD = {aten._scaled_dot_product_flash_attention_backward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward,
+            aten._scaled_dot_product_efficient_attention_backward,
+            aten._scaled_dot_product_cudnn_attention_backward}
+NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.detach, aten.lift_fresh, aten._unsafe_view,
+             aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym_numel}
+"""Ops that allocate or describe a tensor without launching a kernel (views are skipped by their
+schema: OpOverload.is_view)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op as the step runs it: class, aten name, fwd or bwd, FLOPs, bytes read+written, shape."""
+
+    cls: str  # "gemm" | "attention" | "elementwise" (element-wise and reductions)
+    name: str
+    phase: str  # "fwd" | "bwd"
+    flops: float
+    nbytes: int
+    shape: tuple = ()
+    """gemm: (batch, m, k, n); attention: (b, heads, s_q, s_kv, head_dim, causal)."""
+    term: str = ""
+    """The breakdown term it is reported under when not its class: "attention" for the GEMMs and
+    element-wise kernels of eager attention (they touch an s x s score tensor)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches for `t`: its elements, at most its storage (a broadcast (expanded)
+    input is read once per stored element, not once per logical element)."""
+    return min(t.numel(), t.untyped_storage().nbytes() // max(t.element_size(), 1)) * t.element_size()
+
+
+def _gemm_shape(func, args) -> tuple:
+    packet = func._overloadpacket
+    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+    if a.dim() == 3:
+        return (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
+    return (1, a.shape[0], a.shape[1], b.shape[1])
+
+
+class _Recorder(TorchDispatchMode):
+    """Counts each kernel-launching op of the step (see Op)."""
+
+    def __init__(self, seq_len: int, score_numel: int) -> None:
+        super().__init__()
+        self.ops: Counter[Op] = Counter()
+        self.phase = "fwd"
+        self.seq_len, self.score_numel = seq_len, score_numel
+
+    def _touches_scores(self, tensors: list[torch.Tensor]) -> bool:
+        """An eager attention score tensor: (..., s, s) with micro batch x heads x s x s elements
+        (not a weight or an activation whose hidden size happens to equal s)."""
+        s = self.seq_len
+        return any(t.dim() >= 3 and tuple(t.shape[-2:]) == (s, s) and t.numel() == self.score_numel for t in tensors)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if func.is_view or packet in NO_KERNEL or func.namespace == "prim":
+            return out
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        nbytes = sum(_nbytes(t) for t in tensors)
+        scores = "attention" if self._touches_scores(tensors) else ""
+        if packet in GEMM_OPS:
+            op = Op("gemm", packet.__name__, self.phase, float(fc.flop_registry[packet](*args, **kwargs, out_val=out)),
+                    nbytes, _gemm_shape(func, args), scores)
+        elif packet in SDPA_FWD or packet in SDPA_BWD:
+            op = self._attention(packet, args, kwargs, nbytes)
+        else:
+            op = Op("elementwise", packet.__name__, self.phase, 0.0, nbytes, term=scores)
+        self.ops[op] += 1
+        return out
+
+    def _attention(self, packet, args, kwargs, nbytes: int) -> Op:
+        """FLOPs as torch.utils.flop_counter counts sdpa (full s x s, causal or not; backward = the
+        recomputed scores + four matmuls); the CPU flash op has no registered formula, so the
+        formula is called on the shapes here."""
+        if packet in SDPA_FWD:
+            q, k, v = args[:3]
+            flops = fc.sdpa_flop_count(q.shape, k.shape, v.shape)
+        else:
+            grad, q, k, v = args[:4]
+            flops = fc.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+        causal = bool(kwargs.get("is_causal", False) or any(a is True for a in args[3:]))
+        b, h, s, d = q.shape
+        return Op("attention", packet.__name__, self.phase, float(flops), nbytes, (b, h, s, k.shape[2], d, causal))
+
+
+Build = Callable[[int], nn.Module]
+"""Builds the model with the given number of blocks (in the target dtype, on the fake mode)."""
+Loss = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""The training loss of the model on a (micro batch, seq len + 1) token batch."""
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """The ops of one forward+backward: `layer` once per block, `rest` once (embedding, head, loss)."""
+
+    layer: tuple[tuple[Op, int], ...]
+    rest: tuple[tuple[Op, int], ...]
+
+    def ops(self, num_layers: int) -> Counter[Op]:
+        """Every op of an L-block model with its count."""
+        out = Counter(dict(self.rest))
+        for op, n in self.layer:
+            out[op] += n * num_layers
+        return out
+
+
+def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len: int, vocab: int,
+           heads: int = 0) -> Counter[Op]:
+    with FakeTensorMode():
+        model = build(num_layers)
+        model.train()  # dropout where the code has it, as in training
+        batch = torch.randint(0, vocab, (micro_batch, seq_len + 1))
+        with _Recorder(seq_len, micro_batch * heads * seq_len * seq_len) as rec:
+            value = loss(model, batch)
+            rec.phase = "bwd"
+            value.backward()
+    return rec.ops
+
+
+def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, vocab: int, heads: int = 0) -> OpProfile:
+    """Trace 1- and 2-block copies and split their ops into one block's and the rest (the
+    difference of the two multisets is one block; blocks run the same ops). `heads`: attention
+    heads, to report eager attention's kernels under attention (0: by class only)."""
+    one, two = (_trace(build, loss, n, micro_batch, seq_len, vocab, heads) for n in (1, 2))
+    layer = two - one
+    rest = one - layer
+    if one - rest != layer:  # a block's op missing from the 1-block trace: not a per-block split
+        raise ValueError("the traced blocks do not run the same ops; cannot extrapolate per block")
+    return OpProfile(layer=tuple(sorted(layer.items(), key=repr)), rest=tuple(sorted(rest.items(), key=repr)))
+
+
+# ---- the builtin implementation -------------------------------------------------------------
+def builtin_build(spec: ModelSpec, *, precision: str, attention: str) -> Build:
+    """autotune's trial model (autotune/trial/model.py), parameters made in the training dtype
+    (fake parameters cannot be cast: built under torch's default dtype, as traced.py does)."""
+    from autotune.trial.model import Transformer
+
+    def build(num_layers: int) -> nn.Module:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch_dtype(precision))
+        try:
+            return Transformer(replace(spec, num_layers=num_layers), attention=attention)
+        finally:
+            torch.set_default_dtype(default)
+    return build
+
+
+def builtin_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch[:, :-1], batch[:, 1:])
+
+
+@cache
+def profile_for(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
+                seq_len: int) -> OpProfile:
+    """The cached op profile of one (model, implementation, precision, attention, micro batch, seq
+    len). `implementation`: "builtin" (autotune's trial model) or "hf" (transformers' own code)."""
+    if implementation == "builtin":
+        build, loss = builtin_build(spec, precision=precision, attention=attention), builtin_loss
+    elif implementation == "hf":
+        from autotune.costops_hf import hf_build, hf_loss
+        build, loss = hf_build(spec, precision=precision, attention=attention), hf_loss
+    else:
+        raise ValueError(f"unknown implementation {implementation!r}: builtin or hf")
+    return op_profile(build, loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,
+                      heads=spec.num_heads)
+
+
+# ---- pricing ---------------------------------------------------------------------------------
+SMS = {"V100-32GB": 80, "V100-16GB": 80, "T4": 40, "A100-80GB": 108, "A100-40GB": 108, "H100-80GB": 132,
+       "H200": 132, "RTX4090": 128, "L40S": 142}
+"""Streaming multiprocessors, the waves a GEMM's tiles run in: NVIDIA Volta (V100 80), Turing (T4 40),
+Ampere (A100 108), Hopper (H100/H200 SXM 132), Ada (RTX 4090 128, L40S 142) architecture whitepapers."""
+
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+"""Output tiles cuBLAS picks among for large 16-bit GEMMs; a GEMM pays for whole tiles (tile
+quantization) and whole waves of SMs (wave quantization): NVIDIA, "Matrix Multiplication
+Background User's Guide", sec. "Dimension Quantization Effects" (its A100 example: 256x128 tiles,
+108 SMs). The best of these is taken, as cuBLAS' heuristics pick per shape."""
+
+GEMM_K_FILL = 128
+"""K-elements of a GEMM's main loop a tile spends filling its pipeline before the first MMA: a
+multistage kernel loads (stages - 1) K-blocks ahead (CUTLASS sm80 16-bit defaults: 3 stages of
+BK = 64, include/cutlass/gemm/device/default_gemm_configuration.h). Each output tile pays it once,
+so the efficiency of a GEMM of depth K is K / (K + 128) of a deep one's: why small-K GEMMs (a
+1280-wide model's projections) run below the best shape a benchmark sweep finds."""
+
+LAUNCH_S = 4e-6
+"""GPU time a kernel costs beyond its roofline, back to back on a stream: launch latency and the
+ramp up/down of an under-filled GPU. NVIDIA developer blog, "Getting Started with CUDA Graphs"
+(2019): 3.8 us per 2.9 us kernel launched back to back without graphs, ~1 us of it launch; a
+short kernel's own floor makes up the rest. Charged once per traced kernel."""
+
+FLASH_EFFICIENCY = {"A100": (0.73, 0.63), "H100": (0.35, 0.30)}
+"""(forward, backward) fraction of the 16-bit dense peak a FlashAttention-2 kernel reaches at long
+sequences, head dim 128. A100: "up to 73% of the theoretical max throughput in the forward pass,
+and up to 63% in the backward pass" (Dao 2023, "FlashAttention-2", arXiv:2307.08691, sec. 4.1:
+a published kernel benchmark, attention alone, not a training-throughput table). H100: "only 35%
+utilization" for FlashAttention-2 on H100 (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608,
+abstract), forward; backward scaled by A100's 63/73. PyTorch's sdpa runs FlashAttention-2 for 16-bit
+inputs on sm80+. Other GPUs take the row of their generation (Hopper: H100; the rest: A100)."""
+
+EFFICIENT_KERNEL_SCALE = 0.5
+"""sdpa's memory-efficient kernel (xformers cutlass; what sdpa runs below sm80 or in fp32):
+FlashAttention-2 is "around 2x faster" than FlashAttention-1 and xformers (Dao 2023, sec. 4.1, Fig. 4)."""
+
+ATTENTION_BLOCK = 128
+"""Query/key block of the flash kernels (FlashAttention-2 sec. 3: 128 x 128 for head dim 128).
+Under a causal mask the diagonal blocks are computed whole but half used: useful / computed =
+s / (s + block)."""
+
+SOFTMAX_OPS_PER_SCORE = 8.0
+"""Non-matmul work per score element in a flash kernel, in FP32-op equivalents: scale, max,
+subtract, sum, rescale (5) and exp on the SFU at a quarter of the FP32 rate (counted 4; NVIDIA CUDA C
+Programming Guide, "Arithmetic Instructions" throughput table, sm80: 64 FP32 / 16 SFU results per
+clock per SM), less the max/sub fused into one (-1). FlashAttention-2 sec. 3.1: non-matmul FLOPs cost
+~16x matmul FLOPs on A100. Sets how efficiency falls with smaller head dimension."""
+
+
+def gpu_key(gpu: GpuSpec, precision: str, *, hbm_bytes_s: float, gemm_efficiency: float) -> tuple:
+    """Hashable view of a GpuSpec for the price cache (GpuSpec holds a dict): name, peak for the
+    precision, FP32 peak, achieved HBM bytes/s, sm80+ (bf16), measured large-GEMM efficiency. The
+    cost model supplies the last two (autotune.costmodel.hbm_bytes_per_s, .gemm_efficiency)."""
+    return (gpu.name, gpu.peak_flops(precision), gpu.peak_flops("fp32"), hbm_bytes_s, gpu.bf16, gemm_efficiency)
+
+
+def _hbm(key: tuple) -> float:
+    return key[3]
+
+
+def gemm_efficiency(key: tuple, batch: int, m: int, n: int, k: int) -> float:
+    """Fraction of the peak one GEMM reaches: the measured large-GEMM efficiency (key[5]: MAMF,
+    autotune.costmodel.gemm_efficiency) x the best tile's tile and wave quantization (GEMM_TILES) x
+    the pipeline fill of its depth (GEMM_K_FILL)."""
+    e = key[5] * k / (k + GEMM_K_FILL)
+    sms = SMS.get(key[0])
+    if not sms:
+        return e
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / sms)
+        best = max(best, batch * m * n / (tiles * tm * tn) * tiles / (waves * sms))
+    return e * best
+
+
+def gemm_s(op: Op, key: tuple, sustained: float) -> float:
+    """One GEMM kernel (seconds): max(FLOPs / (peak x efficiency x sustained), bytes / achieved HBM)
+    + launch (roofline: Williams, Waterman & Patterson 2009, CACM 52(4)). `sustained`: the fitted
+    share of a benchmark's efficiency a training step keeps (autotune.costmodel.Constants)."""
+    batch, m, k, n = op.shape
+    compute = op.flops / (key[1] * gemm_efficiency(key, batch, m, n, k) * sustained)
+    return max(compute, op.nbytes / _hbm(key)) + LAUNCH_S
+
+
+def attention_efficiency(key: tuple, phase: str, head_dim: int, s_kv: int, causal: bool) -> float:
+    """Fraction of the 16-bit peak an sdpa kernel reaches (FLASH_EFFICIENCY at head dim 128, the
+    softmax share for other head dims, the causal diagonal's waste, the efficient kernel's scale)."""
+    name = key[0]
+    gen = "H100" if name.startswith(("H100", "H200", "GH200")) else "A100"
+    e = FLASH_EFFICIENCY[gen][0 if phase == "fwd" else 1]
+    ratio = key[1] / key[2] if key[2] else 16.0  # matmul / FP32 throughput
+
+    def mm_share(d: int) -> float:
+        return 4 * d / (4 * d + SOFTMAX_OPS_PER_SCORE * ratio)
+    e *= mm_share(head_dim) / mm_share(128)
+    if causal:
+        e *= s_kv / (s_kv + ATTENTION_BLOCK)
+    flash = key[4] and key[1] != key[2]  # sm80+ (bf16-capable) and a 16-bit precision
+    return e if flash else e * EFFICIENT_KERNEL_SCALE
+
+
+def attention_s(op: Op, key: tuple, sustained: float) -> float:
+    """One sdpa kernel (seconds). FLOPs as the flash kernels count their own speed: 4 b h s_q s_kv d
+    forward, halved under a causal mask, backward 2.5x forward (Dao-AILab/flash-attention
+    benchmarks/benchmark_flash_attention.py `flops`); bytes at achieved HBM as the floor."""
+    b, h, s_q, s_kv, d, causal = op.shape
+    fwd = 4.0 * b * h * s_q * s_kv * d / (2 if causal else 1)
+    flops = fwd if op.phase == "fwd" else 2.5 * fwd
+    peak = key[1]
+    return max(flops / (peak * attention_efficiency(key, op.phase, d, s_kv, causal) * sustained),
+               op.nbytes / _hbm(key)) + LAUNCH_S
+
+
+def elementwise_s(op: Op, key: tuple, sustained: float) -> float:
+    """An element-wise or reduction kernel (seconds): bytes read+written at achieved HBM + launch."""
+    return op.nbytes / _hbm(key) + LAUNCH_S
+
+
+OP_PRICE = {"gemm": gemm_s, "attention": attention_s, "elementwise": elementwise_s}
+
+
+@dataclass(frozen=True)
+class ComputePrice:
+    """Seconds of one micro step's forward+backward by term (an op's class; eager attention's GEMMs
+    and score kernels under attention), and a block's forward alone."""
+
+    gemm: float
+    attention: float
+    elementwise: float
+    layer_forward: float
+    """One block's forward: what a checkpointed block reruns in backward."""
+    kernels: int
+
+
+@cache
+def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.0) -> ComputePrice:
+    """Price every distinct op once, times its count (cached per profile, depth, GPU, sustained)."""
+    per = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0}
+    ops = profile.ops(num_layers)
+    for op, n in ops.items():  # priced by class, reported by term (eager attention under attention)
+        per[op.term or op.cls] += n * OP_PRICE[op.cls](op, key, sustained)
+    fwd = sum(n * OP_PRICE[op.cls](op, key, sustained) for op, n in profile.layer if op.phase == "fwd")
+    kernels = sum(ops.values())
+    return ComputePrice(gemm=per["gemm"], attention=per["attention"], elementwise=per["elementwise"],
+                        layer_forward=fwd, kernels=kernels)
+
+
+def micro_step_price(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
+                     seq_len: int, key: tuple, sustained: float = 1.0) -> ComputePrice:
+    """Forward+backward of one micro step of `spec` on the GPU `key` (gpu_key), op by op (cached)."""
+    # the profile is per block: its cache key leaves the depth out
+    profile = profile_for(replace(spec, num_layers=1), implementation, precision, attention, micro_batch, seq_len)
+    return price(profile, spec.num_layers, key, sustained)

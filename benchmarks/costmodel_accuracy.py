@@ -1,0 +1,132 @@
+"""How far the throughput cost model is from what was measured: per calibration point, median, worst.
+
+    PYTHONPATH=. python benchmarks/costmodel_accuracy.py
+
+Prints, for every point in autotune/data/calibration.yaml, the simulated and measured figure in
+the scope it was published in (end to end, or DeepSpeed's engine timers for its autotuner's
+figures) and simulated / measured - 1, then the per-term breakdown of each simulated step; then one
+check that is not fitted: the end-to-end HF Trainer figure published beside the GPT-2 large timer
+figures. Other published throughput tables are deliberately not read here: they judge the model.
+`--cpu` adds runs of our own: the traced op profile of a tiny model priced with this CPU's
+roofline (its matmul rate, copy bandwidth and per-op overhead, measured here with one thread)
+against the measured forward+backward of the same model. The GPU constants (MAMF, FlashAttention,
+S) are not in it: it checks the op accounting (FLOPs, bytes, kernel counts) and the roofline sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from autotune.costmodel import calibration_points, simulate
+from autotune.train_config import TrainConfig
+
+E2E_CHECK = {"point": "gpt2-large-16xv100-z1", "samples_per_s": 69.061,
+             "source": "microsoft/DeepSpeedExamples autotuning/hf/gpt2-large/README.md, 'HF + DS autotuning "
+                       "(fast-mode)': 69.061 samples/s (z = 1, mbs = 3), the Trainer's end-to-end figure for the "
+                       "configuration whose engine-timer figure is 87.3"}
+"""Not fitted: how far the end-to-end price is from the end-to-end figure of the same setup."""
+
+
+def _median_s(fn, reps: int = 5) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_roofline() -> tuple[float, float, float]:
+    """(FLOP/s of a 512^3 fp32 matmul, bytes/s of a 16M-element fp32 add, seconds per op of a
+    training step: a tiny-llama forward+backward at 1 x 8 tokens, where every op is overhead, over
+    its traced kernel count), one thread."""
+    import torch
+
+    from autotune import costops as co
+    from autotune.models import resolve_model
+    from autotune.trial.model import Transformer
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    flops = 2 * 512 ** 3 / _median_s(lambda: a @ b)
+    x, y, z = torch.randn(2 ** 24), torch.randn(2 ** 24), torch.empty(2 ** 24)
+    bw = 3 * 4 * 2 ** 24 / _median_s(lambda: torch.add(x, y, out=z))
+    spec = resolve_model("tiny-llama")
+    model, batch = Transformer(spec), torch.randint(0, spec.vocab_size, (1, 9))
+    kernels = sum(co.profile_for(spec, "builtin", "fp32", "sdpa", 1, 8).ops(spec.num_layers).values())
+    op = _median_s(lambda: model(batch[:, :-1], batch[:, 1:]).backward()) / kernels
+    return flops, bw, op
+
+
+def cpu_cases() -> list[tuple[str, float, float]]:
+    """(case, measured s, priced s) of one forward+backward of tiny models on this CPU."""
+    import torch
+
+    from autotune import costops as co
+    from autotune.models import resolve_model
+    from autotune.trial.model import Transformer
+
+    torch.set_num_threads(1)  # a shared machine
+    flops_s, bytes_s, op_s = cpu_roofline()
+    print(f"\nthis CPU, one thread: matmul {flops_s / 1e9:.1f} GFLOP/s, add {bytes_s / 1e9:.1f} GB/s, "
+          f"{op_s * 1e6:.1f} us per op of a training step")
+    out = []
+    for name, mb, seq, attention in (("tiny-gpt2", 4, 256, "sdpa"), ("tiny-llama", 4, 256, "sdpa"),
+                                     ("tiny-gpt2", 2, 512, "eager"), ("tiny-llama", 8, 128, "sdpa")):
+        spec = resolve_model(name)
+        model = Transformer(spec, attention=attention)
+        batch = torch.randint(0, spec.vocab_size, (mb, seq + 1))
+
+        def step():
+            model(batch[:, :-1], batch[:, 1:]).backward()
+        measured = _median_s(step)
+        ops = co.profile_for(spec, "builtin", "fp32", attention, mb, seq).ops(spec.num_layers)
+        priced = sum(n * (max(op.flops / flops_s, op.nbytes / bytes_s) + op_s) for op, n in ops.items())
+        out.append((f"{name} mb{mb} seq{seq} {attention}", measured, priced))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true", help="also price and time tiny models on this CPU")
+    args = ap.parse_args()
+    errors = []
+    print(f"{'point':<24} {'metric':<22} {'scope':<14} {'measured':>10} {'simulated':>10} {'error':>7}")
+    rows = []
+    for p in calibration_points():
+        s = simulate(p.model, p.cluster, p.config, runtime=p.runtime, scope=p.scope)
+        sim = getattr(s, p.metric)
+        err = sim / p.measured - 1
+        errors.append(err)
+        rows.append((p, s))
+        print(f"{p.name:<24} {p.metric:<22} {p.scope:<14} {p.measured:>10.1f} {sim:>10.1f} {err:>+7.1%}")
+    abs_err = [abs(e) for e in errors]
+    print(f"\nmedian |error| {statistics.median(abs_err):.1%}, worst |error| {max(abs_err):.1%} "
+          f"over {len(errors)} calibration figures")
+
+    print("\nper-term breakdown of each simulated step (seconds, share of the step):")
+    for p, s in rows:
+        terms = s.terms()
+        print(f"  {p.name:<24} step {s.step_time_s:.4f} s, MFU {100 * s.mfu:.1f}%: " + ", ".join(
+            f"{k} {v:.4f} ({100 * v / s.step_time_s:.0f}%)" for k, v in terms.items() if v))
+
+    point = next(p for p in calibration_points() if p.name == E2E_CHECK["point"])
+    cfg: TrainConfig = point.config
+    e2e = simulate(point.model, point.cluster, cfg, runtime=point.runtime, scope="end_to_end").samples_per_s
+    measured = E2E_CHECK["samples_per_s"]
+    print(f"\nnot fitted, end to end: {point.name} simulated {e2e:.1f} vs HF Trainer end-to-end {measured} "
+          f"samples/s: {e2e / measured - 1:+.1%}\n  ({E2E_CHECK['source']})")
+    if args.cpu:
+        rows = cpu_cases()
+        print(f"{'CPU case (ours)':<34} {'measured s':>11} {'priced s':>10} {'error':>7}")
+        errs = []
+        for case, m, p in rows:
+            errs.append(abs(p / m - 1))
+            print(f"{case:<34} {m:>11.4f} {p:>10.4f} {p / m - 1:>+7.1%}")
+        print(f"CPU cases: median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Op-level pricing (autotune/costops.py): the traced op profile against hand counts, the roofline
+per op class by hand, and the cache that lets a search price hundreds of candidates."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from autotune import costmodel as cm
+from autotune import costops as co
+from autotune.hardware import parse_gpus
+from autotune.models import resolve_model
+from autotune.train_config import TrainConfig
+
+A100 = parse_gpus("8xA100")
+TINY = resolve_model("tiny-llama")
+GPT2 = resolve_model("tiny-gpt2")
+
+
+def flops_by(profile: co.OpProfile, layers: int, cls: str, phase: str | None = None) -> float:
+    return sum(op.flops * n for op, n in profile.ops(layers).items()
+               if op.cls == cls and (phase is None or op.phase == phase))
+
+
+@pytest.mark.parametrize("spec", [TINY, GPT2], ids=lambda s: s.name)
+def test_gemm_flops_are_six_times_matmul_params_times_tokens(spec):
+    """Forward 2 x params x tokens, backward dgrad + wgrad twice that (Kaplan et al. 2020, Table 1):
+    every weight matrix of the blocks and the LM head (tied or not); biases and norms are not GEMMs."""
+    b, s = 2, 64
+    p = co.profile_for(spec, "builtin", "fp32", "sdpa", b, s)
+    h, L = spec.hidden_size, spec.num_layers
+    matrices = h * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * h + (3 if spec.mlp == "swiglu" else 2) * h * spec.ffn_hidden_size
+    hand = 6 * (L * matrices + spec.vocab_size * h) * b * s
+    assert flops_by(p, L, "gemm") == pytest.approx(hand, rel=1e-9)
+
+
+def test_attention_flops_as_torch_flop_counter_counts_them():
+    """torch.utils.flop_counter: sdpa forward = QK^T and AV (4 b h s^2 d), backward 2.5x that."""
+    b, s = 2, 64
+    p = co.profile_for(TINY, "builtin", "fp32", "sdpa", b, s)
+    fwd = 4 * b * TINY.num_heads * s * s * TINY.head_dim * TINY.num_layers
+    assert flops_by(p, TINY.num_layers, "attention", "fwd") == pytest.approx(fwd)
+    assert flops_by(p, TINY.num_layers, "attention", "bwd") == pytest.approx(2.5 * fwd)
+
+
+def test_per_block_extrapolation_matches_a_direct_trace():
+    """The 1- and 2-block split, extrapolated to 3 blocks, is the 3-block program op for op."""
+    build = co.builtin_build(TINY, precision="bf16", attention="sdpa")
+    p = co.op_profile(build, co.builtin_loss, micro_batch=1, seq_len=32, vocab=TINY.vocab_size)
+    direct = co._trace(build, co.builtin_loss, 3, 1, 32, TINY.vocab_size)
+    assert p.ops(3) == Counter(direct)
+
+
+def test_hf_gpt2_runs_its_own_ops():
+    """transformers' GPT-2 is traced as it is: eager gelu_new (tanh, pow) and dropout; the builtin
+    model runs one fused gelu and no dropout."""
+    hf = {op.name for op, _ in co.profile_for(GPT2, "hf", "fp16", "eager", 1, 64).layer}
+    builtin = {op.name for op, _ in co.profile_for(GPT2, "builtin", "fp16", "eager", 1, 64).layer}
+    assert {"tanh", "pow"} <= hf and "gelu" not in hf
+    assert any(n in hf for n in ("bernoulli_", "native_dropout"))
+    assert "gelu" in builtin and "tanh" not in builtin
+
+
+def test_gemm_price_by_hand():
+    """A 4096^3 bf16 GEMM on an A100: FLOPs over peak x MAMF 0.869 x depth fill 4096/(4096+128)
+    x sustained (its 256x128 tiles fill 512 = 4.74 waves of 108 SMs; 128x128 tiles: 1024 = 9.48,
+    so 9.48/10), bytes below the roofline; plus one launch."""
+    key = cm.price_key(A100.gpu, "bf16")
+    n = 4096
+    op = co.Op("gemm", "mm", "fwd", 2.0 * n ** 3, 3 * n * n * 2, (1, n, n, n))
+    eff = 0.869 * n / (n + 128) * 1024 / 1080
+    assert co.gemm_s(op, key, 0.7) == pytest.approx(2 * n ** 3 / (312e12 * eff * 0.7) + co.LAUNCH_S)
+    # fp32: the plain FP32 peak, ~16x slower (no TF32)
+    key32 = cm.price_key(A100.gpu, "fp32")
+    assert co.gemm_s(op, key32, 0.7) / co.gemm_s(op, key, 0.7) > 312 / 19.5 * 0.9
+
+
+def test_memory_bound_kernels_price_bytes_over_achieved_bandwidth():
+    key = cm.price_key(A100.gpu, "bf16")
+    op = co.Op("elementwise", "add", "fwd", 0.0, 3 * 2**27)
+    assert co.elementwise_s(op, key, 0.7) == pytest.approx(3 * 2**27 / (2039e9 * 0.83) + co.LAUNCH_S)
+
+
+def test_attention_efficiency_rises_with_sequence_and_head_dim():
+    key = cm.price_key(A100.gpu, "bf16")
+    e = [co.attention_efficiency(key, "fwd", 128, s, True) for s in (512, 2048, 16384)]
+    assert e[0] < e[1] < e[2] < 0.73
+    assert co.attention_efficiency(key, "fwd", 64, 2048, True) < e[1]
+    v100 = cm.price_key(parse_gpus("8xV100").gpu, "fp16")  # no flash kernel below sm80
+    assert co.attention_efficiency(v100, "fwd", 128, 2048, True) == pytest.approx(e[1] * co.EFFICIENT_KERNEL_SCALE)
+
+
+def test_eager_attention_costs_more_than_sdpa_at_long_sequence():
+    model = resolve_model("llama-2-7b")
+    kw = dict(micro_batch=1, seq_len=8192)
+    sdpa = cm.simulate(model, A100, TrainConfig(attention="sdpa", **kw)).step_time_s
+    eager = cm.simulate(model, A100, TrainConfig(attention="eager", **kw)).step_time_s
+    assert eager > 1.2 * sdpa
+
+
+def test_pricing_candidates_hits_the_cache():
+    """After the first trace, a search's candidates that share (model, implementation, precision,
+    attention, micro batch, seq len) are priced from the cache: no new trace."""
+    model = resolve_model("llama-2-7b")
+    cm.simulate(model, A100, TrainConfig(micro_batch=2))
+    before = co.profile_for.cache_info()
+    t0 = time.perf_counter()
+    for i in range(200):
+        cfg = TrainConfig(micro_batch=2, zero_stage=i % 4, grad_accum=1 + i % 5, ckpt_layers=i % 33)
+        cm.simulate(model, parse_gpus(f"{1 + i % 8}xA100"), cfg)
+    after = co.profile_for.cache_info()
+    print(f"200 candidates priced in {time.perf_counter() - t0:.3f} s")
+    assert after.misses == before.misses
+    assert after.hits >= before.hits + 200
+
+
+def test_per_term_view_sums_to_the_step():
+    s = cm.simulate(resolve_model("llama-2-7b"), A100, TrainConfig(zero_stage=3, micro_batch=2, ckpt_layers=8))
+    t = s.terms()
+    assert set(t) == {"compute", "attention", "elementwise", "recompute", "communication exposed",
+                      "optimizer", "host"}
+    assert sum(t.values()) == pytest.approx(s.step_time_s)
+    assert t["compute"] > t["attention"] > 0 and t["recompute"] > 0
+
+
+def test_eager_attention_kernels_are_reported_under_attention():
+    """Eager's QK^T, AV and score kernels go under attention; a weight GEMM whose width equals the
+    sequence length (hidden 128, seq 128) does not."""
+    p = co.profile_for(GPT2, "builtin", "fp32", "eager", 2, GPT2.hidden_size)
+    tagged = [op for op, _ in p.layer if op.term == "attention"]
+    assert {op.name for op in tagged} >= {"bmm", "_softmax"}
+    assert all(op.shape[0] > 1 for op in tagged if op.cls == "gemm")  # batched: per (sequence, head)
+    assert not [op for op, _ in p.layer if op.cls == "gemm" and op.name in ("mm", "addmm") and op.term]
