@@ -290,7 +290,8 @@ def runtime_for(cfg: TrainConfig, model: ModelSpec) -> Runtime:
 
     z = zero_section(cfg, model)
     return Runtime(overlap_comm=bool(z.get("overlap_comm", False)),
-                   contiguous_gradients=bool(z.get("contiguous_gradients", True)))
+                   contiguous_gradients=bool(z.get("contiguous_gradients", True)),
+                   implementation=model.implementation)
 
 
 def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: Runtime | None = None,

@@ -170,39 +170,25 @@ def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, voca
     return OpProfile(layer=tuple(sorted(layer.items(), key=repr)), rest=tuple(sorted(rest.items(), key=repr)))
 
 
-# ---- the builtin implementation -------------------------------------------------------------
-def builtin_build(spec: ModelSpec, *, precision: str, attention: str) -> Build:
-    """autotune's trial model (autotune/trial/model.py), parameters made in the training dtype
-    (fake parameters cannot be cast: built under torch's default dtype, as traced.py does)."""
-    from autotune.trial.model import Transformer
-
-    def build(num_layers: int) -> nn.Module:
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch_dtype(precision))
-        try:
-            return Transformer(replace(spec, num_layers=num_layers), attention=attention)
-        finally:
-            torch.set_default_dtype(default)
-    return build
-
-
-def builtin_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return model(batch[:, :-1], batch[:, 1:])
-
-
+# ---- the code priced: through the model-code seam (autotune/impl.py) -------------------------
 @cache
 def profile_for(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
                 seq_len: int) -> OpProfile:
     """The cached op profile of one (model, implementation, precision, attention, micro batch, seq
-    len). `implementation`: "builtin" (autotune's trial model) or "hf" (transformers' own code)."""
-    if implementation == "builtin":
-        build, loss = builtin_build(spec, precision=precision, attention=attention), builtin_loss
-    elif implementation == "hf":
-        from autotune.costops_hf import hf_build, hf_loss
-        build, loss = hf_build(spec, precision=precision, attention=attention), hf_loss
-    else:
-        raise ValueError(f"unknown implementation {implementation!r}: builtin or hf")
-    return op_profile(build, loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,
+    len). `implementation`: whose code is priced, as ModelSpec.implementation names it (builtin:
+    autotune's stand-in; hf: transformers' own modeling code; factory: the user's module), built
+    and run through the same seam trials and the memory model use."""
+    from autotune.impl import impl_for
+
+    impl = impl_for(replace(spec, implementation=implementation))
+    dtype = torch_dtype(precision)
+    # flash_attention_2 has no CPU kernel to trace: its ops are sdpa's flash path's
+    traced_attention = "sdpa" if attention == "flash_attention_2" else attention
+
+    def build(num_layers: int) -> nn.Module:
+        return impl.build(spec, dtype=dtype, attention=traced_attention, num_layers=num_layers)
+
+    return op_profile(build, impl.loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,
                       heads=spec.num_heads)
 
 

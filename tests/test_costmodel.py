@@ -92,7 +92,7 @@ def test_recompute_is_the_forward_of_the_checkpointed_layers():
     from autotune.costops import micro_step_price
 
     c = cfg(ckpt_layers=10)
-    p = micro_step_price(L13B, "builtin", "bf16", "sdpa", 1, 2048, cm.price_key(A100x8.gpu, "bf16"),
+    p = micro_step_price(L13B, L13B.implementation, "bf16", "sdpa", 1, 2048, cm.price_key(A100x8.gpu, "bf16"),
                          cm.Constants().sustained)
     assert cm.simulate(L13B, A100x8, c).breakdown_s["recompute"] == pytest.approx(10 * p.layer_forward)
     # a block's forward is about a third of its forward+backward (Narayanan et al. 2021, sec. 5.1)

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
 from autotune import costmodel as cm
 from autotune import costops as co
@@ -47,9 +48,12 @@ def test_attention_flops_as_torch_flop_counter_counts_them():
 
 def test_per_block_extrapolation_matches_a_direct_trace():
     """The 1- and 2-block split, extrapolated to 3 blocks, is the 3-block program op for op."""
-    build = co.builtin_build(TINY, precision="bf16", attention="sdpa")
-    p = co.op_profile(build, co.builtin_loss, micro_batch=1, seq_len=32, vocab=TINY.vocab_size)
-    direct = co._trace(build, co.builtin_loss, 3, 1, 32, TINY.vocab_size)
+    from autotune.impl import BuiltinImpl
+
+    impl = BuiltinImpl()
+    build = lambda n: impl.build(TINY, dtype=torch.bfloat16, attention="sdpa", num_layers=n)  # noqa: E731
+    p = co.op_profile(build, impl.loss, micro_batch=1, seq_len=32, vocab=TINY.vocab_size)
+    direct = co._trace(build, impl.loss, 3, 1, 32, TINY.vocab_size)
     assert p.ops(3) == Counter(direct)
 
 
