@@ -89,19 +89,20 @@ def _resumed_inputs(study: optuna.Study, given: dict) -> Inputs:
     return Inputs(model, cluster, a["seq_len"], a["global_batch"], parse_space(a["space_text"], a["space_path"]))
 
 
-def open_search(*, model: str | None = None, impl: str = "hf", model_factory: str | None = None,
+def open_search(*, model: str | None = None, impl: str | None = None, model_factory: str | None = None,
                 gpus: str | None = None, seq_len: int | None = None,
                 global_batch: int | None = None, space: str | Path | None = None, study: str | None = None,
                 storage: str | None = None, executor: str = "auto", resume: bool = False,
                 ray_address: str | None = None, concurrent_trials: int = 1) -> SearchSession:
-    """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts."""
+    """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts.
+    `impl`: the model code (hf when not given); on resume, only an explicit one is checked."""
     _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials)
-    spec = resolve_model(model, implementation=impl, factory=model_factory) if model else None
+    spec = resolve_model(model, implementation=impl or "hf", factory=model_factory) if model else None
     cluster = parse_gpus(gpus) if gpus else None
     if resume:
         name = study or (st.default_name(spec, cluster) if spec and cluster else None)
         opened = st.load_study(name, storage)
-        given = {"--model": spec and spec.name, "--impl": spec and spec.implementation, "--gpus": gpus, "--seq-len": seq_len,
+        given = {"--model": spec and spec.name, "--impl": impl, "--gpus": gpus, "--seq-len": seq_len,
                  "--global-batch": global_batch, "--space": space and load_space(space).text}
         inputs = _resumed_inputs(opened, given)
         # a study keeps its executor: measured and simulated numbers do not mix

@@ -33,6 +33,7 @@ def dry(tmp_path_factory):
     return out, json.loads((out / "plan.json").read_text())
 
 
+@pytest.mark.slow
 def test_dry_run_plans_the_issue_matrix_most_telling_first(dry):
     _, p = dry
     trials = p["trials"]
@@ -52,6 +53,7 @@ def test_dry_run_plans_the_issue_matrix_most_telling_first(dry):
     assert "Transformer" in p["implementation"] or "hf" in p["implementation"].lower()
 
 
+@pytest.mark.slow
 def test_every_config_went_through_deepspeeds_parser(dry):
     _, p = dry
     for t in p["trials"]:
@@ -63,6 +65,7 @@ def test_every_config_went_through_deepspeeds_parser(dry):
         assert ("activation_checkpointing" in ds) == (cfg["ckpt_layers"] > 0)
 
 
+@pytest.mark.slow
 def test_the_oom_probe_cannot_fit_by_the_estimate_and_only_just(dry):
     _, p = dry
     probe = p["trials"][1]
@@ -74,6 +77,7 @@ def test_the_oom_probe_cannot_fit_by_the_estimate_and_only_just(dry):
     assert all(t["est_fits"] for t in p["trials"] if t["role"] == "trial")
 
 
+@pytest.mark.slow
 def test_plan_file_lists_every_trial(dry):
     out, p = dry
     text = (out / "plan.md").read_text()

@@ -135,6 +135,7 @@ def test_traces_are_cached_per_program():
     assert len(code_trace._PROGRAMS) == n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,precision,attention", [("gpt2", "bf16", "eager"), ("llama", "fp32", "sdpa")])
 def test_grid_fit_in_micro_batch_and_k_matches_pointwise(family, precision, attention):
     """The grid prices every micro batch and k from traces at micro batch 1, 2 and k 0, 1, 2: check

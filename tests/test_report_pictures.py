@@ -85,6 +85,7 @@ def check_files(study, out: Path) -> None:
         "data:image/png;base64,") == md.count("![")
 
 
+@pytest.mark.slow
 def test_simulated_13b_pictures(sim_study, tmp_path):
     p = check_content(sim_study)
     assert p.source == "simulated" and len(p.time) >= 2
@@ -110,6 +111,7 @@ def test_measured_cpu_pictures(tmp_path, monkeypatch):
     check_files(study, tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_cli_open_without_a_browser(sim_study, monkeypatch, capsys):
     import webbrowser
 
@@ -124,6 +126,7 @@ def test_cli_open_without_a_browser(sim_study, monkeypatch, capsys):
     assert f"report page: {page} (no browser found to open it)" in capsys.readouterr().out and page.exists()
 
 
+@pytest.mark.slow
 def test_html_in_headless_chromium(sim_study, tmp_path):
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:

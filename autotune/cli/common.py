@@ -22,7 +22,7 @@ def add_model_gpus(p: argparse.ArgumentParser) -> None:
 
 def add_impl(p: argparse.ArgumentParser) -> None:
     """--impl and --model-factory: whose code trials run and the memory model prices."""
-    p.add_argument("--impl", default="hf", choices=["hf", "builtin", "factory"],
+    p.add_argument("--impl", default=None, choices=["hf", "builtin", "factory"],
                    help="model code: hf (transformers, default), builtin (autotune's stand-in), "
                         "factory (--model-factory)")
     p.add_argument("--model-factory", default=None, metavar="PKG.MODULE:FUNCTION",
@@ -30,7 +30,7 @@ def add_impl(p: argparse.ArgumentParser) -> None:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    return resolve_model(args.model, implementation=getattr(args, "impl", "hf"),
+    return resolve_model(args.model, implementation=getattr(args, "impl", None) or "hf",
                          factory=getattr(args, "model_factory", None))
 
 
