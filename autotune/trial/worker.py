@@ -152,7 +152,7 @@ def build_model(req, device, ds_cfg: dict):
     from autotune.train_config import torch_dtype
 
     cfg = req.config
-    impl = impl_for(req.model)
+    impl = impl_for(req.model, cfg)
     dtype = torch_dtype(cfg.precision)
     make = lambda: impl.build(req.model, dtype=dtype, attention=cfg.attention)  # noqa: E731
     if impl.name == "builtin":
@@ -221,7 +221,7 @@ def client_optimizer(req, model):
 
     from autotune.deepspeed_config import ADAMW
 
-    return bnb.optim.AdamW8bit(model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]),
+    return bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]),
                                eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
 
 
@@ -270,7 +270,7 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
 
     from autotune.impl import impl_for
 
-    cfg, tokens, loss_of = req.config, data[0], impl_for(req.model).loss
+    cfg, tokens, loss_of = req.config, data[0], impl_for(req.model, req.config).loss
     losses, times, step_peaks, step_ends = [], [], [], []
     for step in range(req.warmup_steps + req.steps):
         measured = step >= req.warmup_steps
@@ -342,7 +342,9 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
             model = build_model(req, device, ds_cfg)
             timings["build_s"] = time.perf_counter() - t0
             # [0]: the engine alone; holding the returned optimizer too would keep it past release().
-            engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg,
+            # Only what trains goes to the optimizer (a LoRA base is frozen: no master copy, no states).
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            engine = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg,
                                           optimizer=client_optimizer(req, model))[0]
         timings["init_s"] = time.perf_counter() - t0
         param_bytes = local_param_bytes(engine.module)
