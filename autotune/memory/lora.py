@@ -94,6 +94,12 @@ def adapted_layers(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
     return list(_layout(*_key(spec, cfg))[1])
 
 
+def adapter_shapes(spec: ModelSpec, cfg: TrainConfig) -> list[tuple[int, int]]:
+    """(in, out) of each adapted layer of one decoder layer: A is r x in, B is out x r."""
+    sizes, r = _layout(*_key(spec, cfg))[0], cfg.lora_rank
+    return [(a // r, b // r) for a, b in zip(sizes[::2], sizes[1::2])]
+
+
 def quantized_weights(spec: ModelSpec, cfg: TrainConfig) -> tuple[int, int]:
     """(linear weight elements of all decoder layers, the largest one): what QLoRA stores in NF4."""
     linear = [n for n in _layout(*_key(spec, cfg))[2] if n > 0]
