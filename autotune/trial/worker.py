@@ -384,6 +384,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
 def release(engine) -> None:
     """Free what DeepSpeed keeps of an engine after destroy(), so the next config starts from ~0.
 
+    Also torch.nn.functional.linear, which ZeRO-3's zero.Init replaces for good (reset below).
     Two module-level references keep a ZeRO-3 model, its partitions and its optimizer alive after
     destroy() (deepspeed 0.19.8; measured 12.6 MB per tiny-llama config without this):
     setup_zero_stage3_hooks appends the top module to FWD_MODULE_STACK and never pops it
@@ -391,7 +392,9 @@ def release(engine) -> None:
     a class-level functools.lru_cache keyed by (coordinator, submodule, step)
     (runtime/zero/partitioned_param_coordinator.py).
     """
+    import torch
     from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     engine.destroy()
@@ -401,6 +404,14 @@ def release(engine) -> None:
     for f in [fn, *inner]:
         if hasattr(f, "cache_clear"):
             f.cache_clear()
+    # zero.Init replaces torch.nn.functional.linear for the rest of the process ("This will persist
+    # unless manually reset", partition_parameters.py _enable_mem_efficient_linear); its
+    # LinearFunctionForZeroStage3 saves the input of frozen layers too, so a later config of this
+    # group would not run as in its own process (measured: +1.2 MB, 7.5%, on a tiny Llama LoRA at
+    # ZeRO-0 after a ZeRO-3 config). Reset, as a fresh process has it.
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 def cpu_memory(curve, req, rank: int) -> dict:
