@@ -190,8 +190,8 @@ def cpu_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], flo
 
     def prior(cfg: TrainConfig) -> float:
         lora = (cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout) if cfg.method != "full" else None
-        fwd_bwd, block_fwd = probe_model(model, cfg.seq_len, cfg.micro_batch, cfg.precision, cfg.attention, threads,
-                                         lora)
+        probe = (model, cfg.seq_len, cfg.micro_batch, cfg.precision, cfg.attention, threads)
+        fwd_bwd, block_fwd = probe_model(*probe) if lora is None else probe_model(*probe, lora)
         t_micro = fwd_bwd + cfg.ckpt_layers * block_fwd + DEEPSPEED_MICRO_S
         trained = adapter_params(model, cfg)  # what is reduced and stepped: the adapters under LoRA
         comm = 0.0
