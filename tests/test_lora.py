@@ -125,3 +125,35 @@ def test_real_lora_trials_match_the_estimate(tmp_path):
         assert res.losses[-1] < res.losses[0]
         est = estimate(req.model, gpus, req.config).tensor_peak_bytes
         assert abs(est / res.peak_bytes - 1) <= 0.05, (req.model.name, req.config.short(), est, res.peak_bytes)
+
+
+def test_autotune_export_writes_the_lora_config_beside_the_deepspeed_json(tmp_path, monkeypatch, capsys):
+    """`autotune export` on a real study whose winner is a LoRA run."""
+    import optuna
+    from optuna.trial import TrialState
+    from peft import LoraConfig
+
+    from autotune import study as st
+    from autotune.cli import main
+
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
+    monkeypatch.chdir(tmp_path)
+    model, cluster = spec("hf-llama"), parse_gpus("2xcpu")
+    attrs = st.study_attrs(model, cluster, seq_len=64, global_batch=None, space_text="", space_path="t",
+                           source="measured")
+    study = st.create_study("lora", None, attrs, sampler=None)
+    cfg = TrainConfig(method="lora", lora_rank=16, lora_targets="all-linear", ckpt_layers=2, seq_len=64)
+    dists = st.distributions([cfg])
+    res = {"status": "ok", "source": "measured", "samples_per_s": 10.0, "tokens_per_s": 640.0,
+           "peak_bytes": 1000, "log_tail": ""}
+    ua = {"config": cfg.to_dict(), "status": "ok", "source": "measured", "reason": "", "result": res,
+          "estimate": {"tensor_bytes": 1000, "total_bytes": 1000, "capacity_bytes": 10**9,
+                       "dominant_term": "activations"}}
+    study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=10.0, params=st.params_of(cfg, dists),
+                                              distributions=dists, user_attrs=ua))
+    out = tmp_path / "ds.json"
+    assert main(["export", "--study", "lora", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    lora = LoraConfig(**json.loads((tmp_path / "ds.lora.json").read_text()))
+    assert lora.r == 16 and lora.lora_alpha == 32 and lora.target_modules == "all-linear"
+    assert "get_peft_model" in text and "enable_input_require_grads" in text and "if p.requires_grad" in text
