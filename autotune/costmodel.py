@@ -306,12 +306,16 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     rt = runtime or runtime_for(cfg, model)
     ga, L = cfg.grad_accum, model.num_layers
     micro = compute_s(model, cfg, cluster.gpu, rt, constants or Constants())
+    gathered = model  # what ZeRO-3 gathers: the whole module
+    if cfg.method != "full":  # frozen base: its compute here, and only the adapters reduced and stepped
+        micro = lora_compute_s(model, cfg, cluster.gpu, micro)
+        model, rt = lora_trained(model, cfg, rt)
     fwd_bwd = sum(micro.values())
     # DeepSpeed reduces gradients on every micro step at ZeRO-2/3 and only on the accumulation
     # boundary at ZeRO-0/1 (engine.py allreduce_gradients; stage_1_and_2.py
     # reduce_ready_partitions_and_remove_grads).
     reduce = grad_reduce_s(model, cfg, cluster, rt)
-    per_micro = stage3_gather_s(model, cfg, cluster) + (reduce if cfg.zero_stage >= 2 else 0.0)
+    per_micro = stage3_gather_s(gathered, cfg, cluster) + (reduce if cfg.zero_stage >= 2 else 0.0)
     boundary_reduce = reduce if cfg.zero_stage < 2 else 0.0
     # A micro step's collectives hide under its forward+backward; the boundary reduction only under
     # the last backward (2/3 of it); ZeRO-1/2's gather after the step under nothing.
@@ -320,7 +324,7 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     parts = {k: ga * v for k, v in micro.items()} | {
         "grad_reduce": reduce * (ga if cfg.zero_stage >= 2 else 1),
         "param_gather": param_gather_s(model, cfg, cluster),
-        "stage3_gather": ga * stage3_gather_s(model, cfg, cluster),
+        "stage3_gather": ga * stage3_gather_s(gathered, cfg, cluster),
         "overlap": -overlap,
         "optimizer": optimizer_s(model, cfg, cluster, rt),
         "offload": offload_s(model, cfg, cluster)}
@@ -328,7 +332,9 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
         parts["host"] = ga * HOST_STEP_S  # a batch is fetched per micro step
     step_s = sum(parts.values())
     tok_s = cfg.tokens_per_micro_batch * ga / step_s
-    flops = model.flops_per_token(cfg.seq_len) * tok_s
+    flops = gathered.flops_per_token(cfg.seq_len) * tok_s
+    if cfg.method != "full":  # frozen weights: 4N, not 6N (no weight gradients), plus the adapters' 6
+        flops += (6.0 * model.num_params - 2.0 * gathered.num_params) * tok_s
     return SimulatedStep(step_time_s=step_s, samples_per_s=cfg.micro_batch * ga * cluster.world_size / step_s,
                          tokens_per_s_per_gpu=tok_s, tflops_per_gpu=flops / TFLOPS,
                          mfu=flops / peak_flops(cluster.gpu, cfg.precision), breakdown_s=parts)
@@ -368,3 +374,38 @@ def calibration_errors(constants: Constants | None = None) -> dict[str, float]:
     """Point name -> simulated / measured - 1."""
     return {p.name: getattr(simulate(p.model, p.cluster, p.config, runtime=p.runtime, constants=constants,
                                      scope=p.scope), p.metric) / p.measured - 1 for p in calibration_points()}
+
+
+# ---- LoRA / QLoRA (issue #12): additive terms, called from simulate ------------------------------
+def lora_compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, micro: dict[str, float]) -> dict[str, float]:
+    """A micro step's compute with a frozen base. The base's weight GEMMs (layers and LM head) run
+    forward and the input-gradient GEMM, not the weight-gradient one: 2/3 of gemm_time_s's three
+    (Hu et al. 2021, LoRA, sec. 4.2: no gradients for the frozen weights). Each adapter adds x·A
+    (in -> r) and (xA)·B (r -> out), forward and both backward GEMMs. QLoRA dequantises each
+    linear weight of the decoder layers per use, forward and input-gradient backward (and the
+    recomputed forward of checkpointed layers): read NF4 + constants, write the 16-bit weight, at
+    HBM bandwidth (bitsandbytes MatMul4Bit: F.dequantize_4bit before each matmul)."""
+    from autotune.memory.lora import adapter_shapes, qlora_bytes_per_weight, quantized_weights
+
+    tokens = cfg.tokens_per_micro_batch
+    out = dict(micro)
+    out["compute"] = micro["compute"] * 2.0 / 3.0  # costops' weight GEMMs (layers and LM head)
+    out["adapters"] = model.num_layers * sum(
+        gemm_time_s(tokens, k, cfg.lora_rank, gpu, cfg.precision) + gemm_time_s(tokens, cfg.lora_rank, n, gpu, cfg.precision)
+        for k, n in adapter_shapes(model, cfg))
+    if cfg.method == "qlora":
+        q, _ = quantized_weights(model, cfg)
+        uses = 2.0 + cfg.ckpt_layers / model.num_layers
+        out["dequantize"] = uses * q * (qlora_bytes_per_weight() + dtype_bytes(cfg.precision)) / hbm_bytes_per_s(gpu)
+    return out
+
+
+def lora_trained(model: ModelSpec, cfg: TrainConfig, rt: Runtime) -> tuple[ModelSpec, Runtime]:
+    """What is reduced, gathered after the step and stepped under LoRA: the adapters alone (a model
+    of adapter_params parameters, as many tensors as adapters)."""
+    from dataclasses import replace
+
+    from autotune.memory.lora import adapter_numels, adapter_view
+
+    tensors = rt.optimizer_tensors or (len(adapter_numels(model, cfg)) if cfg.zero_stage == 0 else 2)
+    return adapter_view(model, cfg), replace(rt, optimizer_tensors=tensors)

@@ -27,6 +27,7 @@ from typing import Callable
 
 from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
+from autotune.memory.lora import adapter_params
 from autotune.models import ModelSpec
 from autotune.trial.threads import cpu_threads_per_rank
 from autotune.train_config import TrainConfig, dtype_bytes, torch_dtype
@@ -80,14 +81,15 @@ def rank_threads(cluster: Cluster) -> int:
 
 @cache
 def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str, attention: str,
-                threads: int) -> tuple[float, float]:
+                threads: int, lora: tuple | None = None) -> tuple[float, float]:
     """(forward+backward of the whole model, forward of one decoder layer) in seconds, the faster
     of two timings each, after a warm-up at micro batch 1 (first calls pay allocator and kernel
     selection). The model is the trial's own, built through autotune.impl (Hugging Face, builtin or
     factory code); a layer's forward is the mean over the layers, timed by forward hooks inside the
     same forward+backward (every code's layers take different arguments, so none is called alone).
     With one timing, two candidates 15% apart on the Llama landscape swapped in 3 of 5 searches;
-    with two, in 3 of 10."""
+    with two, in 3 of 10. `lora`: (method, rank, targets, dropout) of a LoRA config, timed on the
+    real peft module (frozen base: no weight gradients; adapters' small GEMMs), None for full."""
     import torch
 
     from autotune.impl import impl_for
@@ -96,8 +98,8 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(0)  # fixed inputs, the process's own RNG left alone
-        impl = impl_for(model)
-        net = _probe_net(model, attention, torch_dtype(precision))
+        impl = impl_for(model, _lora_config(lora))
+        net = _probe_net(model, attention, torch_dtype(precision), lora)
         layers = impl.layers(net)
         spent = [0.0]
 
@@ -130,8 +132,15 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
         torch.set_num_threads(before)
 
 
+def _lora_config(lora: tuple | None) -> TrainConfig | None:
+    if lora is None:
+        return None
+    method, rank, targets, dropout = lora
+    return TrainConfig(method=method, lora_rank=rank, lora_targets=targets, lora_dropout=dropout)
+
+
 @cache
-def _probe_net(model: ModelSpec, attention: str, dtype):
+def _probe_net(model: ModelSpec, attention: str, dtype, lora: tuple | None = None):
     """The trial's model in host memory, initialised as the trial initialises it."""
     import torch
 
@@ -141,7 +150,7 @@ def _probe_net(model: ModelSpec, attention: str, dtype):
     # so the search process's own stream is left alone.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        net = impl_for(model).build(model, dtype=dtype, attention=attention)
+        net = impl_for(model, _lora_config(lora)).build(model, dtype=dtype, attention=attention)
     if model.implementation == "builtin":
         from autotune.builtin import init_weights
 
@@ -180,16 +189,19 @@ def cpu_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], flo
     w, threads = cluster.world_size, rank_threads(cluster)
 
     def prior(cfg: TrainConfig) -> float:
-        fwd_bwd, block_fwd = probe_model(model, cfg.seq_len, cfg.micro_batch, cfg.precision, cfg.attention, threads)
+        lora = (cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout) if cfg.method != "full" else None
+        probe = (model, cfg.seq_len, cfg.micro_batch, cfg.precision, cfg.attention, threads)
+        fwd_bwd, block_fwd = probe_model(*probe) if lora is None else probe_model(*probe, lora)
         t_micro = fwd_bwd + cfg.ckpt_layers * block_fwd + DEEPSPEED_MICRO_S
+        trained = adapter_params(model, cfg)  # what is reduced and stepped: the adapters under LoRA
         comm = 0.0
         if w > 1:
-            grad_bytes = model.num_params * dtype_bytes(cfg.precision)
+            grad_bytes = trained * dtype_bytes(cfg.precision)
             comm = (_collectives_per_step(model, cfg) * GLOO_CALL_S
                     + _ring_volumes_per_step(cfg) * (w - 1) / w * grad_bytes / GLOO_BUS_BYTES_PER_S)
-        params = model.num_params / (w if cfg.zero_stage >= 1 else 1)
+        params = trained / (w if cfg.zero_stage >= 1 else 1)
         t_step = (cfg.grad_accum * t_micro + comm + params * probe_adamw_s_per_param(threads)
-                  + model.num_params * DEEPSPEED_S_PER_PARAM)
+                  + trained * DEEPSPEED_S_PER_PARAM)
         return cfg.micro_batch * cfg.grad_accum * w / t_step
 
     return prior

@@ -55,7 +55,51 @@ def export(study: optuna.Study, out: Path, number: int | None = None) -> tuple[F
     source = record.source or "measured"
     head = (f"wrote {out}: trial {trial.number} of study {study.study_name} ({cfg.short()}), "
             f"{trial.value:.4g} samples/s ({source}, model code {model.code_name})")
+    if cfg.method != "full":
+        lora_path = lora_config_path(out)
+        lora_path.write_text(lora_config_json(model, cfg))
+        head += f"\nwrote {lora_path}: its peft LoraConfig"
     return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out)
+
+
+def lora_config_path(ds_path: Path) -> Path:
+    """Where the peft LoraConfig goes: beside the DeepSpeed JSON, `<stem>.lora.json`."""
+    return ds_path.with_name(ds_path.stem + ".lora.json")
+
+
+def lora_config_json(model: ModelSpec, cfg: TrainConfig) -> str:
+    """The LoraConfig the trials ran (autotune/lora.py), as JSON: `peft.LoraConfig(**json.load(f))`
+    accepts it. The attention targets are named from the model's own decoder layer (meta device)."""
+    import torch
+
+    from autotune.impl import impl_for
+    from autotune.lora import lora_config_dict, target_modules
+
+    base = impl_for(model)
+    with torch.device("meta"):
+        layer = base.layers(base.build(model, dtype=torch.bfloat16, attention="sdpa", num_layers=1))[0]
+    return json.dumps(lora_config_dict(cfg, target_modules(cfg, layer)), indent=2) + "\n"
+
+
+def _lora_lines(cfg: TrainConfig, path: Path) -> list[str]:
+    """How the trials applied the adapters, for the Trainer + peft."""
+    if cfg.method == "full":
+        return []
+    lines = [f"LoRA ({cfg.method}, rank {cfg.lora_rank}, targets {cfg.lora_targets}): the trials ran peft on the "
+             "model before the Trainer:",
+             "  import json; from peft import LoraConfig, get_peft_model"]
+    if cfg.method == "qlora":
+        lines += ["  from transformers import BitsAndBytesConfig",
+                  "  bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\", "
+                  f"bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.{'float16' if cfg.precision == 'fp16' else 'bfloat16'})",
+                  "  model = AutoModelForCausalLM.from_pretrained(NAME, quantization_config=bnb)",
+                  "  (estimated and simulated only: autotune runs no 4-bit trial without a GPU)"]
+    lines += [f"  model = get_peft_model(model, LoraConfig(**json.load(open(\"{lora_config_path(path)}\"))), "
+              "autocast_adapter_dtype=False)"]
+    if cfg.ckpt_layers:
+        lines.append("  model.enable_input_require_grads()  # with checkpointing: the frozen embedding's output needs grad")
+    lines.append("  Trainer(model=model, args=TrainingArguments(deepspeed=..., as above), train_dataset=...).train()")
+    return lines
 
 
 def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path) -> str:
@@ -71,13 +115,15 @@ def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path) -> s
         "Use it with the DeepSpeed launcher:",
         f"  deepspeed --num_gpus {cluster.gpus_per_node}{nodes} train.py --deepspeed_config {path}",
         "  (train.py: engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, "
-        "model_parameters=model.parameters()))",
+        + ("model_parameters=model.parameters()))" if cfg.method == "full" else
+           "model_parameters=[p for p in model.parameters() if p.requires_grad]))"),
         "or with the Hugging Face Trainer:",
         f"  TrainingArguments(deepspeed=\"{path}\", per_device_train_batch_size={cfg.micro_batch}, "
         f"gradient_accumulation_steps={cfg.grad_accum}, gradient_checkpointing={full}{prec}{opt})",
         f"  (transformers >= 5 names it activation_checkpointing; seq len {cfg.seq_len})",
     ]
     lines += _ckpt_lines(cfg, model)
+    lines += _lora_lines(cfg, path)
     if cfg.optimizer == "adamw8bit":
         lines.append("Optimizer: 8-bit AdamW is not a DeepSpeed config type: pass bitsandbytes.optim.AdamW8bit("
                      "model.parameters(), ...) as deepspeed.initialize(optimizer=...) / "

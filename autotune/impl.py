@@ -183,10 +183,16 @@ IMPLS: dict[str, str] = {"hf": "autotune.hf:HfImpl", "builtin": "autotune.impl:B
 """Name -> "module:class"; imported on use, so transformers loads only when the hf code is asked for."""
 
 
-def impl_for(spec: ModelSpec) -> ModelImpl:
-    """The ModelImpl that `spec.implementation` names."""
+def impl_for(spec: ModelSpec, cfg=None) -> ModelImpl:
+    """The ModelImpl that `spec.implementation` names; with a TrainConfig `cfg` whose method is lora
+    or qlora, that ModelImpl wrapped with peft's adapters (autotune/lora.py `LoraImpl`)."""
     if spec.implementation not in IMPLS:
         raise SpecError(f"model {spec.name}: unknown implementation {spec.implementation!r}; "
                         f"known: {', '.join(IMPLS)}")
     mod, _, cls = IMPLS[spec.implementation].partition(":")
-    return getattr(importlib.import_module(mod), cls)()
+    impl = getattr(importlib.import_module(mod), cls)()
+    if cfg is not None and cfg.method != "full":
+        from autotune.lora import LoraImpl
+
+        impl = LoraImpl(impl, cfg)
+    return impl

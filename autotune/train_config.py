@@ -44,6 +44,10 @@ def torch_dtype(precision: str):
     return getattr(torch, TORCH_DTYPES[precision])
 
 
+LORA_FIELDS = ("lora_rank", "lora_targets", "lora_alpha", "lora_dropout")
+"""The settings that only matter when method is lora or qlora."""
+
+
 def _setting(default, *, space: tuple | None, help: str, flag: str | None = None, column: str = "varying",
              minimum: int | None = None):
     return field(default=default, metadata={"space": space, "help": help, "flag": flag, "column": column,
@@ -78,10 +82,34 @@ class TrainConfig:
     (memory-efficient/flash kernels, no s x s matrix kept; what transformers picks by default);
     eager: the explicit softmax(QK^T)V that keeps the s x s scores; flash_attention_2: the
     flash-attn package's kernels (GPU and the hf code only)."""
+    method: Literal["full", "lora", "qlora"] = _setting(
+        "full", space=("full",), column="always",
+        help="what trains: full (every weight), lora (peft adapters on a frozen 16-bit base), qlora (the same "
+             "on a 4-bit NF4 base: GPU only)")
+    """full fine-tuning; LoRA (Hu et al. 2021, arXiv:2106.09685): the base frozen, low-rank adapters B·A
+    trained, by peft; QLoRA (Dettmers et al. 2023, arXiv:2305.14314): the frozen base in 4-bit NF4
+    (bitsandbytes). autotune/lora.py applies them through the model seam."""
+    lora_rank: int = _setting(8, space=(8,), minimum=1, help="LoRA rank r (method lora/qlora)")
+    """Rank r of each adapter (A: r x in, B: out x r). Ignored (normalised to the default) for full."""
+    lora_targets: Literal["attention", "all-linear"] = _setting(
+        "attention", space=("attention",),
+        help="adapted layers: attention (q, k, v, o projections, fused or not) or all-linear "
+             "(peft's: every linear layer but the LM head)")
+    """Which linear layers get adapters (autotune/lora.py `target_modules`)."""
+    lora_alpha: int = _setting(0, space=(0,), minimum=0, help="LoRA alpha; 0 means 2 x rank")
+    """peft's lora_alpha (scaling alpha/r). 0 is the sentinel for 2 x lora_rank (`alpha`)."""
+    lora_dropout: float = _setting(0.05, space=(0.05,), help="dropout on the adapters' input")
+    """peft's lora_dropout: in [0, 1). With p > 0 the adapter path keeps its dropout mask and output."""
     seq_len: int = _setting(2048, space=None, minimum=1, help="sequence length (default: min(2048, model max))")
     """Tokens per sequence; fixed per study (`--seq-len`), not a search axis."""
 
     def __post_init__(self) -> None:
+        if self.method == "full":
+            # the adapter settings mean nothing without adapters: one full candidate, not one per rank
+            for name in LORA_FIELDS:
+                object.__setattr__(self, name, TrainConfig.__dataclass_fields__[name].default)
+        elif isinstance(self.lora_dropout, int) and not isinstance(self.lora_dropout, bool):
+            object.__setattr__(self, "lora_dropout", float(self.lora_dropout))  # YAML's 0 is an int
         for f in dataclasses.fields(self):
             check_value(f.name, getattr(self, f.name))
         if self.offload_optimizer and self.zero_stage == 0:
@@ -90,6 +118,11 @@ class TrainConfig:
         if self.offload_optimizer and self.optimizer == "adamw8bit":
             raise SpecError("offload_optimizer runs DeepSpeed's CPU Adam, which has no 8-bit states; "
                             "choose one of the two")
+
+    @property
+    def alpha(self) -> int:
+        """peft's lora_alpha: the field, or 2 x rank for the sentinel 0."""
+        return self.lora_alpha or 2 * self.lora_rank
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -106,8 +139,12 @@ class TrainConfig:
         """`z3 bf16 mb4 ga1 ckpt10`, then every other searched setting that is not its default."""
         parts = [f"z{self.zero_stage}", self.precision, f"mb{self.micro_batch}", f"ga{self.grad_accum}",
                  f"ckpt{self.ckpt_layers}"]
+        if self.method != "full":
+            parts.append(f"{self.method} r{self.lora_rank}")
         for f in searched_fields():
             v = getattr(self, f.name)
+            if f.name in ("method", "lora_rank"):
+                continue
             if f.metadata["column"] == "varying" and v != f.default:
                 parts.append(f.name.replace("_optimizer", "") if v is True else str(v))
         return " ".join(parts)
@@ -142,6 +179,8 @@ def allowed_text(name: str) -> str:
         return "choose from " + ", ".join(str(v) for v in c)
     if kind(name) is bool:
         return "true or false"
+    if kind(name) is float:
+        return "a number in [0, 1)"
     low = TrainConfig.__dataclass_fields__[name].metadata["minimum"]
     return "positive integers" if low == 1 else f"integers >= {low}"
 
@@ -150,6 +189,8 @@ def check_value(name: str, v: Any) -> None:
     """Raise SpecError unless `v` is a valid value of field `name` (bools are not integers here)."""
     c, k = choices(name), kind(name)
     ok = isinstance(v, k) and (k is bool or not isinstance(v, bool))
+    if k is float:  # the dropout probabilities
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1
     if ok and c is not None:
         ok = v in c
     elif ok and k is int:
@@ -159,6 +200,8 @@ def check_value(name: str, v: Any) -> None:
             want = "one of " + ", ".join(str(x) for x in c)
         elif k is bool:
             want = "true or false"
+        elif k is float:
+            want = "a number in [0, 1)"
         else:
             low = TrainConfig.__dataclass_fields__[name].metadata["minimum"]
             want = "a positive integer" if low == 1 else f"an integer >= {low}"
@@ -187,5 +230,13 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
         if model.implementation != "hf":
             raise SpecError(f"attention flash_attention_2 is a transformers attn_implementation; the "
                             f"{model.implementation} code has sdpa or eager")
+    if cfg.method != "full" and model.implementation != "hf":
+        raise SpecError(f"method {cfg.method} wraps the Hugging Face model with peft; the {model.implementation} "
+                        f"code cannot take it (use --impl hf, or method full)")
+    if cfg.method == "qlora" and cluster.gpu.is_cpu:
+        raise SpecError("method qlora needs a GPU: bitsandbytes' 4-bit NF4 kernels run on CUDA only; CPU ranks "
+                        "can run lora (QLoRA is still estimated and simulated for GPUs)")
+    if cfg.method == "qlora" and cfg.precision == "fp32":
+        raise SpecError("method qlora computes in a 16-bit dtype (bnb_4bit_compute_dtype); use bf16 or fp16")
     if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
         raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")

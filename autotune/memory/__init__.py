@@ -86,7 +86,11 @@ def builtin(model: ModelSpec) -> bool:
 def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, dict[str, int]]:
     """The analytic phases. For code other than the builtin model the activation terms here are
     placeholders that traced.trace replaces; ZeRO-3's persistent parameters are then counted on the
-    module itself (a Qwen2 has biases on q, k, v only, which the shape does not say)."""
+    module itself (a Qwen2 has biases on q, k, v only, which the shape does not say). LoRA/QLoRA:
+    memory/lora.py's phases, built from these for the adapters."""
+    if cfg.method != "full":
+        from autotune.memory.lora import lora_phases
+        return lora_phases(model, cluster, cfg, _phases)
     buckets = bucket_sizes(model)
     threshold = buckets["stage3_param_persistence_threshold"]
     fused = not cluster.gpu.is_cpu

@@ -34,11 +34,12 @@ _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
 """Segment peaks by category of each small program traced, by `_key`."""
 
 
-def impl_of(spec: ModelSpec):
-    """The ModelImpl that builds `spec`'s module in trials (autotune/impl.py)."""
+def impl_of(spec: ModelSpec, cfg: TrainConfig | None = None):
+    """The ModelImpl that builds `spec`'s module in trials (autotune/impl.py), with `cfg`'s LoRA
+    adapters where its method says so."""
     from autotune.impl import impl_for
 
-    return impl_for(spec)
+    return impl_for(spec, cfg)
 
 
 _KEYS: dict[ModelSpec, str] = {}
@@ -62,13 +63,13 @@ same per layer (q, k, v, the output and a fp32 log-sum-exp per head and token): 
 unmeasured here, not the exact code."""
 
 
-def build(spec: ModelSpec, precision: str, attention: str, num_layers: int):
+def build(spec: ModelSpec, precision: str, attention: str, num_layers: int, cfg: TrainConfig | None = None):
     """`impl.build` in the training dtype: fake parameters cannot be cast after construction
-    (`.to(dtype)` fails on fakes), so the default dtype is set while the model is built."""
+    (`.to(dtype)` fails on fakes), so the default dtype is set while the model is built. `cfg`:
+    the config whose LoRA adapters the module gets (None: the base alone)."""
 
     attention = TRACED_AS.get(attention, attention)
-
-    impl = impl_of(spec)
+    impl = impl_of(spec, cfg)
     spec = _with_layer_types(spec, num_layers)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(precision))
@@ -180,7 +181,7 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
 
     marks = {"measure": False, "backward": False, "shared": set()}
     with _tracing(host_rng) as live, _unpacked_sequences():
-        impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full)
+        impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full, cfg)
         impl.checkpoint_first(model, ckpt)
         _hooks(impl, model, live, marks)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -230,7 +231,8 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
     """Segment peaks by category of a (ckpt + full)-layer `spec` in its own code, its first `ckpt`
     layers checkpointed (traced.py's `_trace_program` contract), cached. Only the fields that change
     the program are in the key: not the ZeRO stage, cluster size or grad_accum."""
-    key = (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng)
+    key = (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng,
+           cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout)
     if key not in _PROGRAMS:
         _PROGRAMS[key] = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
     return _PROGRAMS[key]

@@ -248,8 +248,16 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     if cfg.offload_optimizer or cfg.optimizer == "adamw8bit":
         return None
     fused = not cluster.gpu.is_cpu
-    part = math.ceil(spec.num_params / cluster.world_size)
-    if cfg.zero_stage == 0 and not builtin(spec):
+    trained = spec.num_params
+    if cfg.method != "full":  # only the adapters are stepped
+        from autotune.memory.lora import adapter_numels
+        trained = sum(adapter_numels(spec, cfg))
+    part = math.ceil(trained / cluster.world_size)
+    if cfg.zero_stage == 0 and cfg.method != "full":
+        every = adapter_numels(spec, cfg)  # two layers hold every pair of neighbours
+        sizes = every[: 2 * len(every) // spec.num_layers]
+        what = "each fp32 adapter, in the module's order"
+    elif cfg.zero_stage == 0 and not builtin(spec):
         sizes, what = code_trace.param_numels(spec, min(2, spec.num_layers)), "each fp32 parameter, in the module's order"
     elif cfg.zero_stage == 0:
         # in the model's order: single-tensor AdamW's `denom` of one parameter lives on while the
@@ -376,7 +384,8 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
     points = {p: {c: f[0] + f[1] * ckpt + f[2] * full for c, f in cats.items()} for p, cats in fits.items()}
     analytic = _phases(model, cluster, cfg)
     step_key = (code_trace.spec_key(model), model.num_layers, model.num_params, cluster.world_size,
-                cluster.gpu.is_cpu, cfg.zero_stage, cfg.offload_optimizer, cfg.optimizer)
+                cluster.gpu.is_cpu, cfg.zero_stage, cfg.offload_optimizer, cfg.optimizer, cfg.method,
+                cfg.lora_rank, cfg.lora_targets)
     if step_key not in _STEPS:  # the update depends on none of the activation inputs
         _STEPS[step_key] = _trace_step(model, cluster, cfg)
     step = _STEPS[step_key]

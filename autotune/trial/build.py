@@ -26,7 +26,7 @@ def build_model(req, device, ds_cfg: dict):
     from autotune.train_config import torch_dtype
 
     cfg = req.config
-    impl = impl_for(req.model)
+    impl = impl_for(req.model, cfg)  # with the config's LoRA adapters, if any (autotune/lora.py)
     dtype = torch_dtype(cfg.precision)
     make = lambda: impl.build(req.model, dtype=dtype, attention=cfg.attention)  # noqa: E731
     if impl.name == "builtin":

@@ -156,7 +156,7 @@ def client_optimizer(req, model):
 
     from autotune.deepspeed_config import ADAMW
 
-    return bnb.optim.AdamW8bit(model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]),
+    return bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]),
                                eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
 
 
@@ -205,7 +205,7 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
 
     from autotune.impl import impl_for
 
-    cfg, tokens, loss_of = req.config, data[0], impl_for(req.model).loss
+    cfg, tokens, loss_of = req.config, data[0], impl_for(req.model, req.config).loss
     losses, times, step_peaks, step_ends = [], [], [], []
     for step in range(req.warmup_steps + req.steps):
         measured = step >= req.warmup_steps
@@ -277,7 +277,9 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
             model = build_model(req, device, ds_cfg)
             timings["build_s"] = time.perf_counter() - t0
             # [0]: the engine alone; holding the returned optimizer too would keep it past release().
-            engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg,
+            # Only what trains goes to the optimizer (a LoRA base is frozen: no master copy, no states).
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            engine = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg,
                                           optimizer=client_optimizer(req, model))[0]
         timings["init_s"] = time.perf_counter() - t0
         param_bytes = local_param_bytes(engine.module)
@@ -317,6 +319,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
 def release(engine) -> None:
     """Free what DeepSpeed keeps of an engine after destroy(), so the next config starts from ~0.
 
+    Also torch.nn.functional.linear, which ZeRO-3's zero.Init replaces for good (reset below).
     Two module-level references keep a ZeRO-3 model, its partitions and its optimizer alive after
     destroy() (deepspeed 0.19.8; measured 12.6 MB per tiny-llama config without this):
     setup_zero_stage3_hooks appends the top module to FWD_MODULE_STACK and never pops it
@@ -324,7 +327,9 @@ def release(engine) -> None:
     a class-level functools.lru_cache keyed by (coordinator, submodule, step)
     (runtime/zero/partitioned_param_coordinator.py).
     """
+    import torch
     from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     engine.destroy()
@@ -334,6 +339,14 @@ def release(engine) -> None:
     for f in [fn, *inner]:
         if hasattr(f, "cache_clear"):
             f.cache_clear()
+    # zero.Init replaces torch.nn.functional.linear for the rest of the process ("This will persist
+    # unless manually reset", partition_parameters.py _enable_mem_efficient_linear); its
+    # LinearFunctionForZeroStage3 saves the input of frozen layers too, so a later config of this
+    # group would not run as in its own process (measured: +1.2 MB, 7.5%, on a tiny Llama LoRA at
+    # ZeRO-0 after a ZeRO-3 config). Reset, as a fresh process has it.
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 def cpu_memory(curve, req, rank: int) -> dict:

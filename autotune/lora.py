@@ -1,0 +1,118 @@
+"""LoRA and QLoRA through the model seam: `LoraImpl` builds the base through its own ModelImpl
+(autotune/impl.py), then wraps it with peft (`get_peft_model(model, LoraConfig(...))`), so trials,
+the CPU prior and the traced memory model all run the same adapted module.
+
+- Targets: `attention` is every linear projection inside each decoder layer's attention block
+  (q, k, v, o; fused or not: GPT-2's attn.c_attn and attn.c_proj, GPT-NeoX's
+  attention.query_key_value and attention.dense), named relative to the layer so that GPT-2's
+  MLP c_proj is not matched (peft matches a target by name suffix after a dot);
+  `all-linear` is peft's own (every linear layer but the output layer).
+- Dtype: adapters are made in the base's dtype (`autocast_adapter_dtype=False`): DeepSpeed casts
+  the whole module to the training dtype anyway (engine._configure_distributed_model), and keeps
+  the fp32 master copy in its optimizer, so a 16-bit adapter is what a DeepSpeed run holds.
+- Checkpointing: the base's `checkpoint_first`, then `enable_input_require_grads()` (the frozen
+  embedding's output must require grad, or a checkpointed layer at the bottom has no graph).
+- QLoRA: the base in 4-bit NF4 needs bitsandbytes on a GPU. Its memory is priced analytically
+  (autotune/memory/lora.py) on top of the 16-bit LoRA trace, which has the same activations apart
+  from the dequantised weight transient; a real build is refused with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from autotune.errors import SpecError
+from autotune.models import ModelSpec
+
+LINEAR_TYPES = ("Linear", "Conv1D")
+"""Module class names peft's LoRA wraps as linear layers (torch nn.Linear, transformers' Conv1D)."""
+
+
+def _linear(module) -> bool:
+    return type(module).__name__ in LINEAR_TYPES
+
+
+def attention_targets(layer) -> list[str]:
+    """Names (relative to a decoder layer) of the linear layers inside its attention block: the
+    child module whose name says attn/attention, every linear layer under it."""
+    for name, child in layer.named_children():
+        if "attn" in name.lower() or "attention" in name.lower():
+            found = [f"{name}.{n}" for n, m in child.named_modules() if n and _linear(m)]
+            if found:
+                return found
+    raise SpecError(f"{type(layer).__name__}: no attention block with linear layers found (a child named "
+                    f"*attn* or *attention*); use --lora-targets all-linear")
+
+
+def target_modules(cfg, layer) -> list[str] | str:
+    """peft's target_modules for `cfg.lora_targets` on this decoder layer's code."""
+    return "all-linear" if cfg.lora_targets == "all-linear" else attention_targets(layer)
+
+
+def lora_config_dict(cfg, targets) -> dict:
+    """The LoraConfig keyword arguments of `cfg` (what `autotune export` writes as JSON)."""
+    return {"r": cfg.lora_rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.lora_dropout,
+            "target_modules": targets, "bias": "none", "task_type": "CAUSAL_LM"}
+
+
+@contextlib.contextmanager
+def _fake_moves():
+    """peft moves each new adapter to its base layer's device and dtype (`module.to(...)`); a fake
+    parameter cannot be moved in place (torch swaps fakes' tensors, which a weak reference
+    forbids: '_apply(): Couldn't swap Linear.weight'). The adapters are already made on the CPU in
+    the training dtype (the default dtype while the model is built), so those moves are no-ops:
+    skip them when nothing would change."""
+    import torch
+
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if all((device is None or t.device == device)
+               and (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
+class LoraImpl:
+    """The base ModelImpl with peft adapters (`cfg.method` lora or qlora). `name` is the base's, so
+    callers build it as they build the base (hf under ZeRO-3: a live HfDeepSpeedConfig)."""
+
+    def __init__(self, base, cfg) -> None:
+        self.base, self.cfg, self.name = base, cfg, base.name
+
+    def build(self, spec: ModelSpec, *, dtype, attention: str, num_layers: int | None = None):
+        """The base's `build`, then `get_peft_model`: only the adapters require grad."""
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        model = self.base.build(spec, dtype=dtype, attention=attention, num_layers=num_layers)
+        probe = next(model.parameters())
+        if self.cfg.method == "qlora" and not (isinstance(probe, FakeTensor) or probe.device.type == "meta"):
+            raise SpecError("method qlora loads the frozen base in 4-bit NF4 through bitsandbytes (CUDA only); "
+                            "this build runs 16-bit LoRA code only: QLoRA is estimated and simulated")
+        config = LoraConfig(**lora_config_dict(self.cfg, target_modules(self.cfg, self.base.layers(model)[0])))
+        moves = _fake_moves() if isinstance(probe, FakeTensor) else contextlib.nullcontext()
+        with moves:
+            model = get_peft_model(model, config, autocast_adapter_dtype=False)
+        return model.train()
+
+    def layers(self, model):
+        return self.base.layers(model)
+
+    def loss(self, model, tokens):
+        return self.base.loss(model, tokens)
+
+    def checkpoint_first(self, model, k: int) -> None:
+        """The base's checkpointing; with k > 0 the frozen embedding's output also requires grad."""
+        self.base.checkpoint_first(model.get_base_model(), k)
+        if k:
+            model.enable_input_require_grads()

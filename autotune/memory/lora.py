@@ -1,0 +1,165 @@
+"""Memory of LoRA and QLoRA fine-tuning (method lora/qlora; autotune/lora.py builds the module).
+
+What DeepSpeed 0.19.8 keeps when only the adapters require grad (the worker passes
+`model_parameters=[p for p in model.parameters() if p.requires_grad]`):
+- Frozen base weights stay in the module, in the training dtype (engine._configure_distributed_model
+  casts the whole module); they have no gradient, no fp32 master copy and no optimizer state: the
+  optimizers are built from the param groups they are given (stage_1_and_2.py flattens
+  `param_group['params']` only; stage3.py likewise; bf16/fp16 wrappers copy their groups).
+- ZeRO-3 still partitions every parameter of the module (zero.Init / `_convert_to_zero_parameters`),
+  frozen or not, and gathers them for forward and backward: the base is sharded and gathered as in
+  full fine-tuning. ZeRO-1/2 partition only what is in the optimizer: the adapters.
+- Adapters: parameters in the training dtype, fp32 master, gradients and AdamW states, i.e. full
+  fine-tuning's terms for a model of `adapter_params` parameters (model_states.py, buffers.py).
+- No embedding or LM-head gradient exists (both frozen): those transients are dropped.
+- Activations: traced from the peft module itself (code_trace through the seam): the adapter path's
+  dropout mask and dropout(x), x·A, and what the frozen layers keep to pass input gradients.
+QLoRA (Dettmers et al. 2023, "QLoRA", arXiv:2305.14314, sec. 2 and 3): every linear weight of the
+decoder layers in 4-bit NF4, 0.5 B/weight, plus one fp32 absmax per 64-weight block (4/64 B/weight);
+with double quantisation the absmax constants are 8-bit, with one fp32 constant per 256 of them:
+8/64 + 32/(64*256) bits = 0.127 bits/weight (paper, sec. 3 "Double Quantization"). Each quantised
+linear layer dequantises its weight to the compute dtype for its matmul (bitsandbytes
+MatMul4Bit: F.dequantize_4bit), one layer at a time: a transient of the largest such weight.
+The rest (embeddings, norms, LM head: transformers keeps the output layer unquantised) stays 16-bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+
+from autotune.deepspeed_config import bucket_sizes
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig, dtype_bytes
+
+NF4_BYTES = 0.5
+"""4-bit NormalFloat: two weights per byte (QLoRA sec. 3)."""
+QUANT_BLOCK = 64
+"""bitsandbytes' 4-bit block size: one absmax per 64 weights (QLoRA sec. 3, bnb_4bit blocksize 64)."""
+ABSMAX_BYTES = 4 / QUANT_BLOCK
+"""fp32 absmax per block without double quantisation: 32/64 bits = 0.5 bits/weight (QLoRA sec. 3)."""
+DOUBLE_QUANT_BYTES = 1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * 256)
+"""8-bit absmax per block + one fp32 constant per 256 blocks: 8/64 + 32/(64*256) = 0.127 bits/weight."""
+DOUBLE_QUANT = True
+"""autotune's QLoRA uses double quantisation (bnb_4bit_use_double_quant=True, the paper's setup)."""
+
+
+def qlora_bytes_per_weight(double_quant: bool = DOUBLE_QUANT) -> float:
+    """Bytes one quantised base weight costs, constants included."""
+    return NF4_BYTES + (DOUBLE_QUANT_BYTES if double_quant else ABSMAX_BYTES)
+
+
+@cache
+def _layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+    """From a 1-layer model on the meta device, built through the seam: (the adapter parameter
+    sizes of ONE decoder layer in the optimizer's order, the adapted layers' names, the sizes of that
+    layer's linear weights). Adapters live only in decoder layers: peft's all-linear leaves the
+    output layer out, and embeddings are not linear."""
+    import torch
+
+    from autotune.impl import impl_for
+    from autotune.lora import LINEAR_TYPES
+
+    cfg = TrainConfig(method=method, lora_rank=rank, lora_targets=targets)
+    impl = impl_for(spec, cfg)
+    with torch.device("meta"):
+        model = impl.build(spec, dtype=torch.bfloat16, attention="sdpa", num_layers=1)
+    layer = impl.layers(model)[0]
+    sizes = tuple(p.numel() for p in model.parameters() if p.requires_grad)
+    names = tuple(sorted({n.split(".lora_")[0] for n, p in layer.named_parameters() if p.requires_grad}))
+    # the base layers' weights: peft's wrappers hold them as base_layer (its adapters are excluded)
+    linear = tuple(m.weight.numel() for n, m in layer.named_modules()
+                   if type(m).__name__ in LINEAR_TYPES and ".lora_" not in f".{n}" and not hasattr(m, "base_layer"))
+    return sizes, names, linear
+
+
+def _key(spec: ModelSpec, cfg: TrainConfig):
+    return spec, cfg.method, cfg.lora_rank, cfg.lora_targets
+
+
+def adapter_numels(spec: ModelSpec, cfg: TrainConfig) -> list[int]:
+    """Element counts of every trainable adapter tensor, in the order an optimizer visits them."""
+    return list(_layout(*_key(spec, cfg))[0]) * spec.num_layers
+
+
+def adapter_params(spec: ModelSpec, cfg: TrainConfig) -> int:
+    """Trainable parameters: r x (in + out) per adapted linear layer over all decoder layers; all of
+    them for method full."""
+    return sum(adapter_numels(spec, cfg)) if cfg.method != "full" else spec.num_params
+
+
+def adapted_layers(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
+    """The adapted linear layers of one decoder layer, as the module names them."""
+    return list(_layout(*_key(spec, cfg))[1])
+
+
+def adapter_shapes(spec: ModelSpec, cfg: TrainConfig) -> list[tuple[int, int]]:
+    """(in, out) of each adapted layer of one decoder layer: A is r x in, B is out x r."""
+    sizes, r = _layout(*_key(spec, cfg))[0], cfg.lora_rank
+    return [(a // r, b // r) for a, b in zip(sizes[::2], sizes[1::2])]
+
+
+def quantized_weights(spec: ModelSpec, cfg: TrainConfig) -> tuple[int, int]:
+    """(linear weight elements of all decoder layers, the largest one): what QLoRA stores in NF4."""
+    linear = [n for n in _layout(*_key(spec, cfg))[2] if n > 0]
+    return sum(linear) * spec.num_layers, max(linear)
+
+
+def adapter_view(spec: ModelSpec, cfg: TrainConfig) -> ModelSpec:
+    """`spec` with the adapters' parameter count: the full fine-tuning terms of this view are the
+    adapters' gradients, master weights, optimizer states and reduction buffers."""
+    return replace(spec, param_count=adapter_params(spec, cfg))
+
+
+def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+    """Parameter bytes on one GPU: the frozen base (16-bit, or NF4 for QLoRA) and the adapters.
+    ZeRO-3 partitions both and keeps the small ones (< stage3_param_persistence_threshold
+    elements) whole on every rank; below stage 3 every rank holds all of them."""
+    pb, n = dtype_bytes(cfg.precision), cluster.world_size
+    adapters = adapter_params(spec, cfg)
+    base = spec.num_params * pb
+    out = {}
+    if cfg.method == "qlora":
+        q, _ = quantized_weights(spec, cfg)
+        base = (spec.num_params - q) * pb + q * qlora_bytes_per_weight()
+    if cfg.zero_stage == 3:
+        from autotune.memory.code_trace import persistent_params
+
+        threshold = bucket_sizes(spec)["stage3_param_persistence_threshold"]
+        keep_base = persistent_params(spec, threshold)
+        keep_adapters = sum(x for x in adapter_numels(spec, cfg) if x < threshold)
+        out["frozen_parameters"] = int(base / n + pb * keep_base)
+        out["adapter_parameters"] = int(pb * (adapters / n + keep_adapters))
+        out["_gathered"] = int(base - pb * keep_base + pb * (adapters - keep_adapters)) if n > 1 else 0
+    else:
+        out["frozen_parameters"] = int(base)
+        out["adapter_parameters"] = pb * adapters
+    return out
+
+
+FROZEN_DROPPED = ("embedding_gradient", "head_gradient")
+"""Full fine-tuning terms with no LoRA counterpart: the frozen embedding and LM head make no gradient."""
+
+
+def lora_phases(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, full_phases) -> dict[str, dict[str, int]]:
+    """autotune.memory's phases for a LoRA/QLoRA config: full fine-tuning's phases of the adapter
+    view (`full_phases(view, cluster, cfg with method full)`), with the held parameters of the whole
+    module instead of the adapters' alone, ZeRO-3's gathered base, no embedding or head gradient,
+    and (QLoRA) the dequantised weight of the largest linear layer in forward and backward."""
+    view = adapter_view(spec, cfg)
+    plain = replace(cfg, method="full")
+    phases = full_phases(view, cluster, plain)
+    held = held_parameters(spec, cluster, cfg)
+    gathered = held.pop("_gathered", 0)
+    dequant = dtype_bytes(cfg.precision) * quantized_weights(spec, cfg)[1] if cfg.method == "qlora" else 0
+    out = {}
+    for name, terms in phases.items():
+        t = {k: v for k, v in terms.items() if k not in FROZEN_DROPPED and k != "parameters"}
+        t = {**held, **t}
+        if "zero3_gathered_params" in terms:
+            t["zero3_gathered_params"] = gathered
+        if dequant and name != "optimizer":
+            t["dequantized_weight"] = dequant
+        out[name] = {k: v for k, v in t.items() if v}
+    return out

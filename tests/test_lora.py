@@ -1,0 +1,159 @@
+"""LoRA and QLoRA (issue #12): the method as a search dimension, peft through the model seam, the
+memory against real 2-rank DeepSpeed + peft runs, QLoRA's bytes per weight, the LoraConfig export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotune.errors import SpecError
+from autotune.hardware import parse_gpus
+from autotune.impl import impl_for
+from autotune.memory import estimate
+from autotune.memory import lora as mlora
+from autotune.models import resolve_model
+from autotune.search_space import expand, load_space
+from autotune.train_config import TrainConfig, check_config
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def spec(name: str):
+    return resolve_model(str(DATA / name), implementation="hf", factory=None)
+
+
+def test_full_is_not_multiplied_by_lora_choices(tmp_path):
+    space = tmp_path / "s.yaml"
+    space.write_text("zero_stage: [2]\nmicro_batch: [1]\nckpt_layers: [0]\nmethod: [full, lora]\n"
+                     "lora_rank: [8, 16, 64]\nlora_targets: [attention, all-linear]\n")
+    cands = expand(load_space(space), spec("hf-llama"), parse_gpus("2xcpu"), seq_len=32).candidates
+    assert sum(c.method == "full" for c in cands) == 1
+    assert sum(c.method == "lora" for c in cands) == 6
+    assert TrainConfig(method="full", lora_rank=64).key() == TrainConfig().key()
+
+
+def test_alpha_defaults_to_twice_the_rank_and_bad_values_say_what_is_allowed():
+    assert TrainConfig(method="lora", lora_rank=16).alpha == 32
+    assert TrainConfig(method="lora", lora_rank=16, lora_alpha=8).alpha == 8
+    with pytest.raises(SpecError, match=r"lora_dropout must be a number in \[0, 1\)"):
+        TrainConfig(method="lora", lora_dropout=1.0)
+    with pytest.raises(SpecError, match="method must be one of full, lora, qlora"):
+        TrainConfig(method="prefix")
+
+
+def test_qlora_is_refused_on_cpu_ranks_with_its_reason_and_estimated_for_a_gpu():
+    s = spec("hf-llama")
+    with pytest.raises(SpecError, match="qlora needs a GPU: bitsandbytes"):
+        check_config(TrainConfig(method="qlora", seq_len=32), s, parse_gpus("2xcpu"))
+    gpu = parse_gpus("1xRTX4090")
+    cfg = TrainConfig(method="qlora", seq_len=32, precision="bf16")
+    check_config(cfg, s, gpu)
+    est = estimate(s, gpu, cfg)
+    assert "dequantized_weight" in est.terms and est.fits
+
+
+def test_lora_needs_code_peft_can_wrap():
+    with pytest.raises(SpecError, match="wraps the Hugging Face model with peft"):
+        check_config(TrainConfig(method="lora", seq_len=32), resolve_model("tiny-llama", implementation="builtin",
+                                                                          factory=None), parse_gpus("2xcpu"))
+
+
+def test_qlora_bytes_per_weight_are_the_papers():
+    # Dettmers et al. 2023, sec. 3: 32/64 = 0.5 bits of constants per weight without double
+    # quantisation, 8/64 + 32/(64*256) = 0.127 bits with it; 4 bits of NF4 each
+    assert mlora.qlora_bytes_per_weight(double_quant=False) == pytest.approx((4 + 0.5) / 8)
+    assert mlora.qlora_bytes_per_weight(double_quant=True) == pytest.approx((4 + 8 / 64 + 32 / (64 * 256)) / 8)
+
+
+def test_seam_trains_only_the_adapters_and_counts_them():
+    import torch
+
+    s = spec("hf-gpt2")
+    cfg = TrainConfig(method="lora", lora_rank=4, lora_targets="attention")
+    with torch.device("meta"):
+        model = impl_for(s, cfg).build(s, dtype=torch.float32, attention="sdpa")
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    # GPT-2's attention is attn.c_attn (fused q, k, v) and attn.c_proj, not the MLP's c_proj
+    assert mlora.adapted_layers(s, cfg) == ["attn.c_attn", "attn.c_proj"]
+    h, L, r = 128, 4, 4
+    assert mlora.adapter_params(s, cfg) == L * r * ((h + 3 * h) + (h + h))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == mlora.adapter_params(s, cfg)
+
+
+def test_lora_static_memory_is_far_below_full_fine_tuning_for_13b():
+    s = resolve_model("13b", implementation="hf", factory=None)
+    gpus = parse_gpus("4xA100")
+    for z in (0, 1, 2, 3):
+        full = estimate(s, gpus, TrainConfig(zero_stage=z, seq_len=512, ckpt_layers=40))
+        lora = estimate(s, gpus, TrainConfig(zero_stage=z, seq_len=512, ckpt_layers=40, method="lora"))
+        static = lambda e: sum(v for k, v in e.terms.items() if k in (  # noqa: E731
+            "parameters", "frozen_parameters", "adapter_parameters", "master_weights", "optimizer_states"))
+        assert lora.terms["optimizer_states"] < full.terms["optimizer_states"] / 100
+        assert static(lora) < static(full)
+
+
+def test_export_writes_a_lora_config_peft_accepts(tmp_path):
+    from peft import LoraConfig
+
+    from autotune.export import lora_config_json
+
+    text = lora_config_json(spec("hf-gpt2"), TrainConfig(method="lora", lora_rank=16, lora_dropout=0.1))
+    cfg = LoraConfig(**json.loads(text))
+    assert cfg.r == 16 and cfg.lora_alpha == 32 and cfg.lora_dropout == 0.1
+    assert set(cfg.target_modules) == {"attn.c_attn", "attn.c_proj"}
+
+
+@pytest.mark.slow
+def test_real_lora_trials_match_the_estimate(tmp_path):
+    """Real DeepSpeed + peft trials on 2 CPU ranks, one process group: ok, the loss falls, the
+    measured peak within 5% of the estimate (the issue's worst-case bar)."""
+    from autotune.trial.launch import run_trials
+    from autotune.trial.record import TrialRequest
+
+    gpus = parse_gpus("2xcpu")
+    cases = [("hf-llama", TrainConfig(method="lora", zero_stage=2, precision="bf16", micro_batch=2, seq_len=48,
+                                      lora_rank=8, ckpt_layers=2)),
+             ("hf-gpt2", TrainConfig(method="lora", zero_stage=3, precision="fp32", micro_batch=1, seq_len=64,
+                                     lora_rank=4, lora_targets="all-linear"))]
+    reqs = [TrialRequest(model=spec(m), cluster=gpus, config=c, steps=2, warmup_steps=1, out_dir=tmp_path / m)
+            for m, c in cases]
+    for req, res in zip(reqs, run_trials(reqs)):
+        assert res.status == "ok", res.reason
+        assert res.losses[-1] < res.losses[0]
+        est = estimate(req.model, gpus, req.config).tensor_peak_bytes
+        assert abs(est / res.peak_bytes - 1) <= 0.05, (req.model.name, req.config.short(), est, res.peak_bytes)
+
+
+def test_autotune_export_writes_the_lora_config_beside_the_deepspeed_json(tmp_path, monkeypatch, capsys):
+    """`autotune export` on a real study whose winner is a LoRA run."""
+    import optuna
+    from optuna.trial import TrialState
+    from peft import LoraConfig
+
+    from autotune import study as st
+    from autotune.cli import main
+
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
+    monkeypatch.chdir(tmp_path)
+    model, cluster = spec("hf-llama"), parse_gpus("2xcpu")
+    attrs = st.study_attrs(model, cluster, seq_len=64, global_batch=None, space_text="", space_path="t",
+                           source="measured")
+    study = st.create_study("lora", None, attrs, sampler=None)
+    cfg = TrainConfig(method="lora", lora_rank=16, lora_targets="all-linear", ckpt_layers=2, seq_len=64)
+    dists = st.distributions([cfg])
+    res = {"status": "ok", "source": "measured", "samples_per_s": 10.0, "tokens_per_s": 640.0,
+           "peak_bytes": 1000, "log_tail": ""}
+    ua = {"config": cfg.to_dict(), "status": "ok", "source": "measured", "reason": "", "result": res,
+          "estimate": {"tensor_bytes": 1000, "total_bytes": 1000, "capacity_bytes": 10**9,
+                       "dominant_term": "activations"}}
+    study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=10.0, params=st.params_of(cfg, dists),
+                                              distributions=dists, user_attrs=ua))
+    out = tmp_path / "ds.json"
+    assert main(["export", "--study", "lora", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    lora = LoraConfig(**json.loads((tmp_path / "ds.lora.json").read_text()))
+    assert lora.r == 16 and lora.lora_alpha == 32 and lora.target_modules == "all-linear"
+    assert "get_peft_model" in text and "enable_input_require_grads" in text and "if p.requires_grad" in text
