@@ -75,6 +75,23 @@ class TrainConfig:
     attention: Literal["sdpa", "eager"] = _setting("sdpa", space=("sdpa",), help="attention implementation")
     """sdpa: memory-efficient/flash scaled-dot-product attention (no s x s matrix kept);
     eager: the explicit softmax(QK^T)V that keeps the s x s scores."""
+    grad_accum_dtype: Literal["auto", "fp32"] = _setting(
+        "auto", space=("auto",), help="gradient accumulation dtype (DeepSpeed data_types.grad_accum_dtype; "
+                                      "auto: the model's dtype)")
+    """DeepSpeed's `data_types.grad_accum_dtype` (runtime/config.py). fp32 with 16-bit training: at
+    ZeRO-1 bf16 DeepSpeed switches to its BF16_Optimizer (engine._do_optimizer_sanity_check), which
+    keeps full fp32 gradients beside the partition; at ZeRO-3 the flat gradient partition is fp32
+    (stage3.py grad_partitions_flat_buffer); at ZeRO-2 the reduced partition is fp32."""
+    overlap_comm: bool = _setting(False, space=(False,),
+                                  help="ZeRO 1-2: reduce gradients during backward (a second reduce bucket)")
+    """DeepSpeed's `zero_optimization.overlap_comm` at stages 1-2: a second reduce bucket
+    (stage_1_and_2.py setup_buckets, "double buffers"). Stage 3 always overlaps (nothing allocated)."""
+    reduce_bucket_size: int = _setting(0, space=(0,), minimum=0,
+                                       help="ZeRO reduce bucket in elements (0: hidden^2, Hugging Face's auto)")
+    """`zero_optimization.reduce_bucket_size` in elements; 0 writes Hugging Face's "auto" hidden^2."""
+    allgather_bucket_size: int = _setting(0, space=(0,), minimum=0,
+                                          help="ZeRO 1-2 allgather bucket in elements (0: hidden^2)")
+    """`zero_optimization.allgather_bucket_size` (stages 1-2) in elements; 0 writes hidden^2."""
     seq_len: int = _setting(2048, space=None, minimum=1, help="sequence length (default: min(2048, model max))")
     """Tokens per sequence; fixed per study (`--seq-len`), not a search axis."""
 
@@ -87,6 +104,26 @@ class TrainConfig:
         if self.offload_optimizer and self.optimizer == "adamw8bit":
             raise SpecError("offload_optimizer runs DeepSpeed's CPU Adam, which has no 8-bit states; "
                             "choose one of the two")
+        self._check_knobs()
+
+    def _check_knobs(self) -> None:
+        """Refuse combinations DeepSpeed refuses or ignores, so no two candidates run the same job."""
+        z = self.zero_stage
+        if self.grad_accum_dtype == "fp32" and self.precision == "fp32":
+            raise SpecError("grad_accum_dtype fp32 with fp32 training is the default (auto); drop it")
+        if self.grad_accum_dtype == "fp32" and z == 0:
+            raise SpecError("grad_accum_dtype fp32 needs ZeRO stage 1-3: without ZeRO DeepSpeed raises "
+                            "'unsupported mix of model_dtype and grad_accum_dtype' (engine._do_optimizer_sanity_check)")
+        if self.overlap_comm and z not in (1, 2):
+            raise SpecError("overlap_comm is a ZeRO stage 1-2 choice: stage 3 always overlaps (autotune writes "
+                            "true, it allocates nothing), stage 0 has no ZeRO reducer")
+        if self.reduce_bucket_size and z == 0:
+            raise SpecError("reduce_bucket_size needs ZeRO stage 1-3 (stage 0 all-reduces in 5e8-element buffers)")
+        if self.allgather_bucket_size and z not in (1, 2):
+            raise SpecError("allgather_bucket_size is read at ZeRO stages 1-2 only")
+        if self.allgather_bucket_size % 2:
+            raise SpecError("allgather_bucket_size must be even: DeepSpeed asserts a multiple of "
+                            "nccl_start_alignment_factor 2 (stage_1_and_2.py)")
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -78,7 +78,7 @@ class MemoryEstimate:
 
 
 def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, dict[str, int]]:
-    buckets = bucket_sizes(model)
+    buckets = bucket_sizes(model, cfg)
     threshold = buckets["stage3_param_persistence_threshold"]
     fused = not cluster.gpu.is_cpu
     kw = dict(micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, precision=cfg.precision)

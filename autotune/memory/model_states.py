@@ -102,12 +102,14 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
         # persistent ones add their full size on top of p/N)
         keep = persistent_params(spec, persistence_threshold)
         out["parameters"] = int(pb * (p / n + keep))
-        out["gradient_partition"] = int(pb * p / n)
+        out["gradient_partition"] = int((4 if cfg.grad_accum_dtype == "fp32" else pb) * p / n)  # stage3.py grad_partitions_flat_buffer
         # the reduce bucket is allocated at the first backward and kept (measured on CPU:
         # reduce_bucket_size elements in the model dtype live at the start of every later step)
         out["reduce_bucket"] = pb * reduce_bucket_elements
     else:
         out["parameters"] = pb * p
+    if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32" and not cfg.offload_optimizer:
+        out["fp32_gradients"] = 4 * p  # BF16_Optimizer's fp32 gradients (memory/buffers.py bf16_optimizer)
     if cfg.offload_optimizer:
         out["master_weights"] = 0  # fp32 partition and Adam states live in pinned CPU memory
         out["optimizer_states"] = 0
@@ -138,6 +140,12 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     if cfg.offload_optimizer:
         # gradients are copied partition by partition to pinned CPU memory, the step runs there
         return {"gradients": int(pb * p / n) if z in (1, 2) else 0, "optimizer_temporaries": 0}
+    if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32":
+        # BF16_Optimizer (memory/buffers.py bf16_optimizer): its fp32 gradients are a state. At the
+        # step, 2 x 4P/N for the update's temporaries and 4P/N more were measured in two runs of three
+        # on tiny-llama, 2P (the bf16 gradients) beyond that in the third: both are priced, as held.
+        return {"gradients": pb * p + int(4 * p / n),
+                "optimizer_temporaries": int(2 * 4 * p / n) if not fused_optimizer else 0}
     stepped = largest_param(spec) if z == 0 else p / n
     if z == 3:
         stepped = min(stepped, STAGE3_SUB_GROUP_SIZE)

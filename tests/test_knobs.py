@@ -1,0 +1,129 @@
+"""The knobs of issue #14 against the real components: 2-rank DeepSpeed trials on CPU (gloo) for
+grad_accum_dtype, reduce_bucket_size and overlap_comm, all in ONE process group (run_trials), the
+measured peak against the memory model; DeepSpeed's own config parser where a knob cannot run here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.deepspeed_config import deepspeed_config
+from autotune.errors import SpecError
+from autotune.hardware import parse_gpus
+from autotune.memory import estimate
+from autotune.memory.buffers import bf16_optimizer
+from autotune.models import resolve_model
+from autotune.train_config import TrainConfig
+
+CLUSTER = parse_gpus("2xcpu")
+BIG = 4_000_000
+"""A reduce bucket larger than tiny-llama (1.26M parameters): the bucket then dominates backward, so
+its bytes (and overlap_comm's second one) are what the peak measures."""
+
+KNOBS = [dict(zero_stage=z, precision="bf16", **kw) for z in (1, 2) for kw in (
+    {"overlap_comm": True}, {"grad_accum_dtype": "fp32"}, {"reduce_bucket_size": 50_000},
+    {"reduce_bucket_size": 50_000, "overlap_comm": True}, {"reduce_bucket_size": BIG},
+    {"reduce_bucket_size": BIG, "overlap_comm": True}, {"reduce_bucket_size": BIG, "grad_accum_dtype": "fp32"},
+    {"reduce_bucket_size": BIG, "grad_accum_dtype": "fp32", "overlap_comm": True})] + [
+    dict(zero_stage=3, precision="bf16", grad_accum_dtype="fp32"),
+    dict(zero_stage=3, precision="bf16", reduce_bucket_size=BIG),
+    dict(zero_stage=1, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
+    dict(zero_stage=2, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True)]
+IDS = ["-".join(f"{k}={v}" for k, v in kw.items()) for kw in KNOBS]
+
+UNDER, OVER = 0.01, 0.03
+"""tests/test_trial.py's tolerance: at most 1% under the measured peak, at most 3% over."""
+OVER_ONE_BUCKET = 0.07
+"""When one bucket holds every gradient (reduce_bucket_size >= P), a second gradient partition is live
+at one step in some runs and not in others (measured: tiny-llama z1/z2 bf16 with a 4e6 bucket, +P/N x
+2 B in one run of two). The model prices it as held, so it may be over by that partition (~6%)."""
+
+OVER_BF16_OPTIMIZER = 0.12
+"""ZeRO-1 bf16 with fp32 accumulation (BF16_Optimizer): the bf16 gradients (2P) were live at the step
+in one run of three (25,254,436 vs 22,728,996 bytes on tiny-llama); priced as held, 11% over otherwise."""
+
+
+def _cfg(kw: dict) -> TrainConfig:
+    return TrainConfig(micro_batch=1, seq_len=32, **kw)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    from autotune.trial import run_trials
+    from autotune.trial.record import TrialRequest
+
+    root = tmp_path_factory.mktemp("knobs")
+    model = resolve_model("tiny-llama")
+    reqs = [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / str(i), steps=2,
+                         warmup_steps=1, timeout_s=300) for i, kw in enumerate(KNOBS)]
+    return dict(zip(IDS, zip(reqs, run_trials(reqs))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", IDS)
+def test_knob_measured_peak_matches_estimate(measured, key):
+    req, res = measured[key]
+    assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
+    est = estimate(req.model, req.cluster, req.config)
+    err = est.tensor_peak_bytes / res.peak_bytes - 1
+    over = OVER_ONE_BUCKET if req.config.reduce_bucket_size >= req.model.num_params else OVER
+    if bf16_optimizer(req.config):
+        over = OVER_BF16_OPTIMIZER
+    assert -UNDER <= err <= over, (f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
+                                   f"{res.peak_bytes:,} {res.phase_peak_bytes}: {100 * err:+.2f}%")
+
+
+@pytest.mark.slow
+def test_overlap_comm_adds_one_bucket(measured):
+    """overlap_comm's second bucket, measured: the backward peak grows by one reduce bucket (4e6 bf16)."""
+    for z in (1, 2):
+        one = measured[f"zero_stage={z}-precision=bf16-reduce_bucket_size={BIG}"][1]
+        two = measured[f"zero_stage={z}-precision=bf16-reduce_bucket_size={BIG}-overlap_comm=True"][1]
+        assert two.phase_peak_bytes["backward"] - one.phase_peak_bytes["backward"] == pytest.approx(2 * BIG, abs=16384)  # a few KB of gloo scalars vary
+
+
+@pytest.mark.slow
+def test_fp32_accumulation_at_stage_1_keeps_fp32_gradients(measured):
+    """bf16 + grad_accum_dtype fp32 at ZeRO-1 runs BF16_Optimizer: 4 B/param of fp32 gradients for the
+    whole run (the forward peak grows by 4P), and the reduce bucket is not used (same peak with 4e6)."""
+    p = resolve_model("tiny-llama").num_params
+    fp32 = measured["zero_stage=1-precision=bf16-grad_accum_dtype=fp32"][1]
+    big = measured[f"zero_stage=1-precision=bf16-reduce_bucket_size={BIG}-grad_accum_dtype=fp32"][1]
+    base = estimate(resolve_model("tiny-llama"), CLUSTER, _cfg(dict(zero_stage=1, precision="bf16")))
+    assert fp32.phase_peak_bytes["forward"] - base.phases["forward"] == pytest.approx(4 * p, abs=4096)
+    assert big.peak_bytes == fp32.peak_bytes
+
+
+def test_knobs_write_deepspeed_keys():
+    model = resolve_model("tiny-llama")
+    ds = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16", grad_accum_dtype="fp32", overlap_comm=True,
+                                      reduce_bucket_size=1000, allgather_bucket_size=2000), model, CLUSTER)
+    z = ds["zero_optimization"]
+    assert (z["overlap_comm"], z["reduce_bucket_size"], z["allgather_bucket_size"]) == (True, 1000, 2000)
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    auto = deepspeed_config(TrainConfig(zero_stage=2), model, CLUSTER)
+    assert "data_types" not in auto and auto["zero_optimization"]["reduce_bucket_size"] == model.hidden_size ** 2
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(zero_stage=0, precision="bf16", grad_accum_dtype="fp32"), "unsupported mix"),
+    (dict(zero_stage=1, precision="fp32", grad_accum_dtype="fp32"), "default"),
+    (dict(zero_stage=3, overlap_comm=True), "stage 3 always overlaps"),
+    (dict(zero_stage=0, reduce_bucket_size=10), "stage 1-3"),
+    (dict(zero_stage=3, allgather_bucket_size=10), "stages 1-2"),
+    (dict(zero_stage=1, allgather_bucket_size=11), "even"),
+])
+def test_knob_combinations_deepspeed_refuses_or_ignores_are_refused(kw, why):
+    with pytest.raises(SpecError, match=why):
+        TrainConfig(**kw)
+
+
+def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
+    """A bucket larger than needed costs memory: with 4e6 elements the estimate grows by the bucket's
+    bytes, and overlap_comm by one more bucket, at stages 1 and 2."""
+    model = resolve_model("tiny-llama")
+    for z in (1, 2):
+        one = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG)))
+        two = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG,
+                                                 overlap_comm=True)))
+        assert two.tensor_peak_bytes - one.tensor_peak_bytes == 2 * BIG
