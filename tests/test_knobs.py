@@ -127,3 +127,28 @@ def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
         two = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG,
                                                  overlap_comm=True)))
         assert two.tensor_peak_bytes - one.tensor_peak_bytes == 2 * BIG
+
+
+def test_max_seq_len_and_micro_batch_are_the_largest_that_fit(capsys):
+    """`autotune estimate --max-seq-len/--max-micro-batch`: the answer fits and one more does not."""
+    import dataclasses
+    import json
+    import time
+
+    from autotune.cli import main
+    from autotune.memory.limits import largest_fitting
+
+    model, cluster = resolve_model("13b"), parse_gpus("4xA100")
+    cfg = TrainConfig(zero_stage=3, precision="bf16", seq_len=2048)
+    for name in ("seq_len", "micro_batch"):
+        v = largest_fitting(model, cluster, cfg, name)
+        assert v >= 1 and estimate(model, cluster, dataclasses.replace(cfg, **{name: v})).fits
+        assert not estimate(model, cluster, dataclasses.replace(cfg, **{name: v + 1})).fits
+    t = time.perf_counter()
+    assert main(["estimate", "--model", "13b", "--gpus", "4xA100", "--zero", "3", "--max-seq-len",
+                 "--max-micro-batch", "--json"]) == 0
+    assert time.perf_counter() - t < 30   # a generous bound, not a timing claim (shared CPUs)
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_seq_len"] == largest_fitting(model, cluster, cfg, "seq_len")
+    tiny = resolve_model("tiny-gpt2")   # learned positions: never past the model's own maximum
+    assert largest_fitting(tiny, parse_gpus("2xH100"), TrainConfig(seq_len=32), "seq_len") == tiny.max_seq_len

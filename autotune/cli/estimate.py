@@ -18,7 +18,18 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true",
                    help="also trace the step on fake tensors (seconds, no GPU) and print traced vs estimated")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="also answer the largest sequence length that fits, the rest of the configuration as given")
+    p.add_argument("--max-micro-batch", action="store_true",
+                   help="also answer the largest micro batch that fits, the rest of the configuration as given")
     p.set_defaults(func=run)
+
+
+def _limits(args, model, cluster, cfg) -> dict[str, int]:
+    from autotune.memory.limits import largest_fitting
+
+    return {f"max_{n}": largest_fitting(model, cluster, cfg, n)
+            for n, asked in (("seq_len", args.max_seq_len), ("micro_batch", args.max_micro_batch)) if asked}
 
 
 def _simulated(model, cluster, cfg) -> dict | None:
@@ -40,6 +51,7 @@ def run(args) -> int:
     if args.json:
         out = {**est.to_json(), "model": model.name, "gpus": cluster.text, "config": cfg.to_dict()}
         out["simulated"] = _simulated(model, cluster, cfg)
+        out.update(_limits(args, model, cluster, cfg))
         if cluster.note:
             out["note"] = cluster.note
         if args.trace:
@@ -60,6 +72,10 @@ def run(args) -> int:
     print(f"{'total per GPU':<26} {est.total_bytes:>16,} {est.total_bytes / GiB:>9.3f}")
     print("\npeak by phase: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.phases.items()))
     print(f"verdict: {est.verdict()}")
+    for k, v in _limits(args, model, cluster, cfg).items():
+        other = f"micro batch {cfg.micro_batch}" if k == "max_seq_len" else f"seq len {cfg.seq_len}"
+        what = k.removeprefix("max_").replace("_", " ")
+        print(f"largest {what} that fits (with {other}): {v}" if v else f"no {what} fits (with {other})")
     if args.trace:
         from autotune.memory.traced import compare, trace
 
