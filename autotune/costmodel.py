@@ -14,6 +14,8 @@ Per GPU, data parallel over all `world_size` ranks:
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from importlib import resources
@@ -251,6 +253,8 @@ def grad_reduce_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runt
     """One reduction of all gradients. ZeRO-0 all-reduces (2 Psi moved); ZeRO >= 1 reduce-scatters
     (Psi) (Rajbhandari et al. 2020, "ZeRO", sec. 7.2), unless ZeRO-1/2 falls back to all-reduce."""
     nbytes = model.num_params * dtype_bytes(cfg.precision)
+    if cfg.zero_quantized_gradients:
+        nbytes /= 4   # qgZ: int4 all-to-all, 1/4 of bf16 (ZeRO++ arXiv:2306.10209, sec. 3.3)
     if cfg.zero_stage == 0 or (cfg.zero_stage in (1, 2) and not rt.contiguous_gradients):
         return all_reduce_s(nbytes, cluster)
     return all_gather_s(nbytes, cluster)
@@ -265,7 +269,15 @@ def param_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> floa
 def stage3_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> float:
     """ZeRO-3 gathers each layer's parameters before its forward and again before its backward,
     every micro step (ZeRO sec. 7.2.2: with the reduce-scatter, 3 Psi)."""
-    return 2.0 * all_gather_s(model.num_params * dtype_bytes(cfg.precision), cluster) if cfg.zero_stage == 3 else 0.0
+    if cfg.zero_stage != 3:
+        return 0.0
+    nbytes = model.num_params * dtype_bytes(cfg.precision)
+    # ZeRO++ (arXiv:2306.10209): qwZ gathers int8 weights (1/2 of bf16, sec. 3.1); hpZ gathers the
+    # backward's weights from a secondary partition inside the node, at NVLink speed (sec. 3.2).
+    fwd = all_gather_s(nbytes / 2 if cfg.zero_quantized_weights else nbytes, cluster)
+    node = dataclasses.replace(cluster, num_nodes=1, gpus_per_node=cfg.zero_hpz_partition_size)
+    bwd = all_gather_s(nbytes, node) if cfg.zero_hpz_partition_size > 1 else all_gather_s(nbytes, cluster)
+    return fwd + bwd
 
 
 def hidden_s(comm_s: float, window_s: float, num_layers: int, overlap: bool) -> float:

@@ -61,6 +61,10 @@ def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
                  stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
                  contiguous_gradients=True, overlap_comm=True,
                  stage3_gather_16bit_weights_on_model_save=True)
+    if cfg.zero_stage == 3:   # ZeRO++ keys (runtime/zero/config.py); DeepSpeed's defaults when off
+        z.update(zero_quantized_weights=cfg.zero_quantized_weights,
+                 zero_quantized_gradients=cfg.zero_quantized_gradients,
+                 zero_hpz_partition_size=cfg.zero_hpz_partition_size)
     if cfg.offload_optimizer:
         z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return z

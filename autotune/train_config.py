@@ -92,6 +92,18 @@ class TrainConfig:
     allgather_bucket_size: int = _setting(0, space=(0,), minimum=0,
                                           help="ZeRO 1-2 allgather bucket in elements (0: hidden^2)")
     """`zero_optimization.allgather_bucket_size` (stages 1-2) in elements; 0 writes hidden^2."""
+    zero_quantized_weights: bool = _setting(False, space=(False,), help="ZeRO++ qwZ: int8 weight all-gather (ZeRO-3, GPUs)")
+    """ZeRO++ qwZ (Wang et al. 2023, arXiv:2306.10209, sec. 3.1): the stage-3 all-gather of weights in
+    int8, half the bytes of bf16. CUDA quantizer kernels: GPUs only."""
+    zero_quantized_gradients: bool = _setting(False, space=(False,),
+                                              help="ZeRO++ qgZ: quantized gradient reduce-scatter (ZeRO-3, GPUs)")
+    """ZeRO++ qgZ (arXiv:2306.10209, sec. 3.3): gradients reduce-scattered by an all-to-all in int4,
+    a quarter of the bf16 bytes (stage3.py all_to_all_quant_reduce). GPUs only."""
+    zero_hpz_partition_size: int = _setting(1, space=(1,), minimum=1,
+                                            help="ZeRO++ hpZ: secondary weight partition within this many GPUs "
+                                                 "of a node (ZeRO-3, multi-node, GPUs)")
+    """ZeRO++ hpZ (arXiv:2306.10209, sec. 3.2): a second copy of the weights partitioned within a node,
+    so the backward all-gather stays on NVLink; costs pb*P/hpz bytes per GPU."""
     seq_len: int = _setting(2048, space=None, minimum=1, help="sequence length (default: min(2048, model max))")
     """Tokens per sequence; fixed per study (`--seq-len`), not a search axis."""
 
@@ -121,6 +133,10 @@ class TrainConfig:
             raise SpecError("reduce_bucket_size needs ZeRO stage 1-3 (stage 0 all-reduces in 5e8-element buffers)")
         if self.allgather_bucket_size and z not in (1, 2):
             raise SpecError("allgather_bucket_size is read at ZeRO stages 1-2 only")
+        zpp = self.zero_quantized_weights or self.zero_quantized_gradients or self.zero_hpz_partition_size > 1
+        if zpp and z != 3:
+            raise SpecError("ZeRO++ (zero_quantized_weights, zero_quantized_gradients, zero_hpz_partition_size) "
+                            "is built on ZeRO stage 3 (stage3.py); choose --zero 3")
         if self.allgather_bucket_size % 2:
             raise SpecError("allgather_bucket_size must be even: DeepSpeed asserts a multiple of "
                             "nccl_start_alignment_factor 2 (stage_1_and_2.py)")
@@ -214,5 +230,13 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
     if model.position == "learned" and cfg.seq_len > model.max_seq_len:
         raise SpecError(f"seq_len {cfg.seq_len} exceeds {model.name}'s {model.max_seq_len} learned "
                         f"positions")
+    zpp = cfg.zero_quantized_weights or cfg.zero_quantized_gradients or cfg.zero_hpz_partition_size > 1
+    if zpp and cluster.gpu.is_cpu:
+        raise SpecError("ZeRO++ (qwZ/qgZ/hpZ) needs DeepSpeed's CUDA quantizer kernels: CPU ranks cannot run it; "
+                        "estimate or simulate it for a GPU")
+    if cfg.zero_hpz_partition_size > 1 and (cluster.num_nodes == 1
+                                            or cluster.gpus_per_node % cfg.zero_hpz_partition_size):
+        raise SpecError(f"zero_hpz_partition_size {cfg.zero_hpz_partition_size} needs several nodes and must divide "
+                        f"the {cluster.gpus_per_node} GPUs per node (hpZ partitions within a node)")
     if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
         raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")

@@ -152,3 +152,73 @@ def test_max_seq_len_and_micro_batch_are_the_largest_that_fit(capsys):
     assert out["max_seq_len"] == largest_fitting(model, cluster, cfg, "seq_len")
     tiny = resolve_model("tiny-gpt2")   # learned positions: never past the model's own maximum
     assert largest_fitting(tiny, parse_gpus("2xH100"), TrainConfig(seq_len=32), "seq_len") == tiny.max_seq_len
+
+
+PARSE = r"""
+import json, os, sys, tempfile
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed, deepspeed.ops
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False   # skip the shm comm op's compile
+import torch.distributed as dist
+from deepspeed.runtime.config import DeepSpeedConfig
+
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+deepspeed.init_distributed(dist_backend="gloo")
+
+
+class DataParallel:
+    def get_data_parallel_world_size(self):
+        return int(sys.argv[2])
+
+    def get_data_parallel_rank(self):
+        return 0
+
+
+c = DeepSpeedConfig(sys.argv[1], mpu=DataParallel())
+z = c.zero_config
+print(json.dumps({"stage": c.zero_optimization_stage, "qw": z.zero_quantized_weights, "qg": z.zero_quantized_gradients,
+                  "hpz": z.zero_hpz_partition_size, "overlap": z.overlap_comm, "reduce": z.reduce_bucket_size,
+                  "accum": str(c.grad_accum_dtype)}))
+"""
+
+
+@pytest.mark.slow
+def test_zeropp_config_is_accepted_by_deepspeeds_parser(tmp_path):
+    """ZeRO++ cannot run on CPU ranks (CUDA quantizer kernels): its JSON is checked by DeepSpeed's parser."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cluster = parse_gpus("2x8xH100")
+    cfg = TrainConfig(zero_stage=3, precision="bf16", zero_quantized_weights=True, zero_quantized_gradients=True,
+                      zero_hpz_partition_size=8, grad_accum_dtype="fp32", reduce_bucket_size=1 << 20)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(deepspeed_config(cfg, resolve_model("7b"), cluster)))
+    run = subprocess.run([sys.executable, "-c", PARSE, str(path), "16"], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    parsed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert parsed == {"stage": 3, "qw": True, "qg": True, "hpz": 8, "overlap": True, "reduce": 1 << 20,
+                      "accum": "fp32"}
+
+
+def test_zeropp_is_refused_on_cpu_and_priced_on_gpus():
+    from autotune.costmodel import simulate
+    from autotune.train_config import check_config
+
+    model = resolve_model("13b")
+    with pytest.raises(SpecError, match="CUDA quantizer"):
+        check_config(TrainConfig(zero_stage=3, zero_quantized_weights=True), resolve_model("tiny-llama"), CLUSTER)
+    with pytest.raises(SpecError, match="several nodes"):
+        check_config(TrainConfig(zero_stage=3, zero_hpz_partition_size=4), model, parse_gpus("8xH100"))
+    cluster = parse_gpus("2x8xH100")
+    base = simulate(model, cluster, TrainConfig(zero_stage=3)).breakdown_s
+    qw = simulate(model, cluster, TrainConfig(zero_stage=3, zero_quantized_weights=True)).breakdown_s
+    qg = simulate(model, cluster, TrainConfig(zero_stage=3, zero_quantized_gradients=True)).breakdown_s
+    hpz = TrainConfig(zero_stage=3, zero_hpz_partition_size=8)
+    assert qw["stage3_gather"] == pytest.approx(0.75 * base["stage3_gather"])   # the forward half at 1/2
+    assert qg["grad_reduce"] == pytest.approx(base["grad_reduce"] / 4)
+    assert simulate(model, cluster, hpz).breakdown_s["stage3_gather"] < base["stage3_gather"]
+    grown = estimate(model, cluster, hpz).tensor_peak_bytes - estimate(model, cluster, TrainConfig(zero_stage=3)).tensor_peak_bytes
+    assert grown == 2 * model.num_params // 8        # the secondary partition: bf16 weights over 8 GPUs

@@ -106,6 +106,8 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
         # the reduce bucket is allocated at the first backward and kept (measured on CPU:
         # reduce_bucket_size elements in the model dtype live at the start of every later step)
         out["reduce_bucket"] = pb * reduce_bucket_elements
+        if cfg.zero_hpz_partition_size > 1:   # ZeRO++ hpZ's secondary partition (arXiv:2306.10209, sec. 3.2)
+            out["hpz_secondary_partition"] = int(pb * p / cfg.zero_hpz_partition_size)
     else:
         out["parameters"] = pb * p
     if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32" and not cfg.offload_optimizer:
