@@ -15,6 +15,7 @@ import optuna
 import pandas as pd
 
 from autotune import study as st
+from autotune.search_space import parse_space
 from autotune.train_config import searched_fields
 from autotune.units import GiB
 
@@ -52,10 +53,12 @@ def source_label(df: pd.DataFrame) -> str:
     return sources.pop() if len(sources) == 1 else ("measured" if not sources else "mixed: see source")
 
 
-def ranked(df: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
-    """Successful runs, fastest first, every number labelled with where it came from."""
+def ranked(df: pd.DataFrame, top: int | None = None, objective: str = "samples") -> pd.DataFrame:
+    """Successful runs, fastest first by the study's objective (samples/s or tokens/s), every number
+    labelled with where it came from."""
     src = source_label(df) if len(df) else "measured"
-    ok = df[df["status"] == "ok"].sort_values("samples_per_s", ascending=False, kind="stable") if len(df) else df
+    key = "tokens_per_s" if objective == "tokens" else "samples_per_s"
+    ok = df[df["status"] == "ok"].sort_values(key, ascending=False, kind="stable") if len(df) else df
     ok = ok.assign(mfu_pct=[None if pd.isna(v) else 100 * v for v in ok.get("mfu", [])],
                    est_gib=[_gib(v) for v in ok.get("est_tensor_bytes", [])],
                    peak_gib=[_gib(v) for v in ok.get("peak_bytes", [])])
@@ -100,12 +103,20 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
     return out
 
 
+def objective(study: optuna.Study) -> str:
+    """What the study ranked by: "samples" (per second; studies before --objective) or "tokens"."""
+    return study.user_attrs[st.ATTR].get("objective", "samples")
+
+
 def header(study: optuna.Study) -> list[str]:
     model, cluster, a = st.specs_of(study)
     gb = a.get("global_batch")
+    seqs = parse_space(a["space_text"], a["space_path"]).values["seq_len"] if a.get("space_text") else ("auto",)
+    seq = f"seq len {a['seq_len']}" if seqs == ("auto",) else \
+        "seq len searched: " + ", ".join(str(a["seq_len"] if s == "auto" else s) for s in seqs)
     return [f"study {study.study_name}: {model.describe()}",
-            f"on {cluster.describe()}, seq len {a['seq_len']}"
-            + (f", global batch {gb}" if gb else "") + f"; results {a.get('source', 'measured')}"]
+            f"on {cluster.describe()}, {seq}" + (f", global batch {gb}" if gb else "")
+            + f"; results {a.get('source', 'measured')}; ranked by {objective(study)}/s"]
 
 
 def _fmt(v) -> str:
@@ -125,7 +136,7 @@ def markdown_table(df: pd.DataFrame) -> str:
 
 def render(study: optuna.Study, fmt: str = "table", top: int | None = None, title: bool = True) -> str:
     df = trials_frame(study)
-    table = ranked(df, top)
+    table = ranked(df, top, objective(study))
     counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}}
     if fmt == "csv":
         return table.to_csv(index=False)

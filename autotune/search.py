@@ -43,7 +43,9 @@ from autotune.train_config import TrainConfig, searched_fields
 from autotune.units import fmt_bytes
 
 
-ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum")
+OBJECTIVES = {"samples": "samples_per_s", "tokens": "tokens_per_s"}
+"""What a search maximises (`--objective`): samples/s, or tokens/s, which differ once seq_len varies."""
+ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "seq_len")
 """Searched settings with a distance of their own in PriorGuided; every other one is categorical."""
 
 
@@ -91,9 +93,9 @@ class PriorGuided:
 
     The correction is a Nadaraya-Watson kernel regression of log(measured / prior) over the
     measured candidates, with a Gaussian kernel exp(-d^2 / 2). The distance counts one unit per
-    step along an ordered axis (a ZeRO stage, a doubling of micro batch or accumulation, a quarter
-    of the layers checkpointed: each changes the step time by a comparable tens of percent in the
-    cost model) and 2 units (4 squared) for any other setting that differs, which makes such a
+    step along an ordered axis (a ZeRO stage, a doubling of micro batch, accumulation or sequence
+    length, a quarter of the layers checkpointed: each changes the step time by a comparable tens of
+    percent in the cost model) and 2 units (4 squared) for any other setting that differs, which makes such a
     neighbour's weight e^-2 = 0.14: a different precision or optimizer shares little of the residual.
     `shrink` is a pseudo-weight of a zero residual at the candidate itself: one measurement at
     distance 0 (weight 1) moves the prior by 1 / 1.3 = 77% of its residual, not all of it, because
@@ -112,7 +114,7 @@ class PriorGuided:
     def _dist2(self, a: TrainConfig, b: TrainConfig) -> float:
         d = ((a.zero_stage - b.zero_stage) ** 2 + math.log2(a.micro_batch / b.micro_batch) ** 2
              + (4 * (a.ckpt_layers - b.ckpt_layers) / max(self.layers, 1)) ** 2
-             + math.log2(a.grad_accum / b.grad_accum) ** 2)
+             + math.log2(a.grad_accum / b.grad_accum) ** 2 + math.log2(a.seq_len / b.seq_len) ** 2)
         return d + 4 * sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields()
                            if f.name not in ORDERED)
 
@@ -218,7 +220,7 @@ class Search:
     def __init__(self, study: optuna.Study, model: ModelSpec, cluster: Cluster, space: SearchSpace,
                  executor: Executor, *, seq_len: int, global_batch: int | None = None,
                  corrector: Corrector | None = None, prior: Callable[[TrainConfig], float] | None = None,
-                 estimate_fn: Callable | None = None, out_root: Path | None = None):
+                 estimate_fn: Callable | None = None, out_root: Path | None = None, objective: str = "samples"):
         if estimate_fn is None:
             from autotune.memory import estimate as estimate_fn
         self.study, self.model, self.cluster, self.space, self.executor = study, model, cluster, space, executor
@@ -226,7 +228,13 @@ class Search:
         exp = expand(space, model, cluster, seq_len=seq_len, global_batch=global_batch)
         self.dists = st.distributions(exp.candidates)
         self.plan = Plan([Candidate(c, estimate_fn(model, cluster, c)) for c in exp.candidates], self._fits)
-        self.strategy = PriorGuided(prior or default_prior(model, cluster), model.num_layers)
+        if objective not in OBJECTIVES:
+            raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        self.objective = objective
+        samples = prior or default_prior(model, cluster)
+        # priors are in samples/s; a sequence is seq_len tokens
+        ranked_prior = samples if objective == "samples" else (lambda cfg: samples(cfg) * cfg.seq_len)
+        self.strategy = PriorGuided(ranked_prior, model.num_layers)
         self.sampler = st.ChosenSampler()
         study.sampler = self.sampler
         self.out_root = out_root or st.study_dir(study.study_name)
@@ -234,6 +242,10 @@ class Search:
         self.summary = Summary(candidates=len(exp.candidates), excluded=exp.excluded, source=executor.source)
         self._replay()
         self._prune_unfit()
+
+    def value(self, result: TrialResult) -> float | None:
+        """The number told to Optuna: the result's samples/s or tokens/s (`objective`)."""
+        return getattr(result, OBJECTIVES[self.objective])
 
     def _total_bytes(self, c: Candidate) -> int:
         return int(self.corrector(c.est, c.cfg)) if self.corrector else int(c.est.total_bytes)
@@ -258,7 +270,7 @@ class Search:
 
     def _observe(self, c: Candidate, result: TrialResult) -> None:
         if result.status == "ok":
-            self.strategy.observe(c.cfg, result.samples_per_s)
+            self.strategy.observe(c.cfg, self.value(result))
         if self.corrector is not None and hasattr(self.corrector, "observe"):
             self.corrector.observe(c.est, c.cfg, result)
 
@@ -324,15 +336,15 @@ class Search:
 
     def _finish(self, ticket: str, result: TrialResult) -> None:
         trial, c = self.in_flight.pop(ticket)
-        if result.status == "ok" and not result.samples_per_s:
+        if result.status == "ok" and not self.value(result):
             result = dataclasses.replace(result, status="crashed", reason=f"no throughput reported; {result.reason}")
         for k, v in st.result_attrs(result).items():
             trial.set_user_attr(k, v)
         if result.status == "ok":
-            self.study.tell(trial, result.samples_per_s)
+            self.study.tell(trial, self.value(result))
         else:
             self.study.tell(trial, state=TrialState.PRUNED if result.status == "pruned" else TrialState.FAIL)
-        self._count(result.status, result.samples_per_s, trial.number)
+        self._count(result.status, self.value(result), trial.number)
         self._record(self.plan.close(c.cfg, result.status, trial.number))
         self._observe(c, result)
 

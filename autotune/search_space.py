@@ -11,6 +11,7 @@ Format (every key optional; a scalar means a one-value list):
     optimizer: [adamw]
     offload_optimizer: [false]
     attention: [sdpa]
+    seq_len: [auto]              # auto = the study's --seq-len; or [2048, 4096, 8192]
     trial: {steps: 6, warmup_steps: 2, timeout: 10m}
 
 Line numbers come from PyYAML's node marks (`yaml.compose`; `Mark.line` is 0-based).
@@ -90,12 +91,14 @@ class SearchSpace:
                 out.add(min(num_layers, num_layers * int(m.group(1) or 1) // int(m.group(2) or 1)))
         return sorted(out)
 
-    def resolved(self, name: str, model: ModelSpec, cluster: Cluster) -> list:
+    def resolved(self, name: str, model: ModelSpec, cluster: Cluster, seq_len: int | None = None) -> list:
         """The concrete values of one field for this model and cluster (`all`/`L/2` -> layer counts,
-        `auto` precision -> bf16 where the device has it, else fp16)."""
+        `auto` precision -> bf16 where the device has it, else fp16, `auto` seq_len -> `seq_len`)."""
         if name == "ckpt_layers":
             return self.ckpt_values(model.num_layers)
         vals = self.values[name]
+        if name == "seq_len":
+            vals = [seq_len if v == "auto" else v for v in vals]
         if name == "precision":
             vals = [("bf16" if cluster.gpu.bf16 else "fp16") if p == "auto" else p for p in vals]
         return list(dict.fromkeys(vals))
@@ -189,12 +192,14 @@ def _values(key: str, node: yaml.Node, where: str) -> tuple:
     return tuple(out)
 
 
-_SYMBOLIC = {"precision": ("auto",), "ckpt_layers": ("all", "L", "L/2", "3L/4")}
+_SYMBOLIC = {"precision": ("auto",), "seq_len": ("auto",), "ckpt_layers": ("all", "L", "L/2", "3L/4")}
 """Values a space may give besides the field's own: resolved per model and cluster (SearchSpace.resolved)."""
 
 
 def _allowed_text(key: str) -> str:
     extra = {"precision": "auto, ", "ckpt_layers": ""}.get(key, "")
+    if key == "seq_len":
+        return "auto (the study's --seq-len) or " + allowed_text(key)
     text = allowed_text(key).replace("choose from ", "choose from " + extra)
     if key == "ckpt_layers":
         text += ", 'all', 'L', 'L/2', '3L/4' (L = the model's layers)"
@@ -242,6 +247,7 @@ def _trial(node: yaml.Node, where: str) -> TrialSettings:
 def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: int,
            global_batch: int | None = None) -> Expansion:
     """Every valid TrainConfig of `space`, in a fixed order; drops what check_config refuses.
+    `seq_len` is what the space's `auto` sequence length means (the study's --seq-len).
 
     Under `global_batch`, grad_accum = global / (micro * world); micro batches that do not divide
     it are left out, as DeepSpeed requires train_batch = micro * accum * world exactly.
@@ -251,7 +257,7 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     names = [f.name for f in searched_fields()]
     out: list[TrainConfig] = []
     seen: set[tuple] = set()
-    for combo in itertools.product(*(space.resolved(n, model, cluster) for n in names)):
+    for combo in itertools.product(*(space.resolved(n, model, cluster, seq_len) for n in names)):
         values = dict(zip(names, combo))
         if global_batch is not None:
             mb = values["micro_batch"]
@@ -261,7 +267,7 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
                 continue
             values["grad_accum"] = global_batch // (mb * world)
         try:
-            cfg = TrainConfig(**values, seq_len=seq_len)
+            cfg = TrainConfig(**values)
             check_config(cfg, model, cluster)
         except SpecError as e:
             excluded[str(e)] = excluded.get(str(e), 0) + 1

@@ -4,7 +4,7 @@ a cluster (`check_config`), and the precision facts every layer shares.
 TrainConfig is the single source of its settings. Each field's metadata says how the rest of the
 program treats it, so a new setting is one field here plus the memory and cost terms that price it:
 - `space`: the values a search space tries when its YAML omits the key (search_space.py);
-  a field without it (seq_len) is fixed per study, not searched;
+  a field without it is fixed per study, not searched (seq_len's `auto` is the study's --seq-len);
 - `flag` and `help`: its option on `autotune estimate` / `autotune trial` (cli/common.py);
 - `column`: "always" puts it in every ranked report row, "varying" only when the study's runs
   differ in it (report.py).
@@ -104,8 +104,9 @@ class TrainConfig:
                                                  "of a node (ZeRO-3, multi-node, GPUs)")
     """ZeRO++ hpZ (arXiv:2306.10209, sec. 3.2): a second copy of the weights partitioned within a node,
     so the backward all-gather stays on NVLink; costs pb*P/hpz bytes per GPU."""
-    seq_len: int = _setting(2048, space=None, minimum=1, help="sequence length (default: min(2048, model max))")
-    """Tokens per sequence; fixed per study (`--seq-len`), not a search axis."""
+    seq_len: int = _setting(2048, space=("auto",), minimum=1, help="sequence length (default: min(2048, model max))")
+    """Tokens per sequence. A search axis (`seq_len: [2048, 4096, 8192]` in a space); `auto`, the
+    default, is the study's `--seq-len` (min(2048, the model's maximum) when not given)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -158,6 +159,8 @@ class TrainConfig:
                  f"ckpt{self.ckpt_layers}"]
         for f in searched_fields():
             v = getattr(self, f.name)
+            if f.name == "seq_len":
+                continue    # printed beside the config where it matters ("seq N"), or a report column
             if f.metadata["column"] == "varying" and v != f.default:
                 parts.append(f.name.replace("_optimizer", "") if v is True else str(v))
         return " ".join(parts)

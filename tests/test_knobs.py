@@ -222,3 +222,38 @@ def test_zeropp_is_refused_on_cpu_and_priced_on_gpus():
     assert simulate(model, cluster, hpz).breakdown_s["stage3_gather"] < base["stage3_gather"]
     grown = estimate(model, cluster, hpz).tensor_peak_bytes - estimate(model, cluster, TrainConfig(zero_stage=3)).tensor_peak_bytes
     assert grown == 2 * model.num_params // 8        # the secondary partition: bf16 weights over 8 GPUs
+
+
+SEQ_SPACE = """
+zero_stage: [3]
+micro_batch: [1, 2]
+ckpt_layers: [L]
+seq_len: [1024, 2048, 4096]
+"""
+
+
+@pytest.mark.parametrize("objective", ["samples", "tokens"])
+def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
+    """seq_len is searched like any axis; the objective decides the ranking and is recorded."""
+    from autotune import report
+    from autotune import study as st
+    from autotune.workflow import open_search
+
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
+    (tmp_path / "space.yaml").write_text(SEQ_SPACE)
+    with open_search(model="13b", gpus="4xA100", executor="simulated", space=tmp_path / "space.yaml",
+                     objective=objective) as s:
+        s.run(progress=False)
+        name = s.study.study_name
+    study = st.load_study(name)
+    df = report.trials_frame(study)
+    ok = df[df["status"] == "ok"]
+    assert set(ok["seq_len"]) == {1024, 2048, 4096}
+    key = "tokens_per_s" if objective == "tokens" else "samples_per_s"
+    best = ok.loc[ok[key].idxmax()]
+    assert study.best_value == pytest.approx(best[key])
+    table = report.ranked(df, objective=report.objective(study))
+    assert table.iloc[0]["trial"] == best["trial"]
+    assert f"ranked by {objective}/s" in report.header(study)[1] and "seq len searched" in report.header(study)[1]
+    if objective == "samples":
+        assert best["seq_len"] == 1024     # shorter sequences are more samples per second
