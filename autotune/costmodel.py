@@ -322,12 +322,18 @@ def optimizer_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runtim
 
 def offload_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> float:
     """ZeRO-Offload: 16-bit gradients down and parameters up over PCIe (Ren et al. 2021, sec. 4:
-    2M + 2M bytes for M parameters), then CPU Adam over the node's share of the parameters."""
-    if not cfg.offload_optimizer:
-        return 0.0
+    2M + 2M bytes for M parameters), then CPU Adam over the node's share of the parameters.
+    offload_param (ZeRO-Infinity, Rajbhandari et al. 2021, arXiv:2104.07857, sec. 5): each rank's
+    16-bit partition crosses PCIe before the forward's and the backward's gathers of every micro
+    step, and once more after a GPU update; not overlapped here (an upper bound on its cost)."""
     mine = optimizer_params_per_gpu(model, cfg, cluster)
-    return mine * 2 * dtype_bytes(cfg.precision) / (PCIE_GBPS * GB_PER_S) + \
-        mine * cluster.gpus_per_node / CPU_ADAM_PARAMS_PER_S
+    pcie = PCIE_GBPS * GB_PER_S
+    t = 0.0
+    if cfg.offload_param != "none":
+        t += (2 * cfg.grad_accum + (0 if cfg.offload_optimizer else 1)) * mine * dtype_bytes(cfg.precision) / pcie
+    if cfg.offload_optimizer:
+        t += mine * 2 * dtype_bytes(cfg.precision) / pcie + mine * cluster.gpus_per_node / CPU_ADAM_PARAMS_PER_S
+    return t
 
 
 # ---- the step --------------------------------------------------------------------------------

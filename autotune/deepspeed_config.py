@@ -65,6 +65,8 @@ def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
         z.update(zero_quantized_weights=cfg.zero_quantized_weights,
                  zero_quantized_gradients=cfg.zero_quantized_gradients,
                  zero_hpz_partition_size=cfg.zero_hpz_partition_size)
+    if cfg.offload_param != "none":
+        z["offload_param"] = {"device": cfg.offload_param, "pin_memory": True}
     if cfg.offload_optimizer:
         z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return z

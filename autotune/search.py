@@ -251,7 +251,9 @@ class Search:
         return int(self.corrector(c.est, c.cfg)) if self.corrector else int(c.est.total_bytes)
 
     def _fits(self, c: Candidate) -> bool:
-        return c.est.fits if self.corrector is None else self._total_bytes(c) <= c.est.capacity_bytes
+        if self.corrector is None:
+            return c.est.fits
+        return self._total_bytes(c) <= c.est.capacity_bytes and c.est.host_fits
 
     def _est_attrs(self, c: Candidate, detail: bool = False) -> dict[str, Any]:
         # One attr, not one per number: each user attr is a row written per trial, and hundreds of
@@ -309,6 +311,12 @@ class Search:
     def _prune_unfit(self) -> None:
         out = []
         for c in self.plan.unfit():
+            if not c.est.host_fits:
+                why = (f"host memory: estimated {fmt_bytes(c.est.host_bytes)} of host RAM per node (offloaded "
+                       f"states) > {fmt_bytes(c.est.host_capacity_bytes)} the node has")
+                out.append((c, {"pruned_by": "host-memory", "reason": why}))
+                self.plan.closed[c.cfg.key()] = "pruned"
+                continue
             total, cap = self._total_bytes(c), c.est.capacity_bytes
             corrected = "" if total == int(c.est.total_bytes) else " (after online correction)"
             dom = c.est.dominant_term

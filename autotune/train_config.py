@@ -72,6 +72,11 @@ class TrainConfig:
     """AdamW with fp32 moments, or 8-bit AdamW (bitsandbytes; moments in 1 byte each)."""
     offload_optimizer: bool = _setting(False, space=(False,), help="ZeRO-Offload of the optimizer states")
     """ZeRO-Offload: optimizer states and the step on the CPU (needs ZeRO >= 1)."""
+    offload_param: Literal["none", "cpu"] = _setting("none", space=("none",),
+                                                     help="ZeRO-3 parameter offload (ZeRO-Infinity) to host memory")
+    """DeepSpeed's `zero_optimization.offload_param.device` (runtime/zero/offload_config.py): stage 3
+    keeps each rank's parameter partition in pinned host memory and gathers from there
+    (Rajbhandari et al. 2021, ZeRO-Infinity, arXiv:2104.07857)."""
     attention: Literal["sdpa", "eager"] = _setting("sdpa", space=("sdpa",), help="attention implementation")
     """sdpa: memory-efficient/flash scaled-dot-product attention (no s x s matrix kept);
     eager: the explicit softmax(QK^T)V that keeps the s x s scores."""
@@ -134,6 +139,8 @@ class TrainConfig:
             raise SpecError("reduce_bucket_size needs ZeRO stage 1-3 (stage 0 all-reduces in 5e8-element buffers)")
         if self.allgather_bucket_size and z not in (1, 2):
             raise SpecError("allgather_bucket_size is read at ZeRO stages 1-2 only")
+        if self.offload_param != "none" and z != 3:
+            raise SpecError("offload_param needs ZeRO stage 3 (only stage 3 partitions the parameters)")
         zpp = self.zero_quantized_weights or self.zero_quantized_gradients or self.zero_hpz_partition_size > 1
         if zpp and z != 3:
             raise SpecError("ZeRO++ (zero_quantized_weights, zero_quantized_gradients, zero_hpz_partition_size) "

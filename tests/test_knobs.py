@@ -28,7 +28,9 @@ KNOBS = [dict(zero_stage=z, precision="bf16", **kw) for z in (1, 2) for kw in (
     dict(zero_stage=3, precision="bf16", grad_accum_dtype="fp32"),
     dict(zero_stage=3, precision="bf16", reduce_bucket_size=BIG),
     dict(zero_stage=1, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
-    dict(zero_stage=2, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True)]
+    dict(zero_stage=2, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
+    dict(zero_stage=3, precision="bf16", offload_param="cpu"),
+    dict(zero_stage=3, precision="fp32", offload_param="cpu", ckpt_layers=2)]
 IDS = ["-".join(f"{k}={v}" for k, v in kw.items()) for kw in KNOBS]
 
 UNDER, OVER = 0.01, 0.03
@@ -257,3 +259,45 @@ def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
     assert f"ranked by {objective}/s" in report.header(study)[1] and "seq len searched" in report.header(study)[1]
     if objective == "samples":
         assert best["seq_len"] == 1024     # shorter sequences are more samples per second
+
+
+def test_offload_param_moves_the_partition_to_host_and_host_ram_prunes():
+    """On a GPU the stage-3 partition leaves the device for the host; a node without the host RAM
+    for it is pruned with that reason (here: 13B with ZeRO-Infinity on nodes of 64 GiB)."""
+    from autotune.costmodel import simulate
+    from autotune.memory.host import RUNTIME_BYTES_PER_RANK
+
+    model, cluster = resolve_model("13b"), parse_gpus("8xH100")
+    base = TrainConfig(zero_stage=3, precision="bf16", ckpt_layers=40)
+    off = TrainConfig(zero_stage=3, precision="bf16", ckpt_layers=40, offload_param="cpu")
+    e0, e1 = estimate(model, cluster, base), estimate(model, cluster, off)
+    part = int(2 * model.num_params / 8)
+    assert e0.terms["parameters"] - e1.terms["parameters"] == pytest.approx(part, abs=8)
+    assert e1.host_bytes == 8 * (part + RUNTIME_BYTES_PER_RANK) and e1.host_capacity_bytes == 2048 << 30
+    assert simulate(model, cluster, off).step_time_s > simulate(model, cluster, base).step_time_s
+    both = TrainConfig(zero_stage=3, precision="bf16", ckpt_layers=40, offload_param="cpu", offload_optimizer=True)
+    small = estimate(model, parse_gpus("8xH100@host=64GiB"), both)
+    assert not small.host_fits and not small.fits and "host memory" in small.verdict()
+    assert estimate(model, cluster, both).host_fits
+    with pytest.raises(SpecError, match="stage 3"):
+        TrainConfig(zero_stage=2, offload_param="cpu")
+
+
+def test_host_memory_prunes_in_a_search(tmp_path, monkeypatch):
+    from autotune import report
+    from autotune import study as st
+    from autotune.workflow import open_search
+
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
+    (tmp_path / "space.yaml").write_text("zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
+                                         "offload_param: [none, cpu]\noffload_optimizer: [false, true]\n")
+    with open_search(model="13b", gpus="8xH100@host=64GiB", executor="simulated", space=tmp_path / "space.yaml") as s:
+        s.run(progress=False)
+        name = s.study.study_name
+    df = report.trials_frame(st.load_study(name))
+    host = df[df["pruned_by"] == "host-memory"]
+    # the optimizer offloaded (16 B/param over 8 GPUs, ~26 GB per GPU) does not fit 64 GiB a node; the
+    # 16-bit partition alone (~3.3 GB per GPU) does
+    assert len(host) == 2 and all("host RAM per node" in r for r in host["reason"])
+    assert set(host["offload_optimizer"]) == {True}
+    assert set(df[df["status"] == "ok"]["offload_param"]) == {"none", "cpu"}

@@ -71,6 +71,9 @@ def run(args) -> int:
         print(f"{'+ ' + name:<26} {b:>16,} {b / GiB:>9.3f}         framework overhead (allowance)")
     print(f"{'total per GPU':<26} {est.total_bytes:>16,} {est.total_bytes / GiB:>9.3f}")
     print("\npeak by phase: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.phases.items()))
+    if est.host_bytes:
+        cap = f" of {fmt_bytes(est.host_capacity_bytes)}" if est.host_capacity_bytes else " (node RAM unknown)"
+        print(f"host RAM per node (estimated): {fmt_bytes(est.host_bytes)}{cap}")
     print(f"verdict: {est.verdict()}")
     for k, v in _limits(args, model, cluster, cfg).items():
         other = f"micro batch {cfg.micro_batch}" if k == "max_seq_len" else f"seq len {cfg.seq_len}"

@@ -102,6 +102,8 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
         # persistent ones add their full size on top of p/N)
         keep = persistent_params(spec, persistence_threshold)
         out["parameters"] = int(pb * (p / n + keep))
+        if cfg.offload_param != "none" and not cluster.gpu.is_cpu:
+            out["parameters"] = int(pb * keep)   # the partition lives in host memory (memory/host.py)
         out["gradient_partition"] = int((4 if cfg.grad_accum_dtype == "fp32" else pb) * p / n)  # stage3.py grad_partitions_flat_buffer
         # the reduce bucket is allocated at the first backward and kept (measured on CPU:
         # reduce_bucket_size elements in the model dtype live at the start of every later step)
