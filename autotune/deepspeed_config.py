@@ -87,6 +87,8 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
         ds["data_types"] = {"grad_accum_dtype": cfg.grad_accum_dtype}
     if cfg.precision == "bf16":
         ds["bf16"] = {"enabled": True}
+        if cfg.bf16_master_weights_and_grads:
+            ds["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=cfg.bf16_optimizer_states)
     elif cfg.precision == "fp16":
         ds["fp16"] = {"enabled": True, **FP16_LOSS_SCALER}
     if cfg.optimizer == "adamw":

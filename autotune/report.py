@@ -16,7 +16,7 @@ import pandas as pd
 
 from autotune import study as st
 from autotune.search_space import parse_space
-from autotune.train_config import searched_fields
+from autotune.train_config import STABILITY_RISKS, searched_fields
 from autotune.units import GiB
 
 # (column label, trials_frame column): numbers that come from the run, labelled with its source
@@ -155,11 +155,25 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None, titl
     corr = correction_line(study)
     if corr:
         lines += ["", corr]
+    lines += risk_lines(df, table, fmt)
     for kind in ("pruned", "failed"):
         total = sum(counts[kind].values())
         lines += ["", f"{'## ' if fmt == 'markdown' else ''}{kind}: {total}"]
         lines += [f"{'- ' if fmt == 'markdown' else '  '}{n} x {why}" for why, n in counts[kind].items()]
     return "\n".join(lines) + "\n"
+
+
+def risk_lines(df: pd.DataFrame, table: pd.DataFrame, fmt: str) -> list[str]:
+    """Ranked runs whose settings risk training stability (train_config.STABILITY_RISKS), by rank."""
+    out = []
+    for name, text in STABILITY_RISKS.items():
+        if name not in df or not len(table):
+            continue
+        risky = set(df.loc[df[name].fillna(False).astype(bool), "trial"])
+        ranks = [str(r) for r, t in zip(table["rank"], table["trial"]) if t in risky]
+        if ranks:
+            out += ["", f"{'**warning**' if fmt == 'markdown' else 'WARNING'}: rank {', '.join(ranks)}: {text}"]
+    return out
 
 
 def correction_line(study: optuna.Study) -> str:

@@ -70,6 +70,17 @@ class TrainConfig:
     """fp32; fp16 with dynamic loss scaling; bf16. Both 16-bit modes keep fp32 master weights."""
     optimizer: Literal["adamw", "adamw8bit"] = _setting("adamw", space=("adamw",), help="optimizer")
     """AdamW with fp32 moments, or 8-bit AdamW (bitsandbytes; moments in 1 byte each)."""
+    bf16_master_weights_and_grads: bool = _setting(
+        False, space=(False,), help="bf16 master weights and gradient partition (ZeRO 1-3, bf16; DeepSpeed bf16 section)")
+    """DeepSpeed's `bf16.bf16_master_weights_and_grads` (runtime/config.py; ZeRO optimizers build their
+    master partition in bf16, base_optimizer.py _configure_master_weights). Halves the master copy;
+    with fp32 optimizer states DeepSpeed requires ZeRO-Offload with DeepSpeedCPUAdam."""
+    bf16_optimizer_states: bool = _setting(False, space=(False,),
+                                           help="bf16 Adam moments (needs --bf16-master-weights-and-grads)")
+    """DeepSpeed's `bf16.bf16_optimizer_states`: Adam's moments in bf16, 4 B/param instead of 8. The
+    article's "lower the optimizer states from fp32 to bf16 to halve the static memory", with its
+    warning: bf16 moments and master weights lose small updates, and late in training the loss can
+    oscillate. A stability risk, flagged in the report."""
     offload_optimizer: bool = _setting(False, space=(False,), help="ZeRO-Offload of the optimizer states")
     """ZeRO-Offload: optimizer states and the step on the CPU (needs ZeRO >= 1)."""
     offload_param: Literal["none", "cpu"] = _setting("none", space=("none",),
@@ -139,6 +150,14 @@ class TrainConfig:
             raise SpecError("reduce_bucket_size needs ZeRO stage 1-3 (stage 0 all-reduces in 5e8-element buffers)")
         if self.allgather_bucket_size and z not in (1, 2):
             raise SpecError("allgather_bucket_size is read at ZeRO stages 1-2 only")
+        if self.bf16_master_weights_and_grads and (self.precision != "bf16" or z == 0):
+            raise SpecError("bf16_master_weights_and_grads needs bf16 training and ZeRO stage 1-3 "
+                            "(runtime/config.py asserts the stage)")
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise SpecError("bf16_optimizer_states needs bf16_master_weights_and_grads (runtime/config.py asserts it)")
+        if self.bf16_master_weights_and_grads and not self.bf16_optimizer_states and not self.offload_optimizer:
+            raise SpecError("bf16_master_weights_and_grads with fp32 optimizer states needs offload_optimizer "
+                            "(DeepSpeed requires ZeRO-Offload with DeepSpeedCPUAdam then: base_optimizer.py)")
         if self.offload_param != "none" and z != 3:
             raise SpecError("offload_param needs ZeRO stage 3 (only stage 3 partitions the parameters)")
         zpp = self.zero_quantized_weights or self.zero_quantized_gradients or self.zero_hpz_partition_size > 1
@@ -171,6 +190,19 @@ class TrainConfig:
             if f.metadata["column"] == "varying" and v != f.default:
                 parts.append(f.name.replace("_optimizer", "") if v is True else str(v))
         return " ".join(parts)
+
+
+STABILITY_RISKS = {
+    "bf16_optimizer_states": "bf16 optimizer states and master weights: stability risk. Updates smaller than bf16's "
+                             "precision are lost and the loss can oscillate late in training (the reference "
+                             "article); compare its loss curve with fp32 states before a long run",
+}
+"""Settings that trade training stability for memory, said wherever such a config is shown."""
+
+
+def risks(cfg: TrainConfig) -> list[str]:
+    """The stability risks of `cfg` (STABILITY_RISKS), for the report and `autotune estimate`."""
+    return [text for name, text in STABILITY_RISKS.items() if getattr(cfg, name)]
 
 
 # ---- what the rest of the program derives from the fields ---------------------------------------

@@ -30,7 +30,9 @@ KNOBS = [dict(zero_stage=z, precision="bf16", **kw) for z in (1, 2) for kw in (
     dict(zero_stage=1, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
     dict(zero_stage=2, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
     dict(zero_stage=3, precision="bf16", offload_param="cpu"),
-    dict(zero_stage=3, precision="fp32", offload_param="cpu", ckpt_layers=2)]
+    dict(zero_stage=3, precision="fp32", offload_param="cpu", ckpt_layers=2)] + [
+    dict(zero_stage=z, precision="bf16", bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    for z in (1, 2, 3)]
 IDS = ["-".join(f"{k}={v}" for k, v in kw.items()) for kw in KNOBS]
 
 UNDER, OVER = 0.01, 0.03
@@ -180,7 +182,8 @@ c = DeepSpeedConfig(sys.argv[1], mpu=DataParallel())
 z = c.zero_config
 print(json.dumps({"stage": c.zero_optimization_stage, "qw": z.zero_quantized_weights, "qg": z.zero_quantized_gradients,
                   "hpz": z.zero_hpz_partition_size, "overlap": z.overlap_comm, "reduce": z.reduce_bucket_size,
-                  "accum": str(c.grad_accum_dtype)}))
+                  "accum": str(c.grad_accum_dtype), "bf16_master": c.bfloat16_config.bf16_master_weights_and_grads,
+                  "bf16_states": c.bfloat16_config.bf16_optimizer_states}))
 """
 
 
@@ -194,7 +197,8 @@ def test_zeropp_config_is_accepted_by_deepspeeds_parser(tmp_path):
 
     cluster = parse_gpus("2x8xH100")
     cfg = TrainConfig(zero_stage=3, precision="bf16", zero_quantized_weights=True, zero_quantized_gradients=True,
-                      zero_hpz_partition_size=8, grad_accum_dtype="fp32", reduce_bucket_size=1 << 20)
+                      zero_hpz_partition_size=8, grad_accum_dtype="fp32", reduce_bucket_size=1 << 20,
+                      bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(deepspeed_config(cfg, resolve_model("7b"), cluster)))
     run = subprocess.run([sys.executable, "-c", PARSE, str(path), "16"], capture_output=True, text=True, timeout=180,
@@ -202,7 +206,7 @@ def test_zeropp_config_is_accepted_by_deepspeeds_parser(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     parsed = json.loads(run.stdout.strip().splitlines()[-1])
     assert parsed == {"stage": 3, "qw": True, "qg": True, "hpz": 8, "overlap": True, "reduce": 1 << 20,
-                      "accum": "fp32"}
+                      "accum": "fp32", "bf16_master": True, "bf16_states": True}
 
 
 def test_zeropp_is_refused_on_cpu_and_priced_on_gpus():
@@ -301,3 +305,27 @@ def test_host_memory_prunes_in_a_search(tmp_path, monkeypatch):
     assert len(host) == 2 and all("host RAM per node" in r for r in host["reason"])
     assert set(host["offload_optimizer"]) == {True}
     assert set(df[df["status"] == "ok"]["offload_param"]) == {"none", "cpu"}
+
+
+def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path, monkeypatch):
+    """Master weights 4 -> 2 B and moments 8 -> 4 B per partition element; the report warns."""
+    from autotune import report
+    from autotune import study as st
+    from autotune.workflow import open_search
+
+    model, cluster = resolve_model("13b"), parse_gpus("4xA100")
+    fp32 = estimate(model, cluster, TrainConfig(zero_stage=3, ckpt_layers=40)).terms
+    bf16 = estimate(model, cluster, TrainConfig(zero_stage=3, ckpt_layers=40, bf16_master_weights_and_grads=True,
+                                                bf16_optimizer_states=True)).terms
+    assert bf16["master_weights"] * 2 == pytest.approx(fp32["master_weights"], abs=2)
+    assert bf16["optimizer_states"] * 2 == pytest.approx(fp32["optimizer_states"], abs=2)
+    with pytest.raises(SpecError, match="needs offload_optimizer"):
+        TrainConfig(zero_stage=3, bf16_master_weights_and_grads=True)
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
+    (tmp_path / "space.yaml").write_text("zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
+                                         "bf16_master_weights_and_grads: [false, true]\nbf16_optimizer_states: [false, true]\n")
+    with open_search(model="13b", gpus="4xA100", executor="simulated", space=tmp_path / "space.yaml") as s:
+        s.run(progress=False)
+        name = s.study.study_name
+    text = report.render(st.load_study(name))
+    assert "WARNING: rank" in text and "stability risk" in text

@@ -44,6 +44,7 @@ def _simulated(model, cluster, cfg) -> dict | None:
 
 def run(args) -> int:
     from autotune.memory import estimate
+    from autotune.train_config import risks
     from autotune.units import GiB, fmt_bytes
 
     model, cluster, cfg = specs_from_args(args)
@@ -52,6 +53,7 @@ def run(args) -> int:
         out = {**est.to_json(), "model": model.name, "gpus": cluster.text, "config": cfg.to_dict()}
         out["simulated"] = _simulated(model, cluster, cfg)
         out.update(_limits(args, model, cluster, cfg))
+        out["risks"] = risks(cfg)
         if cluster.note:
             out["note"] = cluster.note
         if args.trace:
@@ -75,6 +77,8 @@ def run(args) -> int:
         cap = f" of {fmt_bytes(est.host_capacity_bytes)}" if est.host_capacity_bytes else " (node RAM unknown)"
         print(f"host RAM per node (estimated): {fmt_bytes(est.host_bytes)}{cap}")
     print(f"verdict: {est.verdict()}")
+    for text in risks(cfg):
+        print(f"WARNING: {text}")
     for k, v in _limits(args, model, cluster, cfg).items():
         other = f"micro batch {cfg.micro_batch}" if k == "max_seq_len" else f"seq len {cfg.seq_len}"
         what = k.removeprefix("max_").replace("_", " ")

@@ -9,7 +9,7 @@ it, tests/test_knobs.py), so they are priced there and not here.
 from __future__ import annotations
 
 from autotune.hardware import Cluster
-from autotune.memory.model_states import ADAM8BIT_STATE_BYTES, ADAM_STATE_BYTES, MASTER_BYTES
+from autotune.memory.model_states import adam_state_bytes, master_bytes
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, dtype_bytes
 from autotune.units import GiB
@@ -32,10 +32,9 @@ def host_terms_per_rank(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) ->
         # DeepSpeedCPUAdam on the fp32 partition (master), its moments, and the fp32 gradient
         # partition it steps from (stage_1_and_2.py initialize_optimizer_states keeps
         # single_partition_of_fp32_groups[i].grad pinned when cpu_offload; stage3.py likewise)
-        state = ADAM8BIT_STATE_BYTES if cfg.optimizer == "adamw8bit" else ADAM_STATE_BYTES
-        out["offloaded_master_weights"] = int(MASTER_BYTES * share)
-        out["offloaded_optimizer_states"] = int(state * share)
-        out["offloaded_fp32_gradients"] = int(4 * share)
+        out["offloaded_master_weights"] = int(master_bytes(cfg) * share)
+        out["offloaded_optimizer_states"] = int(adam_state_bytes(cfg) * share)
+        out["offloaded_fp32_gradients"] = int(master_bytes(cfg) * share)
     return out
 
 
