@@ -92,7 +92,7 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {"pruned": {}, "failed": {}}
     for _, r in pruned.iterrows():
         key = (f"memory model: does not fit (largest term {r['dominant_term']})" if r["pruned_by"] == "memory"
-               else {"dominated": "dominated: more checkpointing than needed to fit",
+               else {"dominated": "dominated: more checkpointing, offload or smaller buckets than needed to fit",
                      "oom-implied": "implied out of memory: a smaller micro batch already ran out"}
                .get(r["pruned_by"], f"{r['pruned_by']}: {r['reason']}"))
         out["pruned"][key] = out["pruned"].get(key, 0) + 1

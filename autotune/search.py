@@ -47,6 +47,38 @@ OBJECTIVES = {"samples": "samples_per_s", "tokens": "tokens_per_s"}
 """What a search maximises (`--objective`): samples/s, or tokens/s, which differ once seq_len varies."""
 ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "seq_len")
 """Searched settings with a distance of their own in PriorGuided; every other one is categorical."""
+MEMORY_FOR_SPEED = {"ckpt_layers": 0, "offload_param": "none", "offload_optimizer": False, "overlap_comm": False,
+                    "reduce_bucket_size": 0, "allgather_bucket_size": 0, "zero_hpz_partition_size": 1,
+                    "grad_accum_dtype": "auto", "bf16_master_weights_and_grads": False,
+                    "bf16_optimizer_states": False, "zero_quantized_weights": False,
+                    "zero_quantized_gradients": False}
+"""Settings that trade device memory (or numerics) for time: candidates that differ only in them form
+one group, and a group runs only its first member in `speed_order` that fits (Plan), so they do not
+multiply the trials."""
+
+
+def speed_order(model: ModelSpec) -> Callable[["Candidate"], tuple]:
+    """The order a group is tried in, the first that fits runs:
+    - fp32 optimizer states and master weights before bf16 ones (stability first: bf16 states only
+      where nothing else fits), and the model-dtype gradient accumulation before fp32 (fp32 only costs
+      memory and conversions; a numerical choice to make by leaving `auto` out of the space);
+    - no offload (PCIe and CPU Adam every step: ZeRO-Offload, ZeRO-Infinity), then fewer checkpointed
+      layers (each recomputes a layer's forward);
+    - then overlap_comm (collectives hidden behind backward), larger reduce/allgather buckets (fewer,
+      longer collectives), a larger hpZ partition (more of the gather on NVLink) and ZeRO++'s
+      quantized collectives (fewer bytes at the same memory; the ZeRO++ paper, arXiv:2306.10209
+      sec. 5, reports no loss in convergence; leave `false` out of the space to insist on it).
+    The order is a judgement from the cost model's terms, not measured."""
+    from autotune.deepspeed_config import bucket_sizes
+
+    def key(c: "Candidate") -> tuple:
+        cfg, b = c.cfg, bucket_sizes(model, c.cfg)
+        return (cfg.bf16_optimizer_states, cfg.bf16_master_weights_and_grads, cfg.grad_accum_dtype != "auto",
+                cfg.offload_param != "none", cfg.offload_optimizer, cfg.ckpt_layers, not cfg.overlap_comm,
+                -b["reduce_bucket_size"], -b["allgather_bucket_size"], -cfg.zero_hpz_partition_size,
+                not cfg.zero_quantized_weights, not cfg.zero_quantized_gradients)
+
+    return key
 
 
 class Corrector(Protocol):
@@ -64,7 +96,9 @@ class Candidate:
 
     @property
     def group(self) -> tuple:
-        return dataclasses.replace(self.cfg, ckpt_layers=0).key()
+        # a key, not a TrainConfig: the defaults may not be a valid config with the rest
+        # (bf16 master weights with fp32 states need offload_optimizer)
+        return tuple(sorted({**self.cfg.to_dict(), **MEMORY_FOR_SPEED}.items()))
 
 
 # ---- prior -----------------------------------------------------------------------------------------
@@ -130,16 +164,18 @@ class PriorGuided:
 
 # ---- structure: groups, dominance, implied out-of-memory --------------------------------------------
 class Plan:
-    """Which candidates are still worth a run. A group is all candidates that differ only in k."""
+    """Which candidates are still worth a run. A group is all candidates that differ only in the
+    MEMORY_FOR_SPEED settings (k, offload, overlap, buckets), tried in `order` (default: by k)."""
 
-    def __init__(self, cands: list[Candidate], fits: Callable[[Candidate], bool]):
+    def __init__(self, cands: list[Candidate], fits: Callable[[Candidate], bool],
+                 order: Callable[[Candidate], Any] | None = None):
         self.fits = fits
         self.by_key = {c.cfg.key(): c for c in cands}
         self.groups: dict[tuple, list[Candidate]] = {}
         for c in cands:
             self.groups.setdefault(c.group, []).append(c)
         for g in self.groups.values():
-            g.sort(key=lambda c: c.cfg.ckpt_layers)
+            g.sort(key=order or (lambda c: c.cfg.ckpt_layers))
         self.closed: dict[tuple, str] = {}
         self.settled: set[tuple] = set()
 
@@ -167,10 +203,16 @@ class Plan:
             return self._implied_oom(cand, number)
         self.settled.add(cand.group)
         out = []
-        for c in self.groups[cand.group]:
-            if c.cfg.ckpt_layers > cfg.ckpt_layers and c.cfg.key() not in self.closed and self.fits(c):
-                why = (f"dominated: trial {number} ({status}) has the same settings with fewer checkpointed "
-                       f"layers ({cfg.ckpt_layers} < {c.cfg.ckpt_layers}); more recomputation only costs time")
+        group = self.groups[cand.group]
+        after = group[group.index(cand) + 1:]
+        for c in after:
+            if c.cfg.key() not in self.closed and self.fits(c):
+                if c.cfg.ckpt_layers > cfg.ckpt_layers and _same_but_k(c.cfg, cfg):
+                    why = (f"dominated: trial {number} ({status}) has the same settings with fewer checkpointed "
+                           f"layers ({cfg.ckpt_layers} < {c.cfg.ckpt_layers}); more recomputation only costs time")
+                else:
+                    why = (f"dominated: trial {number} ({status}) has the same settings but "
+                           f"{_memory_diff(cfg, c.cfg)}, tried first (search.speed_order)")
                 out.append((c, {"pruned_by": "dominated", "reason": why}))
         for c, _ in out:
             self.closed[c.cfg.key()] = "pruned"
@@ -191,6 +233,16 @@ class Plan:
         for c, _ in out:
             self.closed[c.cfg.key()] = "pruned"
         return out
+
+
+def _same_but_k(a: TrainConfig, b: TrainConfig) -> bool:
+    return {**a.to_dict(), "ckpt_layers": 0} == {**b.to_dict(), "ckpt_layers": 0}
+
+
+def _memory_diff(ran: TrainConfig, other: TrainConfig) -> str:
+    """`overlap_comm True vs False, ...`: the MEMORY_FOR_SPEED settings in which two configs differ."""
+    return ", ".join(f"{n} {getattr(ran, n)} vs {getattr(other, n)}" for n in MEMORY_FOR_SPEED
+                     if getattr(ran, n) != getattr(other, n))
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -227,7 +279,8 @@ class Search:
         self.corrector = corrector
         exp = expand(space, model, cluster, seq_len=seq_len, global_batch=global_batch)
         self.dists = st.distributions(exp.candidates)
-        self.plan = Plan([Candidate(c, estimate_fn(model, cluster, c)) for c in exp.candidates], self._fits)
+        self.plan = Plan([Candidate(c, estimate_fn(model, cluster, c)) for c in exp.candidates], self._fits,
+                         speed_order(model))
         if objective not in OBJECTIVES:
             raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
