@@ -39,7 +39,8 @@ def bucket_sizes(model: ModelSpec, cfg: TrainConfig | None = None) -> dict[str, 
         "reduce_bucket_size": (cfg and cfg.reduce_bucket_size) or h2,
         "allgather_bucket_size": (cfg and cfg.allgather_bucket_size) or h2 + h2 % 2,  # DeepSpeed asserts even
         "stage3_prefetch_bucket_size": int(0.9 * h2),
-        "stage3_param_persistence_threshold": 10 * model.hidden_size,
+        "stage3_param_persistence_threshold":
+            (cfg and cfg.stage3_param_persistence_threshold) or 10 * model.hidden_size,
     }
 
 

@@ -51,7 +51,7 @@ MEMORY_FOR_SPEED = {"ckpt_layers": 0, "offload_param": "none", "offload_optimize
                     "reduce_bucket_size": 0, "allgather_bucket_size": 0, "zero_hpz_partition_size": 1,
                     "grad_accum_dtype": "auto", "bf16_master_weights_and_grads": False,
                     "bf16_optimizer_states": False, "zero_quantized_weights": False,
-                    "zero_quantized_gradients": False}
+                    "zero_quantized_gradients": False, "stage3_param_persistence_threshold": 0}
 """Settings that trade device memory (or numerics) for time: candidates that differ only in them form
 one group, and a group runs only its first member in `speed_order` that fits (Plan), so they do not
 multiply the trials."""
@@ -64,6 +64,7 @@ def speed_order(model: ModelSpec) -> Callable[["Candidate"], tuple]:
       memory and conversions; a numerical choice to make by leaving `auto` out of the space);
     - no offload (PCIe and CPU Adam every step: ZeRO-Offload, ZeRO-Infinity), then fewer checkpointed
       layers (each recomputes a layer's forward);
+    - a larger stage-3 persistence threshold (small parameters kept whole: fewer, larger gathers);
     - then overlap_comm (collectives hidden behind backward), larger reduce/allgather buckets (fewer,
       longer collectives), a larger hpZ partition (more of the gather on NVLink) and ZeRO++'s
       quantized collectives (fewer bytes at the same memory; the ZeRO++ paper, arXiv:2306.10209
@@ -76,7 +77,8 @@ def speed_order(model: ModelSpec) -> Callable[["Candidate"], tuple]:
         return (cfg.bf16_optimizer_states, cfg.bf16_master_weights_and_grads, cfg.grad_accum_dtype != "auto",
                 cfg.offload_param != "none", cfg.offload_optimizer, cfg.ckpt_layers, not cfg.overlap_comm,
                 -b["reduce_bucket_size"], -b["allgather_bucket_size"], -cfg.zero_hpz_partition_size,
-                not cfg.zero_quantized_weights, not cfg.zero_quantized_gradients)
+                not cfg.zero_quantized_weights, not cfg.zero_quantized_gradients,
+                -b["stage3_param_persistence_threshold"])
 
     return key
 

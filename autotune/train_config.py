@@ -108,6 +108,9 @@ class TrainConfig:
     allgather_bucket_size: int = _setting(0, space=(0,), minimum=0,
                                           help="ZeRO 1-2 allgather bucket in elements (0: hidden^2)")
     """`zero_optimization.allgather_bucket_size` (stages 1-2) in elements; 0 writes hidden^2."""
+    stage3_param_persistence_threshold: int = _setting(
+        0, space=(0,), minimum=0, help="ZeRO-3: parameters under this many elements stay whole (0: 10 hidden)")
+    """`zero_optimization.stage3_param_persistence_threshold`; 0 writes Hugging Face's auto 10 h."""
     zero_quantized_weights: bool = _setting(False, space=(False,), help="ZeRO++ qwZ: int8 weight all-gather (ZeRO-3, GPUs)")
     """ZeRO++ qwZ (Wang et al. 2023, arXiv:2306.10209, sec. 3.1): the stage-3 all-gather of weights in
     int8, half the bytes of bf16. CUDA quantizer kernels: GPUs only."""
@@ -160,6 +163,8 @@ class TrainConfig:
                             "(DeepSpeed requires ZeRO-Offload with DeepSpeedCPUAdam then: base_optimizer.py)")
         if self.offload_param != "none" and z != 3:
             raise SpecError("offload_param needs ZeRO stage 3 (only stage 3 partitions the parameters)")
+        if z != 3 and self.stage3_param_persistence_threshold:
+            raise SpecError("stage3_param_persistence_threshold is read at ZeRO stage 3 only")
         zpp = self.zero_quantized_weights or self.zero_quantized_gradients or self.zero_hpz_partition_size > 1
         if zpp and z != 3:
             raise SpecError("ZeRO++ (zero_quantized_weights, zero_quantized_gradients, zero_hpz_partition_size) "
