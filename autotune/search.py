@@ -39,6 +39,7 @@ from autotune.hardware import Cluster
 from autotune.errors import SpecError
 from autotune.models import ModelSpec
 from autotune.search_space import SearchSpace, expand
+from autotune.search_order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
 from autotune.train_config import TrainConfig, searched_fields
 from autotune.units import fmt_bytes
 
@@ -47,40 +48,6 @@ OBJECTIVES = {"samples": "samples_per_s", "tokens": "tokens_per_s"}
 """What a search maximises (`--objective`): samples/s, or tokens/s, which differ once seq_len varies."""
 ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "seq_len")
 """Searched settings with a distance of their own in PriorGuided; every other one is categorical."""
-MEMORY_FOR_SPEED = {"ckpt_layers": 0, "offload_param": "none", "offload_optimizer": False, "overlap_comm": False,
-                    "reduce_bucket_size": 0, "allgather_bucket_size": 0, "zero_hpz_partition_size": 1,
-                    "grad_accum_dtype": "auto", "bf16_master_weights_and_grads": False,
-                    "bf16_optimizer_states": False, "zero_quantized_weights": False,
-                    "zero_quantized_gradients": False, "stage3_param_persistence_threshold": 0}
-"""Settings that trade device memory (or numerics) for time: candidates that differ only in them form
-one group, and a group runs only its first member in `speed_order` that fits (Plan), so they do not
-multiply the trials."""
-
-
-def speed_order(model: ModelSpec) -> Callable[["Candidate"], tuple]:
-    """The order a group is tried in, the first that fits runs:
-    - fp32 optimizer states and master weights before bf16 ones (stability first: bf16 states only
-      where nothing else fits), and the model-dtype gradient accumulation before fp32 (fp32 only costs
-      memory and conversions; a numerical choice to make by leaving `auto` out of the space);
-    - no offload (PCIe and CPU Adam every step: ZeRO-Offload, ZeRO-Infinity), then fewer checkpointed
-      layers (each recomputes a layer's forward);
-    - a larger stage-3 persistence threshold (small parameters kept whole: fewer, larger gathers);
-    - then overlap_comm (collectives hidden behind backward), larger reduce/allgather buckets (fewer,
-      longer collectives), a larger hpZ partition (more of the gather on NVLink) and ZeRO++'s
-      quantized collectives (fewer bytes at the same memory; the ZeRO++ paper, arXiv:2306.10209
-      sec. 5, reports no loss in convergence; leave `false` out of the space to insist on it).
-    The order is a judgement from the cost model's terms, not measured."""
-    from autotune.deepspeed_config import bucket_sizes
-
-    def key(c: "Candidate") -> tuple:
-        cfg, b = c.cfg, bucket_sizes(model, c.cfg)
-        return (cfg.bf16_optimizer_states, cfg.bf16_master_weights_and_grads, cfg.grad_accum_dtype != "auto",
-                cfg.offload_param != "none", cfg.offload_optimizer, cfg.ckpt_layers, not cfg.overlap_comm,
-                -b["reduce_bucket_size"], -b["allgather_bucket_size"], -cfg.zero_hpz_partition_size,
-                not cfg.zero_quantized_weights, not cfg.zero_quantized_gradients,
-                -b["stage3_param_persistence_threshold"])
-
-    return key
 
 
 class Corrector(Protocol):
@@ -209,12 +176,12 @@ class Plan:
         after = group[group.index(cand) + 1:]
         for c in after:
             if c.cfg.key() not in self.closed and self.fits(c):
-                if c.cfg.ckpt_layers > cfg.ckpt_layers and _same_but_k(c.cfg, cfg):
+                if c.cfg.ckpt_layers > cfg.ckpt_layers and same_but_k(c.cfg, cfg):
                     why = (f"dominated: trial {number} ({status}) has the same settings with fewer checkpointed "
                            f"layers ({cfg.ckpt_layers} < {c.cfg.ckpt_layers}); more recomputation only costs time")
                 else:
                     why = (f"dominated: trial {number} ({status}) has the same settings but "
-                           f"{_memory_diff(cfg, c.cfg)}, tried first (search.speed_order)")
+                           f"{memory_diff(cfg, c.cfg)}, tried first (search_order.speed_order)")
                 out.append((c, {"pruned_by": "dominated", "reason": why}))
         for c, _ in out:
             self.closed[c.cfg.key()] = "pruned"
@@ -235,16 +202,6 @@ class Plan:
         for c, _ in out:
             self.closed[c.cfg.key()] = "pruned"
         return out
-
-
-def _same_but_k(a: TrainConfig, b: TrainConfig) -> bool:
-    return {**a.to_dict(), "ckpt_layers": 0} == {**b.to_dict(), "ckpt_layers": 0}
-
-
-def _memory_diff(ran: TrainConfig, other: TrainConfig) -> str:
-    """`overlap_comm True vs False, ...`: the MEMORY_FOR_SPEED settings in which two configs differ."""
-    return ", ".join(f"{n} {getattr(ran, n)} vs {getattr(other, n)}" for n in MEMORY_FOR_SPEED
-                     if getattr(ran, n) != getattr(other, n))
 
 
 # ---- the loop ----------------------------------------------------------------------------------------

@@ -307,7 +307,7 @@ def test_host_memory_prunes_in_a_search(tmp_path, monkeypatch):
     assert len(host) == 2 and all("host RAM per node" in r for r in host["reason"])
     assert set(host["offload_optimizer"]) == {True}
     assert set(df[df["status"] == "ok"]["offload_param"]) == {"none"}   # it fits, so offload is not run:
-    assert set(df[df["pruned_by"] == "dominated"]["offload_param"]) == {"cpu"}   # dominated (speed_order)
+    assert set(df[df["pruned_by"] == "dominated"]["offload_param"]) == {"cpu"}   # dominated (search_order.speed_order)
 
 
 def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path, monkeypatch):
@@ -336,11 +336,12 @@ def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path,
 
 def test_full_space_knobs_do_not_multiply_the_trials():
     """search_spaces/full.yaml lists every knob; 13B on 4 x A100: its candidates fall into 48 groups
-    (search.MEMORY_FOR_SPEED), of which 34 have a member that fits: at most 34 trials run (the
+    (search_order.MEMORY_FOR_SPEED), of which 34 have a member that fits: at most 34 trials run (the
     simulated search ran exactly 34)."""
     import collections
 
-    from autotune.search import Candidate, MEMORY_FOR_SPEED
+    from autotune.search import Candidate
+    from autotune.search_order import MEMORY_FOR_SPEED
     from autotune.search_space import expand, load_space, SPACES_DIR
     from autotune.train_config import searched_fields
 
