@@ -16,6 +16,8 @@ Per GPU, data parallel over all `world_size` ranks:
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from importlib import resources
@@ -216,6 +218,8 @@ def grad_reduce_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runt
     """One reduction of all gradients. ZeRO-0 all-reduces (2 Psi moved); ZeRO >= 1 reduce-scatters
     (Psi) (Rajbhandari et al. 2020, "ZeRO", sec. 7.2), unless ZeRO-1/2 falls back to all-reduce."""
     nbytes = model.num_params * dtype_bytes(cfg.precision)
+    if cfg.zero_quantized_gradients:
+        nbytes /= 4   # qgZ: int4 all-to-all, 1/4 of bf16 (ZeRO++ arXiv:2306.10209, sec. 3.3)
     if cfg.zero_stage == 0 or (cfg.zero_stage in (1, 2) and not rt.contiguous_gradients):
         return all_reduce_s(nbytes, cluster)
     return all_gather_s(nbytes, cluster)
@@ -230,7 +234,15 @@ def param_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> floa
 def stage3_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> float:
     """ZeRO-3 gathers each layer's parameters before its forward and again before its backward,
     every micro step (ZeRO sec. 7.2.2: with the reduce-scatter, 3 Psi)."""
-    return 2.0 * all_gather_s(model.num_params * dtype_bytes(cfg.precision), cluster) if cfg.zero_stage == 3 else 0.0
+    if cfg.zero_stage != 3:
+        return 0.0
+    nbytes = model.num_params * dtype_bytes(cfg.precision)
+    # ZeRO++ (arXiv:2306.10209): qwZ gathers int8 weights (1/2 of bf16, sec. 3.1); hpZ gathers the
+    # backward's weights from a secondary partition inside the node, at NVLink speed (sec. 3.2).
+    fwd = all_gather_s(nbytes / 2 if cfg.zero_quantized_weights else nbytes, cluster)
+    node = dataclasses.replace(cluster, num_nodes=1, gpus_per_node=cfg.zero_hpz_partition_size)
+    bwd = all_gather_s(nbytes, node) if cfg.zero_hpz_partition_size > 1 else all_gather_s(nbytes, cluster)
+    return fwd + bwd
 
 
 def hidden_s(comm_s: float, window_s: float, num_layers: int, overlap: bool) -> float:
@@ -275,12 +287,18 @@ def optimizer_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runtim
 
 def offload_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> float:
     """ZeRO-Offload: 16-bit gradients down and parameters up over PCIe (Ren et al. 2021, sec. 4:
-    2M + 2M bytes for M parameters), then CPU Adam over the node's share of the parameters."""
-    if not cfg.offload_optimizer:
-        return 0.0
+    2M + 2M bytes for M parameters), then CPU Adam over the node's share of the parameters.
+    offload_param (ZeRO-Infinity, Rajbhandari et al. 2021, arXiv:2104.07857, sec. 5): each rank's
+    16-bit partition crosses PCIe before the forward's and the backward's gathers of every micro
+    step, and once more after a GPU update; not overlapped here (an upper bound on its cost)."""
     mine = optimizer_params_per_gpu(model, cfg, cluster)
-    return mine * 2 * dtype_bytes(cfg.precision) / (PCIE_GBPS * GB_PER_S) + \
-        mine * cluster.gpus_per_node / CPU_ADAM_PARAMS_PER_S
+    pcie = PCIE_GBPS * GB_PER_S
+    t = 0.0
+    if cfg.offload_param != "none":
+        t += (2 * cfg.grad_accum + (0 if cfg.offload_optimizer else 1)) * mine * dtype_bytes(cfg.precision) / pcie
+    if cfg.offload_optimizer:
+        t += mine * 2 * dtype_bytes(cfg.precision) / pcie + mine * cluster.gpus_per_node / CPU_ADAM_PARAMS_PER_S
+    return t
 
 
 # ---- the step --------------------------------------------------------------------------------

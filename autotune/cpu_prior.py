@@ -57,7 +57,7 @@ def _collectives_per_step(model: ModelSpec, cfg: TrainConfig) -> int:
     reduce per reduce bucket (ZeRO-2 on every micro step) and all-gather the updated partition per
     all-gather bucket; ZeRO-3 gathers each weight matrix in forward and again in backward on every
     micro step (norm weights stay below the persistence threshold) and reduce-scatters per bucket."""
-    b = bucket_sizes(model)
+    b = bucket_sizes(model, cfg)
     n = model.num_params
     reduce, gather = -(-n // b["reduce_bucket_size"]), -(-n // b["allgather_bucket_size"])
     mats = model.num_layers * (2 + (3 if model.mlp == "swiglu" else 2)) + (1 if model.tied_embeddings else 2)

@@ -25,8 +25,9 @@ FP16_LOSS_SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_wind
                     "hysteresis": 2, "min_loss_scale": 1}
 
 
-def bucket_sizes(model: ModelSpec) -> dict[str, int]:
-    """ZeRO bucket sizes in elements, scaled to the model as Hugging Face's "auto" values do.
+def bucket_sizes(model: ModelSpec, cfg: TrainConfig | None = None) -> dict[str, int]:
+    """ZeRO bucket sizes in elements: the config's own where it sets one (non-zero), else scaled to
+    the model as Hugging Face's "auto" values do.
 
     transformers/integrations/deepspeed.py (HfTrainerDeepSpeedConfig.trainer_config_finalize):
     reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 * hidden^2,
@@ -35,25 +36,25 @@ def bucket_sizes(model: ModelSpec) -> dict[str, int]:
     """
     h2 = model.hidden_size * model.hidden_size
     return {
-        "reduce_bucket_size": h2,
-        "allgather_bucket_size": h2,
+        "reduce_bucket_size": (cfg and cfg.reduce_bucket_size) or h2,
+        "allgather_bucket_size": (cfg and cfg.allgather_bucket_size) or h2 + h2 % 2,  # DeepSpeed asserts even
         "stage3_prefetch_bucket_size": int(0.9 * h2),
-        "stage3_param_persistence_threshold": 10 * model.hidden_size,
+        "stage3_param_persistence_threshold":
+            (cfg and cfg.stage3_param_persistence_threshold) or 10 * model.hidden_size,
     }
 
 
 def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
-    """The zero_optimization section. overlap_comm is DeepSpeed's own default per stage
-    (runtime/zero/config.py overlap_comm_valid: true at stage 3 only). At stage 3 it only moves the
-    gathers and reduce-scatters to side streams (stage3.py reduce_and_partition_stream,
-    parameter_offload.py allgather stream; no stream at all on CPU) and allocates nothing more. At
-    stages 1-2 it would add a second reduce bucket and, at stage 1, reduce during backward: a
-    different memory profile the memory model is not measured against, so it stays off there."""
-    b = bucket_sizes(model)
+    """The zero_optimization section. overlap_comm at stage 3 is DeepSpeed's own default (true,
+    runtime/zero/config.py overlap_comm_valid): it only moves the gathers and reduce-scatters to side
+    streams (stage3.py reduce_and_partition_stream, parameter_offload.py allgather stream; no stream
+    at all on CPU) and allocates nothing more. At stages 1-2 it is the config's choice: true adds a
+    second reduce bucket (stage_1_and_2.py setup_buckets) and, at stage 1, reduces during backward."""
+    b = bucket_sizes(model, cfg)
     z: dict = {"stage": cfg.zero_stage}
     if cfg.zero_stage in (1, 2):
         z.update(reduce_bucket_size=b["reduce_bucket_size"], allgather_bucket_size=b["allgather_bucket_size"],
-                 contiguous_gradients=True, overlap_comm=False, reduce_scatter=True)
+                 contiguous_gradients=True, overlap_comm=cfg.overlap_comm, reduce_scatter=True)
     elif cfg.zero_stage == 3:
         z.update(reduce_bucket_size=b["reduce_bucket_size"],
                  stage3_prefetch_bucket_size=b["stage3_prefetch_bucket_size"],
@@ -61,6 +62,12 @@ def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
                  stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
                  contiguous_gradients=True, overlap_comm=True,
                  stage3_gather_16bit_weights_on_model_save=True)
+    if cfg.zero_stage == 3:   # ZeRO++ keys (runtime/zero/config.py); DeepSpeed's defaults when off
+        z.update(zero_quantized_weights=cfg.zero_quantized_weights,
+                 zero_quantized_gradients=cfg.zero_quantized_gradients,
+                 zero_hpz_partition_size=cfg.zero_hpz_partition_size)
+    if cfg.offload_param != "none":
+        z["offload_param"] = {"device": cfg.offload_param, "pin_memory": True}
     if cfg.offload_optimizer:
         z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return z
@@ -77,8 +84,12 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.grad_accum_dtype != "auto":
+        ds["data_types"] = {"grad_accum_dtype": cfg.grad_accum_dtype}
     if cfg.precision == "bf16":
         ds["bf16"] = {"enabled": True}
+        if cfg.bf16_master_weights_and_grads:
+            ds["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=cfg.bf16_optimizer_states)
     elif cfg.precision == "fp16":
         ds["fp16"] = {"enabled": True, **FP16_LOSS_SCALER}
     if cfg.optimizer == "adamw":

@@ -2,8 +2,10 @@
 
 Grammar (case-insensitive):
 
-    GPUS  := COUNT "x" TYPE [ "@" MEM ]        4xA100, 16xH100, 2xcpu@2GiB
-           | NODES "x" COUNT "x" TYPE [ "@" MEM ]  2x8xH100 (2 nodes of 8 GPUs each)
+    GPUS  := COUNT "x" TYPE [ "@" MEM ] [ "@host=" MEM ]        4xA100, 16xH100, 2xcpu@2GiB
+           | NODES "x" COUNT "x" TYPE [ "@" MEM ] [ "@host=" MEM ]  2x8xH100 (2 nodes of 8 GPUs each)
+    @host= overrides the host RAM per node of the preset (data/gpus.yaml host_memory_gib), which
+    bounds what ZeRO-Offload / ZeRO-Infinity can put there (memory/host.py).
     MEM   := NUMBER ("GiB" | "MiB" | "GB")       overrides the per-device memory capacity
 
 A COUNT larger than the type's gpus_per_node (8 for data-centre parts) is split into full
@@ -13,6 +15,7 @@ the 80 GB part, and the resolved name says so.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,8 +27,8 @@ import yaml
 from autotune.errors import SpecError
 from autotune.units import GB, TFLOPS, GiB, MiB
 
-GRAMMAR = ("expected [NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 8xH100, 2xA100-40GB, 16xH100 "
-           "(2 nodes of 8), 2x8xH100, 2xcpu, 2xcpu@2GiB")
+GRAMMAR = ("expected [NODESx]COUNTxTYPE[@MEM][@host=SIZE], e.g. 4xA100, 8xH100, 2xA100-40GB, 16xH100 "
+           "(2 nodes of 8), 2x8xH100, 2xcpu, 2xcpu@2GiB, 8xH100@host=512GiB")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,8 @@ class GpuSpec:
     inter_node_gbps: float = 0.0
     bf16: bool = False
     gpus_per_node: int = 8
+    host_memory_bytes: int = 0
+    """Host RAM per node of the reference system (data/gpus.yaml) or as given (@host=); 0: unknown."""
     source: str = ""
 
     @property
@@ -96,7 +101,8 @@ def _spec(name: str, e: dict, memory_bytes: int | None = None) -> GpuSpec:
     return GpuSpec(name=name, memory_bytes=memory_bytes if memory_bytes is not None else e["memory_mib"] * MiB,
                    peak_tflops=dict(e.get("peak_tflops") or {}), hbm_gbps=e["hbm_gbps"],
                    intra_node_gbps=e["intra_node_gbps"], inter_node_gbps=e["inter_node_gbps"],
-                   bf16=e["bf16"], gpus_per_node=e["gpus_per_node"], source=e["source"])
+                   bf16=e["bf16"], gpus_per_node=e["gpus_per_node"], source=e["source"],
+                   host_memory_bytes=int((e.get("host_memory_gib") or 0) * GiB))
 
 
 def _lookup(type_text: str) -> tuple[str, dict]:
@@ -150,6 +156,17 @@ def parse_gpus(text: str) -> Cluster:
     notes = []
     if type_txt.lower() != name.lower():
         notes.append(f"{type_txt} read as {name}")
+    host = None
+    if mem_txt is not None:   # "@MEM", "@host=SIZE" or "@MEM@host=SIZE"
+        parts = mem_txt.split("@")
+        hosts = [p for p in parts if p.lower().startswith("host=")]
+        rest = [p for p in parts if not p.lower().startswith("host=")]
+        if len(hosts) > 1 or len(rest) > 1:
+            raise SpecError(f"malformed --gpus {text!r}: at most one @MEM and one @host=SIZE; {GRAMMAR}")
+        if hosts:
+            host = _parse_mem(hosts[0][len("host="):])
+            notes.append(f"host memory {host / GiB:.0f} GiB per node")
+        mem_txt = rest[0] if rest else None
     if mem_txt is not None:
         mem = _parse_mem(mem_txt)
         notes.append(f"memory capped at {mem / GiB:.2f} GiB per device")
@@ -158,5 +175,8 @@ def parse_gpus(text: str) -> Cluster:
         notes.append(f"cpu ranks share this machine's RAM: {mem / GiB:.1f} GiB each")
     else:
         mem = entry["memory_mib"] * MiB
-    return Cluster(gpu=_spec(name, entry, mem), num_nodes=nodes, gpus_per_node=per_node,
+    spec = _spec(name, entry, mem)
+    if host is not None:
+        spec = dataclasses.replace(spec, host_memory_bytes=host)
+    return Cluster(gpu=spec, num_nodes=nodes, gpus_per_node=per_node,
                    text=raw, note="; ".join(notes))

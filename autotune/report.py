@@ -15,7 +15,8 @@ import optuna
 import pandas as pd
 
 from autotune import study as st
-from autotune.train_config import searched_fields
+from autotune.search_space import parse_space
+from autotune.train_config import STABILITY_RISKS, searched_fields
 from autotune.units import GiB
 
 # (column label, trials_frame column): numbers that come from the run, labelled with its source
@@ -53,10 +54,12 @@ def source_label(df: pd.DataFrame) -> str:
     return sources.pop() if len(sources) == 1 else ("measured" if not sources else "mixed: see source")
 
 
-def ranked(df: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
-    """Successful runs, fastest first, every number labelled with where it came from."""
+def ranked(df: pd.DataFrame, top: int | None = None, objective: str = "samples") -> pd.DataFrame:
+    """Successful runs, fastest first by the study's objective (samples/s or tokens/s), every number
+    labelled with where it came from."""
     src = source_label(df) if len(df) else "measured"
-    ok = df[df["status"] == "ok"].sort_values("samples_per_s", ascending=False, kind="stable") if len(df) else df
+    key = "tokens_per_s" if objective == "tokens" else "samples_per_s"
+    ok = df[df["status"] == "ok"].sort_values(key, ascending=False, kind="stable") if len(df) else df
     ok = ok.assign(mfu_pct=[None if pd.isna(v) else 100 * v for v in ok.get("mfu", [])],
                    est_gib=[_gib(v) for v in ok.get("est_tensor_bytes", [])],
                    peak_gib=[_gib(v) for v in ok.get("peak_bytes", [])])
@@ -92,7 +95,7 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {"pruned": {}, "failed": {}}
     for _, r in pruned.iterrows():
         key = (f"memory model: does not fit (largest term {r['dominant_term']})" if r["pruned_by"] == "memory"
-               else {"dominated": "dominated: more checkpointing than needed to fit",
+               else {"dominated": "dominated: more checkpointing, offload or smaller buckets than needed to fit",
                      "oom-implied": "implied out of memory: a smaller micro batch already ran out"}
                .get(r["pruned_by"], f"{r['pruned_by']}: {r['reason']}"))
         out["pruned"][key] = out["pruned"].get(key, 0) + 1
@@ -103,12 +106,20 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
     return out
 
 
+def objective(study: optuna.Study) -> str:
+    """What the study ranked by: "samples" (per second; studies before --objective) or "tokens"."""
+    return study.user_attrs[st.ATTR].get("objective", "samples")
+
+
 def header(study: optuna.Study) -> list[str]:
     model, cluster, a = st.specs_of(study)
     gb = a.get("global_batch")
+    seqs = parse_space(a["space_text"], a["space_path"]).values["seq_len"] if a.get("space_text") else ("auto",)
+    seq = f"seq len {a['seq_len']}" if seqs == ("auto",) else \
+        "seq len searched: " + ", ".join(str(a["seq_len"] if s == "auto" else s) for s in seqs)
     return [f"study {study.study_name}: {model.describe()}",
-            f"on {cluster.describe()}, seq len {a['seq_len']}"
-            + (f", global batch {gb}" if gb else "") + f"; results {a.get('source', 'measured')}"]
+            f"on {cluster.describe()}, {seq}" + (f", global batch {gb}" if gb else "")
+            + f"; results {a.get('source', 'measured')}; ranked by {objective(study)}/s"]
 
 
 def _fmt(v) -> str:
@@ -128,7 +139,7 @@ def markdown_table(df: pd.DataFrame) -> str:
 
 def render(study: optuna.Study, fmt: str = "table", top: int | None = None, title: bool = True) -> str:
     df = trials_frame(study)
-    table = ranked(df, top)
+    table = ranked(df, top, objective(study))
     counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}}
     if fmt == "csv":
         return table.to_csv(index=False)
@@ -148,11 +159,25 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None, titl
     corr = correction_line(study)
     if corr:
         lines += ["", corr]
+    lines += risk_lines(df, table, fmt)
     for kind in ("pruned", "failed"):
         total = sum(counts[kind].values())
         lines += ["", f"{'## ' if fmt == 'markdown' else ''}{kind}: {total}"]
         lines += [f"{'- ' if fmt == 'markdown' else '  '}{n} x {why}" for why, n in counts[kind].items()]
     return "\n".join(lines) + "\n"
+
+
+def risk_lines(df: pd.DataFrame, table: pd.DataFrame, fmt: str) -> list[str]:
+    """Ranked runs whose settings risk training stability (train_config.STABILITY_RISKS), by rank."""
+    out = []
+    for name, text in STABILITY_RISKS.items():
+        if name not in df or not len(table):
+            continue
+        risky = set(df.loc[df[name].fillna(False).astype(bool), "trial"])
+        ranks = [str(r) for r, t in zip(table["rank"], table["trial"]) if t in risky]
+        if ranks:
+            out += ["", f"{'**warning**' if fmt == 'markdown' else 'WARNING'}: rank {', '.join(ranks)}: {text}"]
+    return out
 
 
 def correction_line(study: optuna.Study) -> str:

@@ -39,11 +39,14 @@ from autotune.hardware import Cluster
 from autotune.errors import SpecError
 from autotune.models import ModelSpec
 from autotune.search_space import SearchSpace, expand
+from autotune.search_order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
 from autotune.train_config import TrainConfig, searched_fields
 from autotune.units import fmt_bytes
 
 
-ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum")
+OBJECTIVES = {"samples": "samples_per_s", "tokens": "tokens_per_s"}
+"""What a search maximises (`--objective`): samples/s, or tokens/s, which differ once seq_len varies."""
+ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "seq_len")
 """Searched settings with a distance of their own in PriorGuided; every other one is categorical."""
 
 
@@ -62,7 +65,9 @@ class Candidate:
 
     @property
     def group(self) -> tuple:
-        return dataclasses.replace(self.cfg, ckpt_layers=0).key()
+        # a key, not a TrainConfig: the defaults may not be a valid config with the rest
+        # (bf16 master weights with fp32 states need offload_optimizer)
+        return tuple(sorted({**self.cfg.to_dict(), **MEMORY_FOR_SPEED}.items()))
 
 
 # ---- prior -----------------------------------------------------------------------------------------
@@ -91,9 +96,9 @@ class PriorGuided:
 
     The correction is a Nadaraya-Watson kernel regression of log(measured / prior) over the
     measured candidates, with a Gaussian kernel exp(-d^2 / 2). The distance counts one unit per
-    step along an ordered axis (a ZeRO stage, a doubling of micro batch or accumulation, a quarter
-    of the layers checkpointed: each changes the step time by a comparable tens of percent in the
-    cost model) and 2 units (4 squared) for any other setting that differs, which makes such a
+    step along an ordered axis (a ZeRO stage, a doubling of micro batch, accumulation or sequence
+    length, a quarter of the layers checkpointed: each changes the step time by a comparable tens of
+    percent in the cost model) and 2 units (4 squared) for any other setting that differs, which makes such a
     neighbour's weight e^-2 = 0.14: a different precision or optimizer shares little of the residual.
     `shrink` is a pseudo-weight of a zero residual at the candidate itself: one measurement at
     distance 0 (weight 1) moves the prior by 1 / 1.3 = 77% of its residual, not all of it, because
@@ -112,7 +117,7 @@ class PriorGuided:
     def _dist2(self, a: TrainConfig, b: TrainConfig) -> float:
         d = ((a.zero_stage - b.zero_stage) ** 2 + math.log2(a.micro_batch / b.micro_batch) ** 2
              + (4 * (a.ckpt_layers - b.ckpt_layers) / max(self.layers, 1)) ** 2
-             + math.log2(a.grad_accum / b.grad_accum) ** 2)
+             + math.log2(a.grad_accum / b.grad_accum) ** 2 + math.log2(a.seq_len / b.seq_len) ** 2)
         return d + 4 * sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields()
                            if f.name not in ORDERED)
 
@@ -128,16 +133,18 @@ class PriorGuided:
 
 # ---- structure: groups, dominance, implied out-of-memory --------------------------------------------
 class Plan:
-    """Which candidates are still worth a run. A group is all candidates that differ only in k."""
+    """Which candidates are still worth a run. A group is all candidates that differ only in the
+    MEMORY_FOR_SPEED settings (k, offload, overlap, buckets), tried in `order` (default: by k)."""
 
-    def __init__(self, cands: list[Candidate], fits: Callable[[Candidate], bool]):
+    def __init__(self, cands: list[Candidate], fits: Callable[[Candidate], bool],
+                 order: Callable[[Candidate], Any] | None = None):
         self.fits = fits
         self.by_key = {c.cfg.key(): c for c in cands}
         self.groups: dict[tuple, list[Candidate]] = {}
         for c in cands:
             self.groups.setdefault(c.group, []).append(c)
         for g in self.groups.values():
-            g.sort(key=lambda c: c.cfg.ckpt_layers)
+            g.sort(key=order or (lambda c: c.cfg.ckpt_layers))
         self.closed: dict[tuple, str] = {}
         self.settled: set[tuple] = set()
 
@@ -165,10 +172,16 @@ class Plan:
             return self._implied_oom(cand, number)
         self.settled.add(cand.group)
         out = []
-        for c in self.groups[cand.group]:
-            if c.cfg.ckpt_layers > cfg.ckpt_layers and c.cfg.key() not in self.closed and self.fits(c):
-                why = (f"dominated: trial {number} ({status}) has the same settings with fewer checkpointed "
-                       f"layers ({cfg.ckpt_layers} < {c.cfg.ckpt_layers}); more recomputation only costs time")
+        group = self.groups[cand.group]
+        after = group[group.index(cand) + 1:]
+        for c in after:
+            if c.cfg.key() not in self.closed and self.fits(c):
+                if c.cfg.ckpt_layers > cfg.ckpt_layers and same_but_k(c.cfg, cfg):
+                    why = (f"dominated: trial {number} ({status}) has the same settings with fewer checkpointed "
+                           f"layers ({cfg.ckpt_layers} < {c.cfg.ckpt_layers}); more recomputation only costs time")
+                else:
+                    why = (f"dominated: trial {number} ({status}) has the same settings but "
+                           f"{memory_diff(cfg, c.cfg)}, tried first (search_order.speed_order)")
                 out.append((c, {"pruned_by": "dominated", "reason": why}))
         for c, _ in out:
             self.closed[c.cfg.key()] = "pruned"
@@ -218,15 +231,22 @@ class Search:
     def __init__(self, study: optuna.Study, model: ModelSpec, cluster: Cluster, space: SearchSpace,
                  executor: Executor, *, seq_len: int, global_batch: int | None = None,
                  corrector: Corrector | None = None, prior: Callable[[TrainConfig], float] | None = None,
-                 estimate_fn: Callable | None = None, out_root: Path | None = None):
+                 estimate_fn: Callable | None = None, out_root: Path | None = None, objective: str = "samples"):
         if estimate_fn is None:
             from autotune.memory import estimate as estimate_fn
         self.study, self.model, self.cluster, self.space, self.executor = study, model, cluster, space, executor
         self.corrector = corrector
         exp = expand(space, model, cluster, seq_len=seq_len, global_batch=global_batch)
         self.dists = st.distributions(exp.candidates)
-        self.plan = Plan([Candidate(c, estimate_fn(model, cluster, c)) for c in exp.candidates], self._fits)
-        self.strategy = PriorGuided(prior or default_prior(model, cluster), model.num_layers)
+        self.plan = Plan([Candidate(c, estimate_fn(model, cluster, c)) for c in exp.candidates], self._fits,
+                         speed_order(model))
+        if objective not in OBJECTIVES:
+            raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        self.objective = objective
+        samples = prior or default_prior(model, cluster)
+        # priors are in samples/s; a sequence is seq_len tokens
+        ranked_prior = samples if objective == "samples" else (lambda cfg: samples(cfg) * cfg.seq_len)
+        self.strategy = PriorGuided(ranked_prior, model.num_layers)
         self.sampler = st.ChosenSampler()
         study.sampler = self.sampler
         self.out_root = out_root or st.study_dir(study.study_name)
@@ -235,11 +255,17 @@ class Search:
         self._replay()
         self._prune_unfit()
 
+    def value(self, result: TrialResult) -> float | None:
+        """The number told to Optuna: the result's samples/s or tokens/s (`objective`)."""
+        return getattr(result, OBJECTIVES[self.objective])
+
     def _total_bytes(self, c: Candidate) -> int:
         return int(self.corrector(c.est, c.cfg)) if self.corrector else int(c.est.total_bytes)
 
     def _fits(self, c: Candidate) -> bool:
-        return c.est.fits if self.corrector is None else self._total_bytes(c) <= c.est.capacity_bytes
+        if self.corrector is None:
+            return c.est.fits
+        return self._total_bytes(c) <= c.est.capacity_bytes and c.est.host_fits
 
     def _est_attrs(self, c: Candidate, detail: bool = False) -> dict[str, Any]:
         # One attr, not one per number: each user attr is a row written per trial, and hundreds of
@@ -258,7 +284,7 @@ class Search:
 
     def _observe(self, c: Candidate, result: TrialResult) -> None:
         if result.status == "ok":
-            self.strategy.observe(c.cfg, result.samples_per_s)
+            self.strategy.observe(c.cfg, self.value(result))
         if self.corrector is not None and hasattr(self.corrector, "observe"):
             self.corrector.observe(c.est, c.cfg, result)
 
@@ -297,6 +323,12 @@ class Search:
     def _prune_unfit(self) -> None:
         out = []
         for c in self.plan.unfit():
+            if not c.est.host_fits:
+                why = (f"host memory: estimated {fmt_bytes(c.est.host_bytes)} of host RAM per node (offloaded "
+                       f"states) > {fmt_bytes(c.est.host_capacity_bytes)} the node has")
+                out.append((c, {"pruned_by": "host-memory", "reason": why}))
+                self.plan.closed[c.cfg.key()] = "pruned"
+                continue
             total, cap = self._total_bytes(c), c.est.capacity_bytes
             corrected = "" if total == int(c.est.total_bytes) else " (after online correction)"
             dom = c.est.dominant_term
@@ -324,15 +356,15 @@ class Search:
 
     def _finish(self, ticket: str, result: TrialResult) -> None:
         trial, c = self.in_flight.pop(ticket)
-        if result.status == "ok" and not result.samples_per_s:
+        if result.status == "ok" and not self.value(result):
             result = dataclasses.replace(result, status="crashed", reason=f"no throughput reported; {result.reason}")
         for k, v in st.result_attrs(result).items():
             trial.set_user_attr(k, v)
         if result.status == "ok":
-            self.study.tell(trial, result.samples_per_s)
+            self.study.tell(trial, self.value(result))
         else:
             self.study.tell(trial, state=TrialState.PRUNED if result.status == "pruned" else TrialState.FAIL)
-        self._count(result.status, result.samples_per_s, trial.number)
+        self._count(result.status, self.value(result), trial.number)
         self._record(self.plan.close(c.cfg, result.status, trial.number))
         self._observe(c, result)
 

@@ -12,6 +12,7 @@ Format: the keys are TrainConfig's searched fields (autotune/train_config.py), e
     optimizer: [adamw]
     offload_optimizer: [false]
     attention: [sdpa]
+    seq_len: [auto]              # auto = the study's --seq-len; or [2048, 4096, 8192]
     trial: {steps: 6, warmup_steps: 2, timeout: 10m}
 
 Line numbers come from PyYAML's node marks (`yaml.compose`; `Mark.line` is 0-based).
@@ -29,8 +30,8 @@ from typing import Any
 import yaml
 from yaml.constructor import SafeConstructor
 
-from autotune.hardware import Cluster
 from autotune.errors import SpecError
+from autotune.hardware import Cluster
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, allowed_text, check_config, check_value, searched_fields
 from autotune.units import parse_duration_s
@@ -91,12 +92,14 @@ class SearchSpace:
                 out.add(min(num_layers, num_layers * int(m.group(1) or 1) // int(m.group(2) or 1)))
         return sorted(out)
 
-    def resolved(self, name: str, model: ModelSpec, cluster: Cluster) -> list:
+    def resolved(self, name: str, model: ModelSpec, cluster: Cluster, seq_len: int | None = None) -> list:
         """The concrete values of one field for this model and cluster (`all`/`L/2` -> layer counts,
-        `auto` precision -> bf16 where the device has it, else fp16)."""
+        `auto` precision -> bf16 where the device has it, else fp16, `auto` seq_len -> `seq_len`)."""
         if name == "ckpt_layers":
             return self.ckpt_values(model.num_layers)
         vals = self.values[name]
+        if name == "seq_len":
+            vals = [seq_len if v == "auto" else v for v in vals]
         if name == "precision":
             vals = [("bf16" if cluster.gpu.bf16 else "fp16") if p == "auto" else p for p in vals]
         return list(dict.fromkeys(vals))
@@ -195,6 +198,8 @@ def _allowed_text(key: str) -> str:
     resolved per model and cluster (SearchSpace.resolved)."""
     if key == "precision":
         return allowed_text(key).replace("choose from ", "choose from auto, ")
+    if key == "seq_len":
+        return "auto (the study's --seq-len) or " + allowed_text(key)
     if key == "ckpt_layers":
         return allowed_text(key) + ", 'all', 'L', 'L/2', '3L/4' (L = the model's layers)"
     return allowed_text(key)
@@ -203,7 +208,7 @@ def _allowed_text(key: str) -> str:
 def _allowed(key: str, v: Any) -> bool:
     if key == "ckpt_layers" and isinstance(v, str):
         return v == "all" or _ckpt_ok(v)
-    if key == "precision" and v == "auto":
+    if key in ("precision", "seq_len") and v == "auto":
         return True
     try:
         check_value(key, v)
@@ -241,6 +246,7 @@ def _trial(node: yaml.Node, where: str) -> TrialSettings:
 def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: int,
            global_batch: int | None = None) -> Expansion:
     """Every valid TrainConfig of `space`, in a fixed order; drops what check_config refuses.
+    `seq_len` is what the space's `auto` sequence length means (the study's --seq-len).
 
     Under `global_batch`, grad_accum = global / (micro * world); micro batches that do not divide
     it are left out, as DeepSpeed requires train_batch = micro * accum * world exactly.
@@ -250,7 +256,7 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     names = [f.name for f in searched_fields()]
     out: list[TrainConfig] = []
     seen: set[tuple] = set()
-    for combo in itertools.product(*(space.resolved(n, model, cluster) for n in names)):
+    for combo in itertools.product(*(space.resolved(n, model, cluster, seq_len) for n in names)):
         values = dict(zip(names, combo))
         if global_batch is not None:
             mb = values["micro_batch"]
@@ -260,7 +266,7 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
                 continue
             values["grad_accum"] = global_batch // (mb * world)
         try:
-            cfg = TrainConfig(**values, seq_len=seq_len)
+            cfg = TrainConfig(**values)
             check_config(cfg, model, cluster)
         except SpecError as e:
             excluded[str(e)] = excluded.get(str(e), 0) + 1

@@ -229,10 +229,10 @@ class ChosenSampler(optuna.samplers.BaseSampler):
 
 # ---- what a study records ---------------------------------------------------------------------------
 def study_attrs(model: ModelSpec, cluster: Cluster, *, seq_len: int, global_batch: int | None,
-                space_text: str, space_path: str, source: str) -> dict:
+                space_text: str, space_path: str, source: str, objective: str = "samples") -> dict:
     return {"model": dataclasses.asdict(model), "gpus": cluster.text, "capacity_bytes": cluster.capacity_bytes,
             "world_size": cluster.world_size, "seq_len": seq_len, "global_batch": global_batch,
-            "space_text": space_text, "space_path": space_path, "source": source}
+            "space_text": space_text, "space_path": space_path, "source": source, "objective": objective}
 
 
 def specs_of(study: optuna.Study) -> tuple[ModelSpec, Cluster, dict]:

@@ -4,7 +4,7 @@ a cluster (`check_config`), and the precision facts every layer shares.
 TrainConfig is the single source of its settings. Each field's metadata says how the rest of the
 program treats it, so a new setting is one field here plus the memory and cost terms that price it:
 - `space`: the values a search space tries when its YAML omits the key (search_space.py);
-  a field without it (seq_len) is fixed per study, not searched;
+  a field without it is fixed per study, not searched (seq_len's `auto` is the study's --seq-len);
 - `flag` and `help`: its option on `autotune estimate` / `autotune trial` (cli/common.py);
 - `column`: "always" puts it in every ranked report row, "varying" only when the study's runs
   differ in it (report.py).
@@ -74,8 +74,24 @@ class TrainConfig:
     """fp32; fp16 with dynamic loss scaling; bf16. Both 16-bit modes keep fp32 master weights."""
     optimizer: Literal["adamw", "adamw8bit"] = _setting("adamw", space=("adamw",), help="optimizer")
     """AdamW with fp32 moments, or 8-bit AdamW (bitsandbytes; moments in 1 byte each)."""
+    bf16_master_weights_and_grads: bool = _setting(
+        False, space=(False,), help="bf16 master weights and gradient partition (ZeRO 1-3, bf16; DeepSpeed bf16 section)")
+    """DeepSpeed's `bf16.bf16_master_weights_and_grads` (runtime/config.py; ZeRO optimizers build their
+    master partition in bf16, base_optimizer.py _configure_master_weights). Halves the master copy;
+    with fp32 optimizer states DeepSpeed requires ZeRO-Offload with DeepSpeedCPUAdam."""
+    bf16_optimizer_states: bool = _setting(False, space=(False,),
+                                           help="bf16 Adam moments (needs --bf16-master-weights-and-grads)")
+    """DeepSpeed's `bf16.bf16_optimizer_states`: Adam's moments in bf16, 4 B/param instead of 8. The
+    article's "lower the optimizer states from fp32 to bf16 to halve the static memory", with its
+    warning: bf16 moments and master weights lose small updates, and late in training the loss can
+    oscillate. A stability risk, flagged in the report."""
     offload_optimizer: bool = _setting(False, space=(False,), help="ZeRO-Offload of the optimizer states")
     """ZeRO-Offload: optimizer states and the step on the CPU (needs ZeRO >= 1)."""
+    offload_param: Literal["none", "cpu"] = _setting("none", space=("none",),
+                                                     help="ZeRO-3 parameter offload (ZeRO-Infinity) to host memory")
+    """DeepSpeed's `zero_optimization.offload_param.device` (runtime/zero/offload_config.py): stage 3
+    keeps each rank's parameter partition in pinned host memory and gathers from there
+    (Rajbhandari et al. 2021, ZeRO-Infinity, arXiv:2104.07857)."""
     attention: Literal["sdpa", "eager", "flash_attention_2"] = _setting(
         "sdpa", space=("sdpa",), help="attention implementation, transformers' names (flash_attention_2: GPU, hf only)")
     """transformers' attn_implementation names. sdpa: torch's scaled_dot_product_attention
@@ -100,8 +116,41 @@ class TrainConfig:
     """peft's lora_alpha (scaling alpha/r). 0 is the sentinel for 2 x lora_rank (`alpha`)."""
     lora_dropout: float = _setting(0.05, space=(0.05,), help="dropout on the adapters' input")
     """peft's lora_dropout: in [0, 1). With p > 0 the adapter path keeps its dropout mask and output."""
-    seq_len: int = _setting(2048, space=None, minimum=1, help="sequence length (default: min(2048, model max))")
-    """Tokens per sequence; fixed per study (`--seq-len`), not a search axis."""
+    grad_accum_dtype: Literal["auto", "fp32"] = _setting(
+        "auto", space=("auto",), help="gradient accumulation dtype (DeepSpeed data_types.grad_accum_dtype; "
+                                      "auto: the model's dtype)")
+    """DeepSpeed's `data_types.grad_accum_dtype` (runtime/config.py). fp32 with 16-bit training: at
+    ZeRO-1 bf16 DeepSpeed switches to its BF16_Optimizer (engine._do_optimizer_sanity_check), which
+    keeps full fp32 gradients beside the partition; at ZeRO-3 the flat gradient partition is fp32
+    (stage3.py grad_partitions_flat_buffer); at ZeRO-2 the reduced partition is fp32."""
+    overlap_comm: bool = _setting(False, space=(False,),
+                                  help="ZeRO 1-2: reduce gradients during backward (a second reduce bucket)")
+    """DeepSpeed's `zero_optimization.overlap_comm` at stages 1-2: a second reduce bucket
+    (stage_1_and_2.py setup_buckets, "double buffers"). Stage 3 always overlaps (nothing allocated)."""
+    reduce_bucket_size: int = _setting(0, space=(0,), minimum=0,
+                                       help="ZeRO reduce bucket in elements (0: hidden^2, Hugging Face's auto)")
+    """`zero_optimization.reduce_bucket_size` in elements; 0 writes Hugging Face's "auto" hidden^2."""
+    allgather_bucket_size: int = _setting(0, space=(0,), minimum=0,
+                                          help="ZeRO 1-2 allgather bucket in elements (0: hidden^2)")
+    """`zero_optimization.allgather_bucket_size` (stages 1-2) in elements; 0 writes hidden^2."""
+    stage3_param_persistence_threshold: int = _setting(
+        0, space=(0,), minimum=0, help="ZeRO-3: parameters under this many elements stay whole (0: 10 hidden)")
+    """`zero_optimization.stage3_param_persistence_threshold`; 0 writes Hugging Face's auto 10 h."""
+    zero_quantized_weights: bool = _setting(False, space=(False,), help="ZeRO++ qwZ: int8 weight all-gather (ZeRO-3, GPUs)")
+    """ZeRO++ qwZ (Wang et al. 2023, arXiv:2306.10209, sec. 3.1): the stage-3 all-gather of weights in
+    int8, half the bytes of bf16. CUDA quantizer kernels: GPUs only."""
+    zero_quantized_gradients: bool = _setting(False, space=(False,),
+                                              help="ZeRO++ qgZ: quantized gradient reduce-scatter (ZeRO-3, GPUs)")
+    """ZeRO++ qgZ (arXiv:2306.10209, sec. 3.3): gradients reduce-scattered by an all-to-all in int4,
+    a quarter of the bf16 bytes (stage3.py all_to_all_quant_reduce). GPUs only."""
+    zero_hpz_partition_size: int = _setting(1, space=(1,), minimum=1,
+                                            help="ZeRO++ hpZ: secondary weight partition within this many GPUs "
+                                                 "of a node (ZeRO-3, multi-node, GPUs)")
+    """ZeRO++ hpZ (arXiv:2306.10209, sec. 3.2): a second copy of the weights partitioned within a node,
+    so the backward all-gather stays on NVLink; costs pb*P/hpz bytes per GPU."""
+    seq_len: int = _setting(2048, space=("auto",), minimum=1, help="sequence length (default: min(2048, model max))")
+    """Tokens per sequence. A search axis (`seq_len: [2048, 4096, 8192]` in a space); `auto`, the
+    default, is the study's `--seq-len` (min(2048, the model's maximum) when not given)."""
 
     def __post_init__(self) -> None:
         if self.method == "full":
@@ -118,6 +167,42 @@ class TrainConfig:
         if self.offload_optimizer and self.optimizer == "adamw8bit":
             raise SpecError("offload_optimizer runs DeepSpeed's CPU Adam, which has no 8-bit states; "
                             "choose one of the two")
+        self._check_knobs()
+
+    def _check_knobs(self) -> None:
+        """Refuse combinations DeepSpeed refuses or ignores, so no two candidates run the same job."""
+        z = self.zero_stage
+        if self.grad_accum_dtype == "fp32" and self.precision == "fp32":
+            raise SpecError("grad_accum_dtype fp32 with fp32 training is the default (auto); drop it")
+        if self.grad_accum_dtype == "fp32" and z == 0:
+            raise SpecError("grad_accum_dtype fp32 needs ZeRO stage 1-3: without ZeRO DeepSpeed raises "
+                            "'unsupported mix of model_dtype and grad_accum_dtype' (engine._do_optimizer_sanity_check)")
+        if self.overlap_comm and z not in (1, 2):
+            raise SpecError("overlap_comm is a ZeRO stage 1-2 choice: stage 3 always overlaps (autotune writes "
+                            "true, it allocates nothing), stage 0 has no ZeRO reducer")
+        if self.reduce_bucket_size and z == 0:
+            raise SpecError("reduce_bucket_size needs ZeRO stage 1-3 (stage 0 all-reduces in 5e8-element buffers)")
+        if self.allgather_bucket_size and z not in (1, 2):
+            raise SpecError("allgather_bucket_size is read at ZeRO stages 1-2 only")
+        if self.bf16_master_weights_and_grads and (self.precision != "bf16" or z == 0):
+            raise SpecError("bf16_master_weights_and_grads needs bf16 training and ZeRO stage 1-3 "
+                            "(runtime/config.py asserts the stage)")
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise SpecError("bf16_optimizer_states needs bf16_master_weights_and_grads (runtime/config.py asserts it)")
+        if self.bf16_master_weights_and_grads and not self.bf16_optimizer_states and not self.offload_optimizer:
+            raise SpecError("bf16_master_weights_and_grads with fp32 optimizer states needs offload_optimizer "
+                            "(DeepSpeed requires ZeRO-Offload with DeepSpeedCPUAdam then: base_optimizer.py)")
+        if self.offload_param != "none" and z != 3:
+            raise SpecError("offload_param needs ZeRO stage 3 (only stage 3 partitions the parameters)")
+        if z != 3 and self.stage3_param_persistence_threshold:
+            raise SpecError("stage3_param_persistence_threshold is read at ZeRO stage 3 only")
+        zpp = self.zero_quantized_weights or self.zero_quantized_gradients or self.zero_hpz_partition_size > 1
+        if zpp and z != 3:
+            raise SpecError("ZeRO++ (zero_quantized_weights, zero_quantized_gradients, zero_hpz_partition_size) "
+                            "is built on ZeRO stage 3 (stage3.py); choose --zero 3")
+        if self.allgather_bucket_size % 2:
+            raise SpecError("allgather_bucket_size must be even: DeepSpeed asserts a multiple of "
+                            "nccl_start_alignment_factor 2 (stage_1_and_2.py)")
 
     @property
     def alpha(self) -> int:
@@ -145,9 +230,24 @@ class TrainConfig:
             v = getattr(self, f.name)
             if f.name in ("method", "lora_rank"):
                 continue
+            if f.name == "seq_len":
+                continue    # printed beside the config where it matters ("seq N"), or a report column
             if f.metadata["column"] == "varying" and v != f.default:
                 parts.append(f.name.replace("_optimizer", "") if v is True else str(v))
         return " ".join(parts)
+
+
+STABILITY_RISKS = {
+    "bf16_optimizer_states": "bf16 optimizer states and master weights: stability risk. Updates smaller than bf16's "
+                             "precision are lost and the loss can oscillate late in training (the reference "
+                             "article); compare its loss curve with fp32 states before a long run",
+}
+"""Settings that trade training stability for memory, said wherever such a config is shown."""
+
+
+def risks(cfg: TrainConfig) -> list[str]:
+    """The stability risks of `cfg` (STABILITY_RISKS), for the report and `autotune estimate`."""
+    return [text for name, text in STABILITY_RISKS.items() if getattr(cfg, name)]
 
 
 # ---- what the rest of the program derives from the fields ---------------------------------------
@@ -238,5 +338,13 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
                         "can run lora (QLoRA is still estimated and simulated for GPUs)")
     if cfg.method == "qlora" and cfg.precision == "fp32":
         raise SpecError("method qlora computes in a 16-bit dtype (bnb_4bit_compute_dtype); use bf16 or fp16")
+    zpp = cfg.zero_quantized_weights or cfg.zero_quantized_gradients or cfg.zero_hpz_partition_size > 1
+    if zpp and cluster.gpu.is_cpu:
+        raise SpecError("ZeRO++ (qwZ/qgZ/hpZ) needs DeepSpeed's CUDA quantizer kernels: CPU ranks cannot run it; "
+                        "estimate or simulate it for a GPU")
+    if cfg.zero_hpz_partition_size > 1 and (cluster.num_nodes == 1
+                                            or cluster.gpus_per_node % cfg.zero_hpz_partition_size):
+        raise SpecError(f"zero_hpz_partition_size {cfg.zero_hpz_partition_size} needs several nodes and must divide "
+                        f"the {cluster.gpus_per_node} GPUs per node (hpZ partitions within a node)")
     if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
         raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")

@@ -79,7 +79,8 @@ def _resumed_inputs(study: optuna.Study, given: dict) -> Inputs:
     """A resumed study's inputs; anything given again must be what the study was searched with."""
     model, cluster, a = st.specs_of(study)
     stored = {"--model": model.name, "--impl": model.implementation, "--gpus": a["gpus"], "--seq-len": a["seq_len"],
-              "--global-batch": a["global_batch"], "--space": a["space_text"]}
+              "--global-batch": a["global_batch"], "--space": a["space_text"],
+              "--objective": a.get("objective", "samples")}
     for flag, v in given.items():
         if v is not None and v != stored[flag]:
             shown = "a different file" if flag == "--space" else repr(v)
@@ -93,7 +94,8 @@ def open_search(*, model: str | None = None, impl: str | None = None, model_fact
                 gpus: str | None = None, seq_len: int | None = None,
                 global_batch: int | None = None, space: str | Path | None = None, study: str | None = None,
                 storage: str | None = None, executor: str = "auto", resume: bool = False,
-                ray_address: str | None = None, concurrent_trials: int = 1) -> SearchSession:
+                ray_address: str | None = None, concurrent_trials: int = 1,
+                objective: str | None = None) -> SearchSession:
     """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts.
     `impl`: the model code (hf when not given); on resume, only an explicit one is checked."""
     _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials)
@@ -103,8 +105,10 @@ def open_search(*, model: str | None = None, impl: str | None = None, model_fact
         name = study or (st.default_name(spec, cluster) if spec and cluster else None)
         opened = st.load_study(name, storage)
         given = {"--model": spec and spec.name, "--impl": impl, "--gpus": gpus, "--seq-len": seq_len,
-                 "--global-batch": global_batch, "--space": space and load_space(space).text}
+                 "--global-batch": global_batch, "--space": space and load_space(space).text,
+                 "--objective": objective}
         inputs = _resumed_inputs(opened, given)
+        objective = opened.user_attrs[st.ATTR].get("objective", "samples")   # studies before --objective
         # a study keeps its executor: measured and simulated numbers do not mix
         executor = {"measured": "ray", "simulated": "simulated"}[opened.user_attrs[st.ATTR]["source"]]
     else:
@@ -120,11 +124,11 @@ def open_search(*, model: str | None = None, impl: str | None = None, model_fact
         if opened is None:
             attrs = st.study_attrs(inputs.model, inputs.cluster, seq_len=inputs.seq_len,
                                    global_batch=inputs.global_batch, space_text=inputs.space.text,
-                                   space_path=inputs.space.path, source=ex.source)
+                                   space_path=inputs.space.path, source=ex.source, objective=objective or "samples")
             opened = st.create_study(name, storage, attrs, sampler=None)
         correction = Correction()   # replayed from a resumed study's trials by Search
         search = Search(opened, inputs.model, inputs.cluster, inputs.space, ex, seq_len=inputs.seq_len,
-                        global_batch=inputs.global_batch, corrector=correction)
+                        global_batch=inputs.global_batch, corrector=correction, objective=objective or "samples")
     except BaseException:
         ex.close()
         raise

@@ -21,7 +21,18 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true",
                    help="also trace the step on fake tensors (seconds, no GPU) and print traced vs estimated")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="also answer the largest sequence length that fits, the rest of the configuration as given")
+    p.add_argument("--max-micro-batch", action="store_true",
+                   help="also answer the largest micro batch that fits, the rest of the configuration as given")
     p.set_defaults(func=run)
+
+
+def _limits(args, model, cluster, cfg) -> dict[str, int]:
+    from autotune.memory.limits import largest_fitting
+
+    return {f"max_{n}": largest_fitting(model, cluster, cfg, n)
+            for n, asked in (("seq_len", args.max_seq_len), ("micro_batch", args.max_micro_batch)) if asked}
 
 
 def _simulated(model, cluster, cfg) -> dict | None:
@@ -50,6 +61,7 @@ def _print_simulated(model, cluster, cfg) -> None:
 
 def run(args) -> int:
     from autotune.memory import estimate
+    from autotune.train_config import risks
     from autotune.units import GiB, fmt_bytes
 
     model, cluster, cfg = specs_from_args(args)
@@ -58,6 +70,8 @@ def run(args) -> int:
         out = {"implementation": model.code_name, **est.to_json(), "model": model.name, "gpus": cluster.text,
                "config": cfg.to_dict()}
         out["simulated"] = _simulated(model, cluster, cfg)
+        out.update(_limits(args, model, cluster, cfg))
+        out["risks"] = risks(cfg)
         if cluster.note:
             out["note"] = cluster.note
         if args.trace:
@@ -77,8 +91,17 @@ def run(args) -> int:
         print(f"{'+ ' + name:<26} {b:>16,} {b / GiB:>9.3f}         framework overhead (allowance)")
     print(f"{'total per GPU':<26} {est.total_bytes:>16,} {est.total_bytes / GiB:>9.3f}")
     print("\npeak by phase: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.phases.items()))
+    if est.host_bytes:
+        cap = f" of {fmt_bytes(est.host_capacity_bytes)}" if est.host_capacity_bytes else " (node RAM unknown)"
+        print(f"host RAM per node (estimated): {fmt_bytes(est.host_bytes)}{cap}")
     print(f"verdict: {est.verdict()}")
     _print_simulated(model, cluster, cfg)
+    for text in risks(cfg):
+        print(f"WARNING: {text}")
+    for k, v in _limits(args, model, cluster, cfg).items():
+        other = f"micro batch {cfg.micro_batch}" if k == "max_seq_len" else f"seq len {cfg.seq_len}"
+        what = k.removeprefix("max_").replace("_", " ")
+        print(f"largest {what} that fits (with {other}): {v}" if v else f"no {what} fits (with {other})")
     if args.trace:
         from autotune.memory.traced import compare, trace
 

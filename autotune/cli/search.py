@@ -15,7 +15,7 @@ ORDER = 30
 def register(sub) -> None:
     p = sub.add_parser("search", help="search the fastest DeepSpeed configuration (Optuna, memory-pruned)",
                        description="Search the fastest DeepSpeed configuration: the memory model prunes what "
-                                   "cannot fit, the rest runs (or is simulated), ranked by samples/s.")
+                                   "cannot fit, the rest runs (or is simulated), ranked by samples/s (or --objective tokens).")
     p.add_argument("--model", help="preset, alias (`autotune models`), a Hugging Face config.json, a directory "
                                    "holding one, or a cached hub id (docs/models.md); optional with --resume")
     add_impl(p)
@@ -23,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, model max))")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step: grad accum = global / (micro batch * devices)")
+    p.add_argument("--objective", choices=["samples", "tokens"], default=None,
+                   help="maximise samples/s (default) or tokens/s; they rank differently once the space "
+                        "varies seq_len")
     p.add_argument("--space", default=None, help="search space YAML (default: search_spaces/default.yaml)")
     p.add_argument("--n-trials", type=int, default=None,
                    help="run at most this many trials in the study (counted across --resume); "
@@ -59,10 +62,10 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--timeout: {e}") from None
     if args.n_trials is not None and args.n_trials < 1:
         raise SpecError(f"--n-trials must be at least 1, got {args.n_trials}")
-    session = open_search(model=args.model, impl=args.impl, model_factory=args.model_factory, gpus=args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
-                          space=args.space, study=args.study, storage=args.storage, executor=args.executor,
+    session = open_search(model=args.model, impl=args.impl, model_factory=args.model_factory, gpus=args.gpus,
+                          seq_len=args.seq_len, global_batch=args.global_batch, space=args.space, study=args.study, storage=args.storage, executor=args.executor,
                           resume=args.resume, ray_address=args.ray_address,
-                          concurrent_trials=args.concurrent_trials)
+                          concurrent_trials=args.concurrent_trials, objective=args.objective)
     study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
     print(f"executor: {session.how}")

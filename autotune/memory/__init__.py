@@ -22,6 +22,7 @@ from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
 from autotune.memory import activations as act
 from autotune.memory import buffers, model_states
+from autotune.memory.host import host_bytes_per_node
 from autotune.memory.overhead import overhead_terms
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
@@ -42,6 +43,14 @@ class MemoryEstimate:
     overhead: dict[str, int] = field(default_factory=dict)
     phases: dict[str, int] = field(default_factory=dict)
     """Tensor bytes at each candidate peak point."""
+    host_bytes: int = 0
+    """Host RAM one node needs (offloaded states, rank runtimes; memory/host.py); 0 on CPU ranks."""
+    host_capacity_bytes: int = 0
+    """Host RAM per node (data/gpus.yaml, or @host= on --gpus); 0: unknown, not checked."""
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.host_capacity_bytes or self.host_bytes <= self.host_capacity_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -49,7 +58,7 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.capacity_bytes
+        return self.total_bytes <= self.capacity_bytes and self.host_fits
 
     @property
     def used_fraction(self) -> float:
@@ -67,9 +76,13 @@ class MemoryEstimate:
             "capacity_bytes": self.capacity_bytes, "fits": self.fits, "used_fraction": round(self.used_fraction, 4),
             "phase": self.phase, "dominant_term": self.dominant_term, "terms": dict(self.terms),
             "overhead": dict(self.overhead), "phases": dict(self.phases), "source": "estimated",
+            "host_bytes_per_node": self.host_bytes, "host_capacity_bytes": self.host_capacity_bytes,
         }
 
     def verdict(self) -> str:
+        if not self.host_fits:
+            return (f"does not fit host memory: the node needs {self.host_bytes / GiB:.1f} GiB of host RAM "
+                    f"(offloaded states), has {self.host_capacity_bytes / GiB:.1f} GiB")
         pct = 100 * self.used_fraction
         if self.fits:
             return f"fits: {self.total_bytes / GiB:.2f} of {self.capacity_bytes / GiB:.2f} GiB ({pct:.1f}% used)"
@@ -91,7 +104,7 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
     if cfg.method != "full":
         from autotune.memory.lora import lora_phases
         return lora_phases(model, cluster, cfg, _phases)
-    buckets = bucket_sizes(model)
+    buckets = bucket_sizes(model, cfg)
     threshold = buckets["stage3_param_persistence_threshold"]
     fused = not cluster.gpu.is_cpu
     kw = dict(micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, precision=cfg.precision)
@@ -147,6 +160,8 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
     peak_phase = max(totals, key=totals.get)
     peak = totals[peak_phase]
     over = overhead_terms(cluster, peak)
+    host = host_bytes_per_node(model, cluster, cfg)
     return MemoryEstimate(num_params=model.num_params, tensor_peak_bytes=peak, overhead_bytes=sum(over.values()),
                           capacity_bytes=cluster.capacity_bytes, phase=peak_phase, terms=phases[peak_phase],
-                          overhead=over, phases=totals)
+                          overhead=over, phases=totals, host_bytes=host,
+                          host_capacity_bytes=cluster.gpu.host_memory_bytes)

@@ -14,6 +14,35 @@ STAGE0_ALLREDUCE_ELEMENTS = 500_000_000
 gradients are flattened into one buffer per 5e8 elements before the all-reduce."""
 
 
+def bf16_optimizer(cfg: TrainConfig) -> bool:
+    """ZeRO-1 with bf16 weights and fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, not
+    the ZeRO optimizer (engine._do_optimizer_sanity_check returns BFLOAT16): it keeps fp32 gradients
+    of every parameter (bf16_optimizer.py, fp32_groups_gradients; measured 4 B/param live from the
+    first step on) and has no reduce bucket (measured: the same peak with reduce_bucket_size 4e6 and
+    overlap_comm)."""
+    return (cfg.zero_stage == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32"
+            and not cfg.offload_optimizer)
+
+
+def partition_grad_bytes(cfg: TrainConfig) -> int:
+    """Bytes per element of the reduced gradient partition: the accumulation dtype (fp32 when
+    grad_accum_dtype says so; stage_1_and_2.py get_flat_partition(dtype=gradient_accumulation_dtype),
+    stage3.py grad_partitions_flat_buffer), else the model's."""
+    return 4 if cfg.grad_accum_dtype == "fp32" else dtype_bytes(cfg.precision)
+
+
+def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
+    """Stages 1-2's contiguous-gradients bucket(s): reduce_bucket_size elements each, allocated at
+    the first gradient of every backward (stage_1_and_2.py setup_buckets), a second one with
+    overlap_comm ("double buffers", same function). Their dtype is the model's
+    (_gradient_reduction_buffer_dtype), the accumulation dtype only at stage 1 with a separate one
+    (use_grad_accum_attribute). Measured with reduce_bucket_size 4e6 on tiny-llama (tests/test_knobs.py)."""
+    if cfg.zero_stage not in (1, 2) or bf16_optimizer(cfg):
+        return 0
+    eb = partition_grad_bytes(cfg) if cfg.zero_stage == 1 else dtype_bytes(cfg.precision)
+    return eb * bucket_sizes(spec, cfg)["reduce_bucket_size"] * (2 if cfg.overlap_comm else 1)
+
+
 def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
     """Buffers live at the end of backward, when gradients are reduced.
 
@@ -26,13 +55,15 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
       held for the whole run (model_states.states).
     """
     pb = dtype_bytes(cfg.precision)
-    b = bucket_sizes(spec)
+    b = bucket_sizes(spec, cfg)
     if cfg.zero_stage == 0:
         return pb * min(spec.num_params, STAGE0_ALLREDUCE_ELEMENTS) if cluster.world_size > 1 else 0
     if cfg.zero_stage == 1:
-        return pb * spec.num_params // cluster.world_size
+        if bf16_optimizer(cfg):
+            return 0
+        return partition_grad_bytes(cfg) * spec.num_params // cluster.world_size + reduce_bucket_bytes(spec, cfg)
     if cfg.zero_stage == 2:
-        return pb * b["reduce_bucket_size"]
+        return reduce_bucket_bytes(spec, cfg)
     return pb * b["stage3_prefetch_bucket_size"]
 
 
@@ -71,7 +102,7 @@ def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     if cfg.zero_stage == 1:
         return pb * p
     if cfg.zero_stage == 2:
-        return pb * p // n
+        return partition_grad_bytes(cfg) * p // n
     return 0
 
 
@@ -102,7 +133,7 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
         return pb * (head + layers_done * spec.layer_params)
     if cfg.zero_stage == 2:
-        return pb * (spec.num_params // cluster.world_size + bucket_sizes(spec)["reduce_bucket_size"])
+        return partition_grad_bytes(cfg) * spec.num_params // cluster.world_size + reduce_bucket_bytes(spec, cfg)
     return 0
 
 
@@ -117,6 +148,18 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
     vh = pb * spec.vocab_size * spec.hidden_size
     out = {"head_gradient": 2 * vh if cfg.zero_stage == 3 else vh}
     if cfg.zero_stage == 2:
-        out["gradient_partition"] = pb * spec.num_params // cluster.world_size
-        out["comm_buffers"] = pb * bucket_sizes(spec)["reduce_bucket_size"]
+        part = spec.num_params // cluster.world_size
+        out["gradient_partition"] = partition_grad_bytes(cfg) * part
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)
+        if bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params:
+            # One bucket holds every gradient: in some runs a second partition is live at this point
+            # of one step (measured on tiny-llama with reduce_bucket_size 4e6, with and without
+            # overlap_comm: +P/N x 2 B in one run of two); priced as held, since a peak is a maximum.
+            out["gradient_partition"] += dtype_bytes(cfg.precision) * part
+        if cfg.grad_accum_dtype == "fp32" and pb != 4:
+            # fp32 accumulation: the 16-bit partition stays beside the fp32 one, and the head's reduced
+            # gradient is upcast (stage_1_and_2.py: "ZeRO-2 keeps low-precision staging and stores
+            # the fp32 communication result in the owned partition"; measured: +2P/N + 4Vh bytes).
+            out["gradient_partition"] += pb * part
+            out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     return out

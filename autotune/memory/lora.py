@@ -126,7 +126,7 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict
     if cfg.zero_stage == 3:
         from autotune.memory.code_trace import persistent_params
 
-        threshold = bucket_sizes(spec)["stage3_param_persistence_threshold"]
+        threshold = bucket_sizes(spec, cfg)["stage3_param_persistence_threshold"]
         keep_base = persistent_params(spec, threshold)
         keep_adapters = sum(x for x in adapter_numels(spec, cfg) if x < threshold)
         out["frozen_parameters"] = int(base / n + pb * keep_base)

@@ -42,6 +42,22 @@ sub-group of the partition at a time (stage3.py, step -> _prepare_sub_group)."""
 """DeepSpeed default (runtime/zero/config.py), also what autotune/deepspeed_config.py writes."""
 
 
+def master_bytes(cfg: TrainConfig) -> int:
+    """Bytes per element of the master partition and of the gradients converted for the update:
+    2 with bf16_master_weights_and_grads (base_optimizer.py _configure_master_weights returns
+    torch.bfloat16), else 4. Measured on CPU (tiny-llama, tiny-gpt2, stages 1-3): forward -3P/N x 2 B
+    (master 4 -> 2, moments 8 -> 4), optimizer step 6 instead of 12 B per partition element."""
+    return 2 if cfg.bf16_master_weights_and_grads else MASTER_BYTES
+
+
+def adam_state_bytes(cfg: TrainConfig) -> float:
+    """Adam's moments per parameter: 8-bit AdamW, bf16 moments (bf16_optimizer_states: torch AdamW
+    makes its states like the bf16 master partition), or fp32."""
+    if cfg.optimizer == "adamw8bit":
+        return ADAM8BIT_STATE_BYTES
+    return ADAM_STATE_BYTES // 2 if cfg.bf16_optimizer_states else ADAM_STATE_BYTES
+
+
 def persistent_params(spec: ModelSpec, threshold: int) -> int:
     """Stage 3 keeps parameters with fewer than `threshold` elements whole on every rank: norm
     weights/biases and linear biases here (stage3.py, persistence_threshold)."""
@@ -96,7 +112,7 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
     else from the shape."""
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
     pb = dtype_bytes(cfg.precision)
-    state_b = ADAM8BIT_STATE_BYTES if cfg.optimizer == "adamw8bit" else ADAM_STATE_BYTES
+    state_b = adam_state_bytes(cfg)
     shard = p / n if z >= 1 else p
     out = {}
     if z == 3:
@@ -104,17 +120,23 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
         # persistent ones add their full size on top of p/N)
         keep = persistent_params(spec, persistence_threshold) if persistent is None else persistent
         out["parameters"] = int(pb * (p / n + keep))
-        out["gradient_partition"] = int(pb * p / n)
+        if cfg.offload_param != "none" and not cluster.gpu.is_cpu:
+            out["parameters"] = int(pb * keep)   # the partition lives in host memory (memory/host.py)
+        out["gradient_partition"] = int((4 if cfg.grad_accum_dtype == "fp32" else pb) * p / n)  # stage3.py grad_partitions_flat_buffer
         # the reduce bucket is allocated at the first backward and kept (measured on CPU:
         # reduce_bucket_size elements in the model dtype live at the start of every later step)
         out["reduce_bucket"] = pb * reduce_bucket_elements
+        if cfg.zero_hpz_partition_size > 1:   # ZeRO++ hpZ's secondary partition (arXiv:2306.10209, sec. 3.2)
+            out["hpz_secondary_partition"] = int(pb * p / cfg.zero_hpz_partition_size)
     else:
         out["parameters"] = pb * p
+    if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32" and not cfg.offload_optimizer:
+        out["fp32_gradients"] = 4 * p  # BF16_Optimizer's fp32 gradients (memory/buffers.py bf16_optimizer)
     if cfg.offload_optimizer:
         out["master_weights"] = 0  # fp32 partition and Adam states live in pinned CPU memory
         out["optimizer_states"] = 0
     else:
-        master = MASTER_BYTES * shard if (z >= 1 or cfg.precision != "fp32") else 0
+        master = master_bytes(cfg) * shard if (z >= 1 or cfg.precision != "fp32") else 0
         out["master_weights"] = int(master)
         out["optimizer_states"] = int(state_b * shard)
     return out
@@ -140,6 +162,12 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     if cfg.offload_optimizer:
         # gradients are copied partition by partition to pinned CPU memory, the step runs there
         return {"gradients": int(pb * p / n) if z in (1, 2) else 0, "optimizer_temporaries": 0}
+    if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32":
+        # BF16_Optimizer (memory/buffers.py bf16_optimizer): its fp32 gradients are a state. At the
+        # step, 2 x 4P/N for the update's temporaries and 4P/N more were measured in two runs of three
+        # on tiny-llama, 2P (the bf16 gradients) beyond that in the third: both are priced, as held.
+        return {"gradients": pb * p + int(4 * p / n),
+                "optimizer_temporaries": int(2 * 4 * p / n) if not fused_optimizer else 0}
     stepped = largest_param(spec) if z == 0 else p / n
     if z == 3:
         stepped = min(stepped, STAGE3_SUB_GROUP_SIZE)
@@ -148,11 +176,11 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     elif z == 0:
         temps = single_tensor_adam_peak(param_numels(spec))
     else:
-        temps = int(2 * 4 * stepped)   # one flat partition (or sub-group) tensor
+        temps = int(2 * master_bytes(cfg) * stepped)   # one flat partition (or sub-group) tensor
     if z == 0:
         grads = pb * p + (4 * p if pb != 4 else 0)
         return {"gradients": grads, "optimizer_temporaries": temps}
-    fp32_partition = int(4 * stepped)
+    fp32_partition = int(master_bytes(cfg) * stepped)
     if z in (1, 2) and pb != 4 and temps < pb * p / n:
         # the 16-bit partition and its fp32 copy coexist before the update; that is the peak
         # only when the update itself makes less than the 16-bit partition (fused optimizers)
