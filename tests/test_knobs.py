@@ -85,7 +85,10 @@ def test_overlap_comm_adds_one_bucket(measured):
     for z in (1, 2):
         one = measured[f"zero_stage={z}-precision=bf16-reduce_bucket_size={BIG}"][1]
         two = measured[f"zero_stage={z}-precision=bf16-reduce_bucket_size={BIG}-overlap_comm=True"][1]
-        assert two.phase_peak_bytes["backward"] - one.phase_peak_bytes["backward"] == pytest.approx(2 * BIG, abs=16384)  # a few KB of gloo scalars vary
+        # + a few KB of gloo scalars; and the run-to-run second partition (OVER_ONE_BUCKET) in either run
+        diff = two.phase_peak_bytes["backward"] - one.phase_peak_bytes["backward"]
+        part = 2 * resolve_model("tiny-llama").num_params // 2   # bf16 partition over 2 ranks
+        assert min(abs(diff - 2 * BIG - k * part) for k in (-1, 0, 1)) < 16384, diff
 
 
 @pytest.mark.slow
