@@ -1,6 +1,8 @@
 """The knobs of issue #14 against the real components: 2-rank DeepSpeed trials on CPU (gloo) for
 grad_accum_dtype, reduce_bucket_size and overlap_comm, all in ONE process group (run_trials), the
-measured peak against the memory model; DeepSpeed's own config parser where a knob cannot run here.
+measured peak against the memory model (the stand-in's code, whose analytic activation terms are
+exact, so the knobs' own terms are what is judged); DeepSpeed's own config parser where a knob
+cannot run here.
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ def measured(tmp_path_factory):
     from autotune.trial.record import TrialRequest
 
     root = tmp_path_factory.mktemp("knobs")
-    model = resolve_model("tiny-llama")
+    # The knob terms were measured on the stand-in, whose activations the analytic model prices
+    # exactly. With transformers' Llama (the default code) 9 of these miss, -12.6% to +25%
+    # (docs/memory.md, "Known open error"): open, stated there, not hidden by a wider tolerance here.
+    model = resolve_model("tiny-llama", implementation="builtin")
     reqs = [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / str(i), steps=2,
                          warmup_steps=1, timeout_s=300) for i, kw in enumerate(KNOBS)]
     return dict(zip(IDS, zip(reqs, run_trials(reqs))))
@@ -87,7 +92,7 @@ def test_overlap_comm_adds_one_bucket(measured):
         two = measured[f"zero_stage={z}-precision=bf16-reduce_bucket_size={BIG}-overlap_comm=True"][1]
         # + a few KB of gloo scalars; and the run-to-run second partition (OVER_ONE_BUCKET) in either run
         diff = two.phase_peak_bytes["backward"] - one.phase_peak_bytes["backward"]
-        part = 2 * resolve_model("tiny-llama").num_params // 2   # bf16 partition over 2 ranks
+        part = 2 * resolve_model("tiny-llama", implementation="builtin").num_params // 2   # bf16, 2 ranks
         assert min(abs(diff - 2 * BIG - k * part) for k in (-1, 0, 1)) < 16384, diff
 
 
@@ -95,10 +100,11 @@ def test_overlap_comm_adds_one_bucket(measured):
 def test_fp32_accumulation_at_stage_1_keeps_fp32_gradients(measured):
     """bf16 + grad_accum_dtype fp32 at ZeRO-1 runs BF16_Optimizer: 4 B/param of fp32 gradients for the
     whole run (the forward peak grows by 4P), and the reduce bucket is not used (same peak with 4e6)."""
-    p = resolve_model("tiny-llama").num_params
+    model = resolve_model("tiny-llama", implementation="builtin")   # the code the trials ran
+    p = model.num_params
     fp32 = measured["zero_stage=1-precision=bf16-grad_accum_dtype=fp32"][1]
     big = measured[f"zero_stage=1-precision=bf16-reduce_bucket_size={BIG}-grad_accum_dtype=fp32"][1]
-    base = estimate(resolve_model("tiny-llama"), CLUSTER, _cfg(dict(zero_stage=1, precision="bf16")))
+    base = estimate(model, CLUSTER, _cfg(dict(zero_stage=1, precision="bf16")))
     assert fp32.phase_peak_bytes["forward"] - base.phases["forward"] == pytest.approx(4 * p, abs=4096)
     assert big.peak_bytes == fp32.peak_bytes
 
