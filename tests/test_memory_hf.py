@@ -6,22 +6,18 @@ Shapes here are the tests' own; benchmarks/hf_memory.py judges the model on othe
 """
 
 import dataclasses
-import gc
 
 import numpy as np
 import pytest
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from autotune.hardware import parse_gpus
-from autotune.impl import default_dtype, impl_for
 from autotune.memory import _phases, code_trace, estimate
 from autotune.memory.grid import grid_total_bytes
 from autotune.memory.traced import trace
 from autotune.train_config import TrainConfig
-from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
 
-enable_cpu_memory_reporting()  # before any tensor the profiler must count (memprof docstring)
+from cpu_step import measure_cpu  # noqa: I001 - a helper module of these tests
+
 
 CPU = parse_gpus("1xcpu@8GiB")
 CONFIGS = {
@@ -49,46 +45,6 @@ def spec(family):
                        vocab_size=700, max_seq_len=128), implementation="factory", factory="tiny_factory:make")
     d = dict(CONFIGS[family])
     return hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name=f"test-{family}", source="test")
-
-
-def live_bytes_now() -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.empty(1)
-    return CpuCurve.from_profiler(prof).live_bytes[-1]
-
-
-def measure_cpu(s, cfg) -> dict[str, int]:
-    """The same program on real CPU tensors (impl.build, impl.loss, AdamW foreach=False, one process),
-    measured as a trial is (memprof.CpuCurve): the second step's phase peaks, relative to the live
-    bytes before the model is built."""
-    impl = impl_for(s)
-    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
-    gc.collect()
-    gc.disable()  # a collection inside the window would free unrelated tensors and lower the count
-    try:
-        base = live_bytes_now()
-        torch.manual_seed(0)
-        with default_dtype(dtype):
-            model = impl.build(s, dtype=dtype, attention=cfg.attention)
-        impl.checkpoint_first(model, cfg.ckpt_layers)
-        opt = torch.optim.AdamW(model.parameters(), foreach=False)
-        batch = torch.randint(0, s.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
-        impl.loss(model, batch).backward()  # the first step makes the optimizer states
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function("autotune.step1"):
-                with record_function("autotune.forward"):
-                    loss = impl.loss(model, batch)
-                with record_function("autotune.backward"):
-                    loss.backward()
-                with record_function("autotune.optimizer"):
-                    opt.step()
-    finally:
-        gc.enable()
-    curve = CpuCurve.from_profiler(prof)
-    shift = curve.baseline_bytes - base
-    return {phase: peak + shift for phase, peak in curve.phase_peaks("autotune.step1").items()}
 
 
 REAL = [("gpt2", "fp32", "sdpa", 0), ("gpt2", "bf16", "eager", 2), ("llama", "bf16", "sdpa", 1),

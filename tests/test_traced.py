@@ -5,13 +5,10 @@ and the ZeRO accounting on top. The notebook that shows it (notebooks/memory_mod
 
 import dataclasses
 import functools
-import gc
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from autotune.hardware import parse_gpus
 from autotune.memory import activations as act
@@ -19,10 +16,8 @@ from autotune.memory import estimate
 from autotune.memory.traced import TRACED_TERMS, _trace_program, compare, trace
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
-from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
-from autotune.builtin import Transformer, init_weights
 
-enable_cpu_memory_reporting()  # before any tensor the profiler must count (memprof docstring)
+from cpu_step import measure_cpu  # noqa: E402 - after the imports it needs (it enables memory reporting)
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = parse_gpus("1xcpu@8GiB")
@@ -32,46 +27,6 @@ FAMILIES, PRECISIONS = ("tiny-llama", "tiny-gpt2"), ("fp32", "bf16")
 
 def config(precision, attention, ckpt, **kw):
     return TrainConfig(micro_batch=B, seq_len=S, precision=precision, attention=attention, ckpt_layers=ckpt, **kw)
-
-
-def live_bytes_now() -> int:
-    """c10's count of live CPU tensor bytes: stamped on the events of a tensor made and freed."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.empty(1)
-    return CpuCurve.from_profiler(prof).live_bytes[-1]
-
-
-def measure_cpu(spec, cfg) -> dict[str, int]:
-    """The traced program on real CPU tensors (plain torch, AdamW foreach=False, one process), measured
-    as a trial is (memprof.CpuCurve): the second step's phase peaks and the bytes alive after its
-    forward, relative to the live bytes before the model is built."""
-    gc.collect()
-    gc.disable()  # a collection inside the window would free unrelated tensors and lower the count
-    try:
-        base = live_bytes_now()
-        torch.manual_seed(0)
-        model = Transformer(spec, attention=cfg.attention, ckpt_layers=cfg.ckpt_layers)
-        init_weights(model)
-        model = model.to(torch.float32 if cfg.precision == "fp32" else torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), foreach=False)
-        batch = torch.randint(0, spec.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
-        model(batch[:, :-1], batch[:, 1:]).backward()  # the first step makes the optimizer states
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function("autotune.step1"):
-                with record_function("autotune.forward"):
-                    loss = model(batch[:, :-1], batch[:, 1:])
-                with record_function("autotune.backward"):
-                    loss.backward()
-                with record_function("autotune.optimizer"):
-                    opt.step()
-    finally:
-        gc.enable()
-    curve = CpuCurve.from_profiler(prof)
-    shift = curve.baseline_bytes - base
-    out = {phase: peak + shift for phase, peak in curve.phase_peaks("autotune.step1").items()}
-    return {**out, "after_forward": curve.live_at(curve.span("autotune.forward")[1]) - base}
 
 
 @functools.cache
