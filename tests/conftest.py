@@ -1,9 +1,12 @@
-"""Settings every test process shares: DeepSpeed on CPU, quiet local Ray, with Ray's token authentication on."""
+"""Settings every test process shares: DeepSpeed on CPU, quiet local Ray, with Ray's token authentication on.
+Also `quick`, which keeps a few cases of a long parametrisation in the quick loop (`-m "not slow"`)."""
 
 import atexit
 import os
 import shutil
 import tempfile
+
+import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -13,3 +16,8 @@ if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_P
     _token_dir = tempfile.mkdtemp(prefix="autotune-test-ray-")
     os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_token_dir, "auth_token")
     atexit.register(shutil.rmtree, _token_dir, ignore_errors=True)
+
+
+def quick(cases, fast):
+    """`cases` as pytest params, those not in `fast` marked slow: the quick loop runs a few, CI all."""
+    return [pytest.param(*c, marks=() if c in fast else pytest.mark.slow) for c in cases]

@@ -129,6 +129,9 @@ def fake_runner(statuses: dict[str, tuple[str, str]], seen: list):
     return run
 
 
+SLOW_PLAN = pytest.mark.slow   # the run loop plans and prices a 1.1B Llama in its own code (~10 s of traces)
+
+
 def run_fake(tmp_path, statuses=None, budget_s=gc.BUDGET_S):
     seen = []
     args = Namespace(out=tmp_path, gpus="1xH200", budget_s=budget_s, wheels=tmp_path)
@@ -143,6 +146,7 @@ def probe_name() -> str:
     return next(t.name for t in trials if t.role == "oom_probe")
 
 
+@SLOW_PLAN
 def test_a_good_run_passes_and_writes_every_row(tmp_path):
     probe = probe_name()
     code, rows, seen, summary = run_fake(tmp_path, {probe: ("oom", CUDA_OOM)})
@@ -171,24 +175,28 @@ def test_allocated_and_reserved_cover_the_same_window():
     assert m["non_allocator_gib"] == 1.5 and m["loss_scale_initial"] is None
 
 
+@SLOW_PLAN
 def test_an_oom_that_is_not_cudas_fails_the_probe(tmp_path):
     cap = "measured peak of 300 tensor bytes in a training step exceeds the per-rank cap"
     code, rows, _, summary = run_fake(tmp_path, {probe_name(): ("oom", cap)})
     assert code == 1 and rows[1]["check"] == "FAIL" and "OOM probe: FAIL" in summary
 
 
+@SLOW_PLAN
 def test_a_failed_first_trial_stops_the_run(tmp_path):
     code, rows, seen, _ = run_fake(tmp_path, {"z0-bf16-k0-mb1": ("crashed", "RuntimeError: no nvcc")})
     assert code == 1 and len(seen) == 1 and len(rows) == 17
     assert rows[0]["check"] == "FAIL" and all(r["check"] == "not run" for r in rows[1:])
 
 
+@SLOW_PLAN
 def test_a_trial_oom_is_a_finding_not_a_failure(tmp_path):
     code, rows, _, _ = run_fake(tmp_path, {probe_name(): ("oom", CUDA_OOM),
                                            "z3-bf16-k0-mb4": ("oom", CUDA_OOM)})
     assert code == 0 and {r["trial"]: r for r in rows}["z3-bf16-k0-mb4"]["check"] == "finding"
 
 
+@SLOW_PLAN
 def test_no_group_starts_past_the_budget(tmp_path):
     code, rows, seen, summary = run_fake(tmp_path, budget_s=0.0)
     assert seen == [] and all(r["check"] == "not run" for r in rows) and code == 1

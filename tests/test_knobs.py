@@ -144,6 +144,7 @@ def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
         assert two.tensor_peak_bytes - one.tensor_peak_bytes == 2 * BIG
 
 
+@pytest.mark.slow   # the whole 13B space, traced
 def test_max_seq_len_and_micro_batch_are_the_largest_that_fit(capsys):
     """`autotune estimate --max-seq-len/--max-micro-batch`: the answer fits and one more does not."""
     import dataclasses
@@ -249,6 +250,7 @@ seq_len: [1024, 2048, 4096]
 """
 
 
+@pytest.mark.slow   # the whole 13B space, traced
 @pytest.mark.parametrize("objective", ["samples", "tokens"])
 def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
     """seq_len is searched like any axis; the objective decides the ranking and is recorded."""
@@ -343,6 +345,7 @@ def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path,
     assert "WARNING: rank" in text and "stability risk" in text
 
 
+@pytest.mark.slow   # the whole 13B space, traced
 def test_full_space_knobs_do_not_multiply_the_trials():
     """search_spaces/full.yaml lists every knob; 13B on 4 x A100: its candidates fall into 48 groups
     (search_order.MEMORY_FOR_SPEED), of which 34 have a member that fits: at most 34 trials run (the

@@ -152,6 +152,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow   # a subprocess
 def test_estimate_cli_json():
     r = run_cli("estimate", "--model", "13b", "--gpus", "4xA100", "--zero", "3", "--micro-batch", "2",
                 "--ckpt-layers", "40", "--precision", "bf16", "--json")

@@ -16,6 +16,7 @@ from autotune.memory.grid import grid_total_bytes
 from autotune.memory.traced import trace
 from autotune.train_config import TrainConfig
 
+from conftest import quick
 from cpu_step import measure_cpu  # noqa: I001 - a helper module of these tests
 
 
@@ -52,7 +53,8 @@ REAL = [("gpt2", "fp32", "sdpa", 0), ("gpt2", "bf16", "eager", 2), ("llama", "bf
         ("factory", "bf16", "sdpa", 1)]
 
 
-@pytest.mark.parametrize("family,precision,attention,ckpt", REAL)
+@pytest.mark.parametrize("family,precision,attention,ckpt", quick(REAL, fast={
+    ("gpt2", "fp32", "sdpa", 0), ("llama", "bf16", "sdpa", 1), ("factory", "bf16", "sdpa", 1)}))
 def test_traced_hf_step_matches_a_real_cpu_run(family, precision, attention, ckpt):
     s = spec(family)
     cfg = TrainConfig(micro_batch=2, seq_len=48, precision=precision, attention=attention, ckpt_layers=ckpt)

@@ -79,6 +79,7 @@ def test_ranked_table_labels_every_number(trials_dir):
     assert "samples/s (simulated)" in sim.columns and "MFU % (simulated)" in sim.columns
 
 
+@pytest.mark.slow   # draws the pictures (matplotlib)
 def test_formats_and_files(trials_dir, capsys):
     make_study("f")
     for fmt in ("table", "csv", "json", "markdown"):

@@ -17,6 +17,7 @@ from autotune.memory.traced import TRACED_TERMS, _trace_program, compare, trace
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 
+from conftest import quick
 from cpu_step import measure_cpu  # noqa: E402 - after the imports it needs (it enables memory reporting)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,8 @@ def test_traced_peaks_match_a_real_cpu_run(name, precision, attention, ckpt):
 ACT = [(n, p, a, k) for n in FAMILIES for p in PRECISIONS for a in ("sdpa", "eager") for k in (0, 2)]
 
 
-@pytest.mark.parametrize("name,precision,attention,ckpt", ACT)
+@pytest.mark.parametrize("name,precision,attention,ckpt", quick(ACT, fast={
+    ("tiny-llama", "bf16", "sdpa", 2), ("tiny-gpt2", "fp32", "eager", 2), ("tiny-gpt2", "bf16", "sdpa", 0)}))
 def test_traced_activations_are_the_analytic_terms(name, precision, attention, ckpt):
     spec, t = resolve_model(name, implementation="builtin"), traced(name, precision, attention, ckpt)
     kw = dict(micro_batch=B, seq_len=S, precision=precision)
@@ -74,9 +76,9 @@ def test_traced_activations_are_the_analytic_terms(name, precision, attention, c
     assert loss["logits_transient"] == act.logits_backward_transient_bytes(spec, **kw) + 4
 
 
-@pytest.mark.parametrize("name,precision,attention,layers,ckpt", [
+@pytest.mark.parametrize("name,precision,attention,layers,ckpt", quick([
     ("tiny-llama", "bf16", "sdpa", 6, 0), ("tiny-llama", "bf16", "sdpa", 6, 1), ("tiny-llama", "fp32", "sdpa", 6, 6),
-    ("tiny-gpt2", "fp32", "eager", 9, 4)])
+    ("tiny-gpt2", "fp32", "eager", 9, 4)], fast={("tiny-llama", "bf16", "sdpa", 6, 1)}))
 def test_extrapolation_equals_a_direct_trace(name, precision, attention, layers, ckpt):
     spec = dataclasses.replace(resolve_model(name, implementation="builtin"), num_layers=layers)
     cfg = config(precision, attention, ckpt)
