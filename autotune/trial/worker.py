@@ -364,8 +364,8 @@ def cpu_memory(curve, req, rank: int) -> dict:
         ends.append(curve.live_at(curve.span(name)[1]) - curve.baseline_bytes)
         best = max(best, (peak, t_peak))
     phase = curve.phase_peaks(f"autotune.step{req.warmup_steps + len(steps) - 1}") if steps else {}
-    if rank == 0 and steps:
-        Path(req.out_dir, "memory_summary.txt").write_text(
+    if steps:
+        Path(req.out_dir, "memory_summary.txt" if rank == 0 else f"memory_summary_rank{rank}.txt").write_text(
             curve.live_table(best[1]) + "\n\n" + curve.alloc_table())
     return {"init_peak_bytes": init_peak, "peak_bytes": best[0] if steps else None,
             "step_peak_bytes": steps, "step_end_bytes": ends, "phase_peak_bytes": phase,
