@@ -49,6 +49,15 @@ for the large one (best of 3 each; the spread is this machine's noise). The two 
 two constants. Not modelled: two ranks sharing the memory bus, which the single-process probe
 does not see; measured throughput is a median 0.85-0.88 of the prior's on the two landscapes."""
 
+DEEPSPEED_Z3_S_PER_MODULE = 2.8e-3
+"""ZeRO-3's own time per micro step for each module whose parameters it gathers (those at or above
+the persistence threshold): its fetch and release hooks around the module's forward and backward,
+beyond the gloo calls priced below. Measured as (ZeRO-3 step - ZeRO-0 step) - (the prior's ZeRO-3 -
+ZeRO-0 difference) on 2 CPU ranks, fp32, seq 64, best of 2, by `python benchmarks/cpu_prior.py`:
+the 197K-parameter Llama (22 gathered modules) 3.05 and 3.19 ms per module at micro batch 1 and 4,
+the 15.1M one (32 modules) 2.55 and 0.69 ms (a loaded machine); 2.8 ms is the median. Without it
+the prior put ZeRO-3 at small micro batches 1.5x too fast on both landscapes."""
+
 
 def _collectives_per_step(model: ModelSpec, cfg: TrainConfig) -> int:
     """Collective calls per optimizer step, from the bucket sizes the DeepSpeed config sets.
@@ -132,6 +141,21 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
         torch.set_num_threads(before)
 
 
+@cache
+def gathered_modules(model: ModelSpec, threshold: int, lora: tuple | None = None) -> int:
+    """Modules with a trained or frozen parameter of at least `threshold` elements: those ZeRO-3
+    gathers around their forward and backward (DeepSpeed partitioned_param_coordinator.py fetches
+    per module; stage3.py keeps smaller parameters whole), counted on the trial's module built on
+    the meta device."""
+    import torch
+
+    from autotune.impl import impl_for
+
+    with torch.device("meta"):
+        net = impl_for(model, _lora_config(lora)).build(model, dtype=torch.float32, attention="sdpa")
+    return sum(1 for m in net.modules() if any(p.numel() >= threshold for p in m.parameters(recurse=False)))
+
+
 def _lora_config(lora: tuple | None) -> TrainConfig | None:
     if lora is None:
         return None
@@ -193,6 +217,9 @@ def cpu_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], flo
         probe = (model, cfg.seq_len, cfg.micro_batch, cfg.precision, cfg.attention, threads)
         fwd_bwd, block_fwd = probe_model(*probe) if lora is None else probe_model(*probe, lora)
         t_micro = fwd_bwd + cfg.ckpt_layers * block_fwd + DEEPSPEED_MICRO_S
+        if cfg.zero_stage == 3:
+            threshold = bucket_sizes(model, cfg)["stage3_param_persistence_threshold"]
+            t_micro += DEEPSPEED_Z3_S_PER_MODULE * gathered_modules(model, threshold, lora)
         trained = adapter_params(model, cfg)  # what is reduced and stepped: the adapters under LoRA
         comm = 0.0
         if w > 1:

@@ -6,7 +6,7 @@
 1. DeepSpeed's own time per step (cpu_prior.DEEPSPEED_MICRO_S, DEEPSPEED_S_PER_PARAM): real trials
    of two Llamas (197K and 15.1M parameters, seq 64; neither landscape's model) on 2 CPU ranks at
    ZeRO-0, minus what the prior probes or prices (the model's forward+backward, AdamW, one gloo
-   all-reduce).
+   all-reduce); and ZeRO-3's own time per gathered module (cpu_prior.DEEPSPEED_Z3_S_PER_MODULE).
 2. The prior against each recorded landscape (benchmarks/data/cpu_landscape*.csv): Spearman rank
    correlation over the configs that ran, whether its first pick among the configs the memory model
    lets through is within 2% of the best, and the step time it expects against the measured one.
@@ -18,6 +18,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -32,33 +33,45 @@ from autotune.memory import estimate  # noqa: E402
 from autotune.models import ModelSpec, from_shape  # noqa: E402
 from autotune.train_config import TrainConfig  # noqa: E402
 
-MID = from_shape("mid-llama-probe", "llama", num_layers=6, hidden_size=320, num_heads=5, ffn_hidden_size=864,
-                 vocab_size=12000, max_seq_len=256, source="benchmarks/cpu_prior.py")
-TINY = from_shape("tiny-llama-probe", "llama", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=128,
-                  vocab_size=256, max_seq_len=256, source="benchmarks/cpu_prior.py")
+# The stand-in's code, as the landscapes (DeepSpeed's own time does not depend on the model's code)
+MID = replace(from_shape("mid-llama-probe", "llama", num_layers=6, hidden_size=320, num_heads=5, ffn_hidden_size=864,
+                         vocab_size=12000, max_seq_len=256, source="benchmarks/cpu_prior.py"), implementation="builtin")
+TINY = replace(from_shape("tiny-llama-probe", "llama", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=128,
+                          vocab_size=256, max_seq_len=256, source="benchmarks/cpu_prior.py"), implementation="builtin")
 
 
 def deepspeed_overhead(model: ModelSpec, repeats: int) -> None:
+    from autotune.deepspeed_config import bucket_sizes
     from autotune.trial.record import TrialRequest
     from autotune.trial.launch import run_trials
 
     cluster = parse_gpus("2xcpu")
     threads = cp.rank_threads(cluster)
-    print(f"DeepSpeed per step: {model.num_params:,}-parameter Llama, 2 CPU ranks, ZeRO-0 fp32, seq 64")
+    prior = cp.cpu_prior(model, cluster)
+    print(f"DeepSpeed per step: {model.num_params:,}-parameter Llama, 2 CPU ranks, fp32, seq 64")
     for mb in (1, 4):
-        cfg = TrainConfig(zero_stage=0, micro_batch=mb, precision="fp32", seq_len=64)
+        cfgs = {z: TrainConfig(zero_stage=z, micro_batch=mb, precision="fp32", seq_len=64) for z in (0, 3)}
         with tempfile.TemporaryDirectory() as tmp:
-            reqs = [TrialRequest(model=model, cluster=cluster, config=cfg, out_dir=Path(tmp, f"t{i}"), steps=5,
-                                 warmup_steps=2, timeout_s=120.0, trial_id=i) for i in range(repeats)]
-            steps = [r.step_time_s for r in run_trials(reqs) if r.status == "ok"]
-        step = min(steps)
-        fwd_bwd = cp.probe_model(model, 64, mb, "fp32", cfg.attention, threads)[0]
+            reqs = [TrialRequest(model=model, cluster=cluster, config=cfgs[z], out_dir=Path(tmp, f"z{z}-{i}"), steps=5,
+                                 warmup_steps=2, timeout_s=120.0, trial_id=10 * z + i)
+                    for z in cfgs for i in range(repeats)]
+            res = run_trials(reqs)
+        step = {z: min(r.step_time_s for q, r in zip(reqs, res) if q.config.zero_stage == z and r.status == "ok")
+                for z in cfgs}
+        fwd_bwd = cp.probe_model(model, 64, mb, "fp32", cfgs[0].attention, threads)[0]
         adam = model.num_params * cp.probe_adamw_s_per_param(threads)
         gloo = cp.GLOO_CALL_S + model.num_params * 4 / cp.GLOO_BUS_BYTES_PER_S
         priced = cp.DEEPSPEED_MICRO_S + model.num_params * cp.DEEPSPEED_S_PER_PARAM
-        print(f"  mb {mb:2d}: step {step * 1e3:6.1f} ms (best of {len(steps)}) - model {fwd_bwd * 1e3:5.1f} - "
-              f"AdamW {adam * 1e3:4.2f} - gloo {gloo * 1e3:4.2f} = DeepSpeed {(step - fwd_bwd - adam - gloo) * 1e3:6.1f} ms"
+        print(f"  mb {mb:2d}: ZeRO-0 step {step[0] * 1e3:6.1f} ms (best of {repeats}) - model {fwd_bwd * 1e3:5.1f} - "
+              f"AdamW {adam * 1e3:4.2f} - gloo {gloo * 1e3:4.2f} = DeepSpeed {(step[0] - fwd_bwd - adam - gloo) * 1e3:6.1f} ms"
               f"   (priced: {priced * 1e3:.1f} ms)")
+        # ZeRO-3's own time: what its step adds over ZeRO-0's beyond what the prior already prices
+        # there, per module it gathers (cpu_prior.DEEPSPEED_Z3_S_PER_MODULE)
+        modules = cp.gathered_modules(model, bucket_sizes(model, cfgs[3])["stage3_param_persistence_threshold"])
+        expected = {z: 2 * mb / prior(c) for z, c in cfgs.items()}
+        z3_own = (step[3] - step[0]) - (expected[3] - expected[0]) + cp.DEEPSPEED_Z3_S_PER_MODULE * modules
+        print(f"         ZeRO-3 step {step[3] * 1e3:6.1f} ms: its own time {z3_own * 1e3:5.1f} ms over {modules} gathered "
+              f"modules = {z3_own / modules * 1e3:.2f} ms each   (priced: {cp.DEEPSPEED_Z3_S_PER_MODULE * 1e3:.1f} ms)")
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
