@@ -39,10 +39,11 @@ def why_lines(study, p: Pictures) -> list[str]:
         return ["No configuration ran successfully: see the reasons for pruning and failure below."]
     model, cluster, _ = st.specs_of(study)
     recs = {r.number: r for r in st.records(study)}
-    win, speed = recs[runs[0].trial], {f.trial: f.samples_per_s for f in p.frontier}
+    win, speed = recs[runs[0].trial], {f.trial: f.throughput for f in p.frontier}
     c, s = win.config, speed[win.number]
     line1 = (f"**Winner #{win.number}**: ZeRO {c.zero_stage}, micro batch {c.micro_batch}, grad accum "
-             f"{c.grad_accum}, {c.ckpt_layers} checkpointed layers, {c.precision}: {s:.4g} samples/s ({p.source})")
+             f"{c.grad_accum}, {c.ckpt_layers} checkpointed layers, {c.precision}, seq len {c.seq_len}: "
+             f"{s:.4g} {p.objective}/s ({p.source}; the study ranks by {p.objective}/s)")
     if len(runs) > 1:
         s2 = speed[runs[1].trial]
         line1 += f", {100 * (s / s2 - 1):.1f}% faster than #{runs[1].trial} ({s2:.4g})"

@@ -88,7 +88,8 @@ class FrontierPoint:
     """For pruned: the pruner (memory, dominated, oom-implied); for failed: the class; else ''."""
     peak_bytes: int
     """Estimated peak per device, tensor + framework allowance: the one figure every trial has."""
-    samples_per_s: float | None
+    throughput: float | None
+    """Per second, in the study's objective (Pictures.objective): samples or tokens."""
     throughput_source: str
     """measured / simulated for a run; 'simulated (not run)' for a pruned one (cost model; on the
     axis where there is none, a CPU cluster); 'none' for a failed run (drawn on the axis)."""
@@ -112,6 +113,8 @@ class Pictures:
     capacity_bytes: int = 0
     source: str = ""
     """The study's run source: measured or simulated."""
+    objective: str = "samples"
+    """What the study ranked by, per second: samples or tokens (autotune search --objective)."""
 
 
 def _label(r: st.TrialRecord) -> str:
@@ -119,16 +122,21 @@ def _label(r: st.TrialRecord) -> str:
     return f"#{r.number} z{c.zero_stage} mb{c.micro_batch} ga{c.grad_accum} ck{c.ckpt_layers}"
 
 
-def _ranked_runs(recs: list[st.TrialRecord]) -> list[st.TrialRecord]:
-    ok = [r for r in recs if r.status == "ok" and r.result and r.result.samples_per_s]
-    return sorted(ok, key=lambda r: -r.result.samples_per_s)
+def _speed(r: st.TrialRecord, objective: str) -> float | None:
+    return r.result.tokens_per_s if objective == "tokens" else r.result.samples_per_s
 
 
-def memory_bars(recs, model, cluster, source: str) -> list[MemoryBar]:
+def _ranked_runs(recs: list[st.TrialRecord], objective: str) -> list[st.TrialRecord]:
+    """Runs that finished, fastest first by the study's objective."""
+    ok = [r for r in recs if r.status == "ok" and r.result and _speed(r, objective)]
+    return sorted(ok, key=lambda r: -_speed(r, objective))
+
+
+def memory_bars(recs, model, cluster, source: str, objective: str = "samples") -> list[MemoryBar]:
     """Ranked runs (their recorded estimate), then per ZeRO stage the memory-pruned candidate
     closest to fitting (its estimate recomputed: pruned trials store no terms)."""
     bars = []
-    for r in _ranked_runs(recs):
+    for r in _ranked_runs(recs, objective):
         d = r.estimate.get("detail") or mem.estimate(model, cluster, r.config).to_json()
         measured = r.result.peak_bytes if source == "measured" else None
         bars.append(MemoryBar(_label(r), r.number, "ok", d.get("source", "estimated"), d["phase"], d["terms"],
@@ -142,10 +150,10 @@ def memory_bars(recs, model, cluster, source: str) -> list[MemoryBar]:
     return bars
 
 
-def frontier_points(recs, model, cluster, source: str) -> list[FrontierPoint]:
+def frontier_points(recs, model, cluster, source: str, objective: str = "samples") -> list[FrontierPoint]:
     """Every decided trial once. Pruned trials sit at the cost model's throughput, marked as such;
     on a CPU cluster the cost model has no calibrated device, so they sit on the axis."""
-    ranked = _ranked_runs(recs)
+    ranked = _ranked_runs(recs, objective)
     winner = ranked[0].number if ranked else None
     pts = []
     for r in recs:
@@ -153,10 +161,12 @@ def frontier_points(recs, model, cluster, source: str) -> list[FrontierPoint]:
             continue         # running / interrupted: not decided
         peak = r.estimate.get("total_bytes") or 0
         if r.status == "ok":
-            pts.append(FrontierPoint(r.number, "ok", "", peak, r.result.samples_per_s, r.result.source or source,
+            pts.append(FrontierPoint(r.number, "ok", "", peak, _speed(r, objective), r.result.source or source,
                                      r.number == winner))
         elif r.status == "pruned":
             sim = _simulated_samples(model, cluster, r.config)
+            if sim is not None and objective == "tokens":
+                sim *= r.config.seq_len
             pts.append(FrontierPoint(r.number, "pruned", r.pruned_by or "", peak, sim,
                                      "simulated (not run)" if sim is not None else "not run: no cost model on cpu"))
         else:
@@ -170,9 +180,9 @@ def _simulated_samples(model, cluster, cfg) -> float | None:
     return costmodel.simulate(model, cluster, cfg).samples_per_s
 
 
-def time_bars(recs, model, cluster, source: str) -> list[TimeBar]:
+def time_bars(recs, model, cluster, source: str, objective: str = "samples") -> list[TimeBar]:
     bars = []
-    for r in _ranked_runs(recs):
+    for r in _ranked_runs(recs, objective):
         if source == "simulated":
             b = costmodel.simulate(model, cluster, r.config).breakdown_s
             parts = {"compute": b["compute"] + b["attention"] + b["elementwise"],
@@ -194,9 +204,10 @@ def time_bars(recs, model, cluster, source: str) -> list[TimeBar]:
 def pictures(study: optuna.Study) -> Pictures:
     model, cluster, attrs = st.specs_of(study)
     recs = st.records(study)
-    source = attrs.get("source", "measured")
-    return Pictures(memory_bars(recs, model, cluster, source), frontier_points(recs, model, cluster, source),
-                    time_bars(recs, model, cluster, source), cluster.capacity_bytes, source)
+    source, objective = attrs.get("source", "measured"), attrs.get("objective", "samples")
+    return Pictures(memory_bars(recs, model, cluster, source, objective),
+                    frontier_points(recs, model, cluster, source, objective),
+                    time_bars(recs, model, cluster, source, objective), cluster.capacity_bytes, source, objective)
 
 
 # ---- drawing ---------------------------------------------------------------------------------
@@ -241,7 +252,8 @@ _PRUNE_STYLE = {"memory": ("C3", "does not fit (memory model)"), "dominated": ("
                 "oom-implied": ("C5", "implied out of memory")}
 
 
-def plot_frontier(points: list[FrontierPoint], capacity_bytes: int, path: Path) -> Path | None:
+def plot_frontier(points: list[FrontierPoint], capacity_bytes: int, path: Path,
+                  objective: str = "samples") -> Path | None:
     """Runs filled (circle: measured, square: simulated); pruned hollow at the cost model's
     throughput (never a run's mark); failed runs as crosses on the axis: they have no throughput."""
     if not points:
@@ -252,7 +264,7 @@ def plot_frontier(points: list[FrontierPoint], capacity_bytes: int, path: Path) 
     for p in points:
         groups.setdefault((p.status, p.why, p.throughput_source), []).append(p)
     for (status, why, src), pts in sorted(groups.items()):
-        xs, ys = [p.peak_bytes / GiB for p in pts], [p.samples_per_s or 0.0 for p in pts]
+        xs, ys = [p.peak_bytes / GiB for p in pts], [p.throughput or 0.0 for p in pts]
         if status == "ok":
             ax.scatter(xs, ys, marker="o" if src == "measured" else "s", color="C0", zorder=3,
                        label=f"run ({src}): {len(pts)}")
@@ -265,11 +277,11 @@ def plot_frontier(points: list[FrontierPoint], capacity_bytes: int, path: Path) 
                        label=f"failed: {status}: {len(pts)}")
     for p in points:
         if p.winner:
-            ax.scatter([p.peak_bytes / GiB], [p.samples_per_s], marker="*", s=300, color="gold",
+            ax.scatter([p.peak_bytes / GiB], [p.throughput], marker="*", s=300, color="gold",
                        edgecolors="k", zorder=4, label=f"winner #{p.trial}")
     ax.axvline(capacity_bytes / GiB, color="r", ls="--", label="device capacity")
     ax.set_xlabel("peak memory per device, GiB (estimated: tensors + framework allowance)")
-    ax.set_ylabel("samples/s (source in legend)")
+    ax.set_ylabel(f"{objective}/s (source in legend)")
     ax.set_title("every decided candidate: throughput against peak memory")
     ax.legend(fontsize=7, loc="best")
     return _save(fig, path)
@@ -301,6 +313,6 @@ def write_pictures(study: optuna.Study, out_dir: Path) -> tuple[Pictures, list[P
     p = pictures(study)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [plot_memory_terms(p.memory, p.capacity_bytes, out_dir / "memory_terms.png"),
-             plot_frontier(p.frontier, p.capacity_bytes, out_dir / "frontier.png"),
+             plot_frontier(p.frontier, p.capacity_bytes, out_dir / "frontier.png", p.objective),
              plot_time(p.time, out_dir / "step_time.png")]
     return p, [x for x in paths if x is not None]

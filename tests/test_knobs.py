@@ -276,6 +276,9 @@ def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
     assert f"ranked by {objective}/s" in report.header(study)[1] and "seq len searched" in report.header(study)[1]
     if objective == "samples":
         assert best["seq_len"] == 1024     # shorter sequences are more samples per second
+    from autotune import report_page, report_pictures
+    why = report_page.why_lines(study, report_pictures.pictures(study))[0]   # the page's winner is the same
+    assert f"Winner #{best['trial']}**:" in why and f"{objective}/s" in why and f"seq len {best['seq_len']}" in why
 
 
 def test_offload_param_moves_the_partition_to_host_and_host_ram_prunes():

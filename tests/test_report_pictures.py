@@ -64,7 +64,7 @@ def check_content(study) -> rp.Pictures:
         if r.status == "pruned":
             assert f.why == r.pruned_by and f.throughput_source not in ("measured", "simulated")  # never a run's mark
         if r.status == "ok":
-            assert f.samples_per_s == r.result.samples_per_s and f.throughput_source == p.source
+            assert f.throughput == r.result.samples_per_s and f.throughput_source == p.source
     ok = sorted((r for r in recs.values() if r.status == "ok"), key=lambda r: -r.result.samples_per_s)
     assert [f.trial for f in p.frontier if f.winner] == [ok[0].number]
     assert [t.trial for t in p.time] == [r.number for r in ok]
