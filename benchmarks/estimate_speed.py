@@ -6,6 +6,8 @@ and the ratio between them measured in the same run, for the stand-in model (ana
 then for the Hugging Face Llama-2-13B (traced terms: the one-time trace of its small programs,
 then the whole space again from the cache).
 
+Last, `--max-seq-len` for ZeRO-3 (issue target: under a second) with each implementation.
+
     python benchmarks/estimate_speed.py
 """
 
@@ -26,6 +28,31 @@ from autotune.train_config import TrainConfig
 def main() -> None:
     builtin()
     hugging_face()
+    max_seq_len()
+
+
+def max_seq_len() -> None:
+    """`autotune estimate --model 13b --gpus 4xA100 --zero 3 --max-seq-len`, after the imports and
+    the first trace (which any estimate pays), for each implementation."""
+    from autotune.memory import limits
+
+    cluster = parse_gpus("4xA100")
+    cfg = TrainConfig(zero_stage=3, precision="bf16", seq_len=2048)
+    print()
+    for impl in ("builtin", "hf"):
+        model = resolve_model("13b", implementation=impl)
+        estimate(model, cluster, dataclasses.replace(cfg, seq_len=1))      # imports, first trace
+        calls = []
+        original = limits.estimate
+        limits.estimate = lambda m, c, x: calls.append(x.seq_len) or original(m, c, x)
+        try:
+            t0 = time.perf_counter()
+            v = limits.largest_fitting(model, cluster, cfg, "seq_len")
+            dt = time.perf_counter() - t0
+        finally:
+            limits.estimate = original
+        print(f"max seq len ({impl}, ZeRO-3 bf16 micro batch 1): {v} in {dt:.2f} s, {len(calls)} estimates "
+              f"-> target under 1 s: {'met' if dt < 1 else 'MISSED'}")
 
 
 def hugging_face() -> None:
