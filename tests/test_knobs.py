@@ -214,6 +214,22 @@ def test_prefetch_bucket_costs_memory_as_deepspeeds_code_says():
     assert peaks[0] == peaks[1]
 
 
+def test_max_live_below_the_gathered_set_exposes_gathers():
+    """A max_live below what ZeRO-3 holds gathered stops the prefetch part way: that share of the
+    gathers is waited for (costmodel.stage3_prefetched). Above it, and for any bucket, the time is the
+    default's."""
+    from autotune.costmodel import simulate, stage3_prefetched
+    from autotune.memory.model_states import zero3_held
+
+    model, cluster = resolve_model("13b"), parse_gpus("2x8xH100")
+    base = simulate(model, cluster, TrainConfig(zero_stage=3))
+    low = TrainConfig(zero_stage=3, stage3_max_live_parameters=10**8)
+    assert stage3_prefetched(model, low) == pytest.approx(10**8 / zero3_held(model, low, 10 * model.hidden_size))
+    assert simulate(model, cluster, low).step_time_s > base.step_time_s
+    for kw in (dict(stage3_max_live_parameters=3 * 10**9), dict(stage3_prefetch_bucket_size=1)):
+        assert simulate(model, cluster, TrainConfig(zero_stage=3, **kw)).step_time_s == base.step_time_s
+
+
 @pytest.mark.slow   # the whole 13B space, traced
 def test_max_seq_len_and_micro_batch_are_the_largest_that_fit(capsys):
     """`autotune estimate --max-seq-len/--max-micro-batch`: the answer fits and one more does not."""
