@@ -130,6 +130,29 @@ def test_stage3_prefetch_forward_peak_matches_estimate(measured, key):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bucket", [BIG, 200_000, pytest.param(500_000, marks=pytest.mark.xfail(
+    reason="open: transformers' tiny-llama with a 5e5 bucket measured 14,917,273 to 15,270,681 B over four runs "
+           "(-2.08% to +0.24% against the estimate): another moment of the forward, with several prefetch "
+           "buffers in flight, is sometimes higher (docs/memory.md)", strict=False))])
+def test_stage3_prefetch_on_transformers_code_matches_the_traced_tier(tmp_path, bucket):
+    """transformers' Llama (the traced tier): its top modules own no parameters, so the embedding is
+    prefetched with the rest; the forward peak against the traced forward points (measured when
+    written: -0.29% with 4e6, +0.24% and +0.59% with 2e5)."""
+    from autotune.trial import run_trials
+    from autotune.trial.record import TrialRequest
+
+    model = resolve_model("tiny-llama")
+    cfg = _cfg(dict(zero_stage=3, precision="bf16", stage3_prefetch_bucket_size=bucket))
+    req = TrialRequest(model=model, cluster=CLUSTER, config=cfg, out_dir=tmp_path, steps=2, warmup_steps=1,
+                       timeout_s=300)
+    [res] = run_trials([req])
+    assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
+    est = estimate(model, CLUSTER, cfg).phases
+    err = est["forward (prefetch)"] / res.phase_peak_bytes["forward"] - 1
+    assert -UNDER <= err <= OVER, (est, res.phase_peak_bytes, f"{100 * err:+.2f}%")
+
+
+@pytest.mark.slow
 def test_max_live_parameters_releases_nothing_and_a_big_bucket_costs_memory(measured):
     """stage3_max_live_parameters caps the prefetch only: 1 element (no prefetch at all) keeps the
     default's forward peak to the byte, and so does a one-parameter bucket. A larger bucket gathers

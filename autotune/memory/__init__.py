@@ -129,10 +129,12 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
         "backward (end)": {**static, **gathered, **grads, **buffers.backward_end_extra(model, cluster, cfg)},
         "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused)},
     }
-    prefetch = model_states.zero3_prefetch(model, cluster, cfg, threshold, keep)
+    prefetch = model_states.zero3_prefetch(model, cluster, cfg, threshold, keep,
+                                           on_demand=model.vocab_size * model.hidden_size if builtin(model) else 0)
     if prefetch:   # ZeRO-3 from the second step: the head's prefetched bucket, just before the head runs
-        phases["forward (prefetch)"] = {**static, **gathered, **carried, "prefetch_bucket": prefetch,
-                                        **{k: v for k, v in saved.items() if k != "logits_and_loss"}}
+        before_head = {**static, **gathered, **carried, "prefetch_bucket": prefetch,
+                       **{k: v for k, v in saved.items() if k != "logits_and_loss"}}
+        phases = {"forward": phases.pop("forward"), "forward (prefetch)": before_head, **phases}
     if cfg.ckpt_layers:
         # Checkpointed blocks run backward last, from block k-1 down to 0: the first holds all k
         # inputs and the gradients of the L-k blocks after it, the last one input and nearly every

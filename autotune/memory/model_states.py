@@ -210,7 +210,7 @@ def zero3_gathered(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persiste
 
 
 def zero3_prefetch(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
-                   persistent: int | None = None) -> int:
+                   persistent: int | None = None, on_demand: int = 0) -> int:
     """The flat buffer of the prefetch that holds the LM head, live until the head runs: the
     forward's last prefetched parameters, gathered ahead while every layer's activations are saved.
 
@@ -221,13 +221,19 @@ def zero3_prefetch(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persiste
     elements (partition_parameters.py _all_gather_dtype) that each parameter then copies out of
     (AllGatherCoalescedHandle.wait); the buffer is freed when the last of them has been waited for.
     So the head's bucket holds at most min(bucket, max_live) + one parameter (the largest bounds it),
-    and no more than the partitioned parameters after the embedding (the first module's, fetched
-    on demand). With everything held (`zero3_held`), available parameters grow to what is held, so
-    the head is prefetched only if that stays under max_live + one parameter.
-    Measured on 2 CPU ranks (tiny-llama, bf16; the forward peak, tests/test_knobs.py): bucket 4e6
-    +1,321,848 B (one buffer of every parameter after the embedding), 5e5 +825,720 B (bucket + head),
-    2e5 +47,736 B (the model: +1.3% on that peak), 5e4 and 0.9 h^2 nothing beyond the logits' peak;
-    bucket 4e6 with max_live 6e5 nothing."""
+    and no more than the held parameters less `on_demand`, those fetched before the first prefetch:
+    the stand-in's embedding (its top module calls it first, so it is fetched on demand; measured),
+    none for transformers' code (param-less LlamaForCausalLM/LlamaModel are fetched first, and the
+    embedding is prefetched with the rest; measured). With everything held (`zero3_held`), available
+    parameters grow to what is held, so the head is prefetched only if that stays under max_live +
+    one parameter.
+    Measured on 2 CPU ranks (bf16, the forward peak; reproduce: tests/test_knobs.py and docs/memory.md):
+    the stand-in tiny-llama, bucket 4e6 +1,321,848 B (one buffer of every parameter after the
+    embedding), 5e5 +825,720 B (bucket + head), 2e5 +47,736 B (the model: +1.3% on that peak), 5e4
+    and 0.9 h^2 nothing beyond the logits' peak, bucket 4e6 with max_live 6e5 nothing; transformers'
+    tiny-llama, bucket 4e6 +1,921,904 B (every held parameter); with 5e5 the forward peak varies run
+    to run up to 2.08% above this model (several buffers in flight earlier in the forward: open,
+    docs/memory.md "Known open error")."""
     if cfg.zero_stage != 3 or cluster.world_size == 1:
         return 0
     from autotune.deepspeed_config import bucket_sizes
@@ -237,5 +243,5 @@ def zero3_prefetch(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persiste
     live = b["stage3_max_live_parameters"]
     if held > live + last:
         return 0
-    after_first = max(0, held - spec.vocab_size * spec.hidden_size)
-    return int(dtype_bytes(cfg.precision) * min(after_first, min(b["stage3_prefetch_bucket_size"], live) + last))
+    rest = max(0, held - on_demand)
+    return int(dtype_bytes(cfg.precision) * min(rest, min(b["stage3_prefetch_bucket_size"], live) + last))
