@@ -245,6 +245,28 @@ def stage3_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> flo
     return fwd + bwd
 
 
+def stage3_prefetched(model: ModelSpec, cfg: TrainConfig) -> float:
+    """Fraction of ZeRO-3's gathers issued ahead of use, so able to hide behind compute; the rest
+    the coordinator fetches on demand and waits for (partitioned_param_coordinator.py
+    fetch_sub_module: "block on parameters in immediately required sub module").
+
+    Prefetch stops once the gathered parameters reach stage3_max_live_parameters (it issues
+    min(max_live - available, bucket)), and the parameters held gathered grow to what the reuse
+    distance keeps (memory/model_states.zero3_held): so the first max_live of those are prefetched.
+    stage3_prefetch_bucket_size has no term here: whatever its size the coordinator keeps at least
+    one parameter of the next module in flight (its loop takes one past the limit), which at this
+    model's layer granularity hides as much as a deeper queue; what a one-parameter bucket loses on
+    modules of several parameters and uneven modules is not priced."""
+    if cfg.zero_stage != 3:
+        return 1.0
+    from autotune.deepspeed_config import bucket_sizes
+    from autotune.memory.model_states import zero3_held
+
+    b = bucket_sizes(model, cfg)
+    held = zero3_held(model, cfg, b["stage3_param_persistence_threshold"])
+    return min(1.0, b["stage3_max_live_parameters"] / held) if held else 1.0
+
+
 def hidden_s(comm_s: float, window_s: float, num_layers: int, overlap: bool) -> float:
     """Communication hidden behind `window_s` of compute. None without a side stream (DeepSpeed's
     overlap_comm off runs collectives on the compute stream). With one, collectives run layer by
@@ -333,7 +355,9 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     # boundary at ZeRO-0/1 (engine.py allreduce_gradients; stage_1_and_2.py
     # reduce_ready_partitions_and_remove_grads).
     reduce = grad_reduce_s(model, cfg, cluster, rt)
-    per_micro = stage3_gather_s(gathered, cfg, cluster) + (reduce if cfg.zero_stage >= 2 else 0.0)
+    # the part of the stage-3 gathers fetched on demand stays on the critical path (stage3_prefetched)
+    per_micro = stage3_gather_s(gathered, cfg, cluster) * stage3_prefetched(gathered, cfg) + \
+        (reduce if cfg.zero_stage >= 2 else 0.0)
     boundary_reduce = reduce if cfg.zero_stage < 2 else 0.0
     # A micro step's collectives hide under its forward+backward; the boundary reduction only under
     # the last backward (2/3 of it); ZeRO-1/2's gather after the step under nothing.

@@ -24,6 +24,10 @@ GRADIENT_CLIPPING = 1.0
 FP16_LOSS_SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
                     "hysteresis": 2, "min_loss_scale": 1}
 
+STAGE3_MAX_LIVE_PARAMETERS = int(1e9)
+STAGE3_MAX_REUSE_DISTANCE = int(1e9)
+"""DeepSpeed's defaults (runtime/zero/config.py max_live_parameters, max_reuse_distance)."""
+
 
 def bucket_sizes(model: ModelSpec, cfg: TrainConfig | None = None) -> dict[str, int]:
     """ZeRO bucket sizes in elements: the config's own where it sets one (non-zero), else scaled to
@@ -33,12 +37,16 @@ def bucket_sizes(model: ModelSpec, cfg: TrainConfig | None = None) -> dict[str, 
     reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 * hidden^2,
     stage3_param_persistence_threshold = 10 * hidden. DeepSpeed's fixed defaults (5e8 elements,
     about 2 GB of fp32 per bucket) would dominate the memory of any model under ~1B parameters.
+    stage3_max_live_parameters and stage3_max_reuse_distance keep DeepSpeed's 1e9
+    (runtime/zero/config.py), which Hugging Face's auto leaves alone too.
     """
     h2 = model.hidden_size * model.hidden_size
     return {
         "reduce_bucket_size": (cfg and cfg.reduce_bucket_size) or h2,
         "allgather_bucket_size": (cfg and cfg.allgather_bucket_size) or h2 + h2 % 2,  # DeepSpeed asserts even
-        "stage3_prefetch_bucket_size": int(0.9 * h2),
+        "stage3_prefetch_bucket_size": (cfg and cfg.stage3_prefetch_bucket_size) or int(0.9 * h2),
+        "stage3_max_live_parameters": (cfg and cfg.stage3_max_live_parameters) or STAGE3_MAX_LIVE_PARAMETERS,
+        "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
         "stage3_param_persistence_threshold":
             (cfg and cfg.stage3_param_persistence_threshold) or 10 * model.hidden_size,
     }
@@ -59,7 +67,8 @@ def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
         z.update(reduce_bucket_size=b["reduce_bucket_size"],
                  stage3_prefetch_bucket_size=b["stage3_prefetch_bucket_size"],
                  stage3_param_persistence_threshold=b["stage3_param_persistence_threshold"],
-                 stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
+                 stage3_max_live_parameters=b["stage3_max_live_parameters"],
+                 stage3_max_reuse_distance=b["stage3_max_reuse_distance"],
                  contiguous_gradients=True, overlap_comm=True,
                  stage3_gather_16bit_weights_on_model_save=True)
     if cfg.zero_stage == 3:   # ZeRO++ keys (runtime/zero/config.py); DeepSpeed's defaults when off

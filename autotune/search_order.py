@@ -13,7 +13,8 @@ MEMORY_FOR_SPEED = {"ckpt_layers": 0, "offload_param": "none", "offload_optimize
                     "reduce_bucket_size": 0, "allgather_bucket_size": 0, "zero_hpz_partition_size": 1,
                     "grad_accum_dtype": "auto", "bf16_master_weights_and_grads": False,
                     "bf16_optimizer_states": False, "zero_quantized_weights": False,
-                    "zero_quantized_gradients": False, "stage3_param_persistence_threshold": 0}
+                    "zero_quantized_gradients": False, "stage3_param_persistence_threshold": 0,
+                    "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0}
 """Settings that trade device memory (or numerics) for time: candidates that differ only in them form
 one group, and a group runs only its first member in `speed_order` that fits (Plan), so they do not
 multiply the trials."""
@@ -30,7 +31,10 @@ def speed_order(model: ModelSpec) -> Callable[[Any], tuple]:
       longer collectives), a larger hpZ partition (more of the gather on NVLink) and ZeRO++'s
       quantized collectives (fewer bytes at the same memory; the ZeRO++ paper, arXiv:2306.10209
       sec. 5, reports no loss in convergence; leave `false` out of the space to insist on it), and a
-      larger stage-3 persistence threshold (small parameters kept whole: fewer, smaller gathers).
+      larger stage-3 persistence threshold (small parameters kept whole: fewer, smaller gathers), a
+      larger stage-3 max_live (more of the gathers prefetched: costmodel.stage3_prefetched) and prefetch
+      bucket (a deeper queue of gathers in flight: not priced, the judgement of DeepSpeed's own default
+      of 5e7 over Hugging Face's 0.9 h^2).
     The order is a judgement from the cost model's terms, not measured."""
     from autotune.deepspeed_config import bucket_sizes
 
@@ -40,7 +44,8 @@ def speed_order(model: ModelSpec) -> Callable[[Any], tuple]:
                 cfg.offload_param != "none", cfg.offload_optimizer, cfg.ckpt_layers, not cfg.overlap_comm,
                 -b["reduce_bucket_size"], -b["allgather_bucket_size"], -cfg.zero_hpz_partition_size,
                 not cfg.zero_quantized_weights, not cfg.zero_quantized_gradients,
-                -b["stage3_param_persistence_threshold"])
+                -b["stage3_param_persistence_threshold"], -b["stage3_max_live_parameters"],
+                -b["stage3_prefetch_bucket_size"])
 
     return key
 

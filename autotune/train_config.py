@@ -136,6 +136,19 @@ class TrainConfig:
     stage3_param_persistence_threshold: int = _setting(
         0, space=(0,), minimum=0, help="ZeRO-3: parameters under this many elements stay whole (0: 10 hidden)")
     """`zero_optimization.stage3_param_persistence_threshold`; 0 writes Hugging Face's auto 10 h."""
+    stage3_prefetch_bucket_size: int = _setting(
+        0, space=(0,), minimum=0,
+        help="ZeRO-3: elements gathered ahead of use (0: 0.9 hidden^2, Hugging Face's auto; 1: one parameter)")
+    """`zero_optimization.stage3_prefetch_bucket_size`; 0 writes Hugging Face's auto 0.9 h^2. The
+    coordinator gathers up to this many elements of the next modules ahead of use, from the second
+    step on (partitioned_param_coordinator.py _fetch_sub_module_impl); 1 prefetches one parameter
+    (DeepSpeed's own zero_allgather_sequential setting, engine.py)."""
+    stage3_max_live_parameters: int = _setting(
+        0, space=(0,), minimum=0,
+        help="ZeRO-3: prefetch stops once this many elements are gathered (0: DeepSpeed's 1e9)")
+    """`zero_optimization.stage3_max_live_parameters`; 0 writes DeepSpeed's default 1e9. It caps only
+    the prefetch (min(max_live - available, prefetch bucket), partitioned_param_coordinator.py):
+    parameters a module needs are gathered whatever it is, and released by stage3_max_reuse_distance."""
     zero_quantized_weights: bool = _setting(False, space=(False,), help="ZeRO++ qwZ: int8 weight all-gather (ZeRO-3, GPUs)")
     """ZeRO++ qwZ (Wang et al. 2023, arXiv:2306.10209, sec. 3.1): the stage-3 all-gather of weights in
     int8, half the bytes of bf16. CUDA quantizer kernels: GPUs only."""
@@ -194,8 +207,9 @@ class TrainConfig:
                             "(DeepSpeed requires ZeRO-Offload with DeepSpeedCPUAdam then: base_optimizer.py)")
         if self.offload_param != "none" and z != 3:
             raise SpecError("offload_param needs ZeRO stage 3 (only stage 3 partitions the parameters)")
-        if z != 3 and self.stage3_param_persistence_threshold:
-            raise SpecError("stage3_param_persistence_threshold is read at ZeRO stage 3 only")
+        for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+            if z != 3 and getattr(self, name):
+                raise SpecError(f"{name} is read at ZeRO stage 3 only")
         zpp = self.zero_quantized_weights or self.zero_quantized_gradients or self.zero_hpz_partition_size > 1
         if zpp and z != 3:
             raise SpecError("ZeRO++ (zero_quantized_weights, zero_quantized_gradients, zero_hpz_partition_size) "

@@ -4,6 +4,7 @@ The peak is the maximum over the points of a training step where memory is highe
 of all terms:
 - forward: states + (stage-3 gathered params) + carried gradients + everything saved + the logits'
   transient during cross entropy;
+- forward, before the LM head (ZeRO-3): the same without the logits, + the prefetched head's bucket;
 - backward at the loss: the same saved set + the fp32 gradients of log-softmax;
 - backward at the head: the layers' saved set + the LM head's weight gradient;
 - backward end: states + gradients + reduce buffers + the embedding gradient's transient;
@@ -128,6 +129,12 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
         "backward (end)": {**static, **gathered, **grads, **buffers.backward_end_extra(model, cluster, cfg)},
         "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused)},
     }
+    prefetch = model_states.zero3_prefetch(model, cluster, cfg, threshold, keep,
+                                           on_demand=model.vocab_size * model.hidden_size if builtin(model) else 0)
+    if prefetch:   # ZeRO-3 from the second step: the head's prefetched bucket, just before the head runs
+        before_head = {**static, **gathered, **carried, "prefetch_bucket": prefetch,
+                       **{k: v for k, v in saved.items() if k != "logits_and_loss"}}
+        phases = {"forward": phases.pop("forward"), "forward (prefetch)": before_head, **phases}
     if cfg.ckpt_layers:
         # Checkpointed blocks run backward last, from block k-1 down to 0: the first holds all k
         # inputs and the gradients of the L-k blocks after it, the last one input and nearly every

@@ -16,8 +16,9 @@ the profiler, tests/test_memory_measured.py):
 - Stage 3: DeepSpeedZeroOptimizer_Stage3 (runtime/zero/stage3.py): a partition of the parameters
   in the model dtype (pb/N), small parameters (< stage3_param_persistence_threshold elements)
   kept whole, a flat gradient-partition buffer in the model dtype (pb/N, persistent), fp32 master
-  partition (4/N), Adam states (8/N); gathered parameters stay live up to
-  stage3_max_live_parameters while their reuse distance is below stage3_max_reuse_distance.
+  partition (4/N), Adam states (8/N); a gathered parameter stays live while its next use is
+  within stage3_max_reuse_distance elements of the trace (partitioned_param_coordinator.py
+  __params_to_release); stage3_max_live_parameters only caps the prefetch (`zero3_prefetch`).
 These match Rajbhandari et al. 2020 (ZeRO, arXiv:1910.02054, sec. 5.1: (2+2+K)*Psi/N_d with K=12)
 except where DeepSpeed keeps more: the fp32 partition copy even in fp32 training, and stage 3's
 persistent gradient buffer.
@@ -35,11 +36,9 @@ ADAM8BIT_STATE_BYTES = 2 + 2 * 4 / 2048
 """bitsandbytes AdamW8bit: two uint8 states plus one fp32 absmax per 2048-element block for each
 (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861, sec. 2)."""
 MASTER_BYTES = 4
-STAGE3_MAX_LIVE_PARAMETERS = int(1e9)
 STAGE3_SUB_GROUP_SIZE = int(1e9)
 """DeepSpeed default sub_group_size: stage 3 converts gradients to fp32 and steps the optimizer one
 sub-group of the partition at a time (stage3.py, step -> _prepare_sub_group)."""
-"""DeepSpeed default (runtime/zero/config.py), also what autotune/deepspeed_config.py writes."""
 
 
 def master_bytes(cfg: TrainConfig) -> int:
@@ -188,13 +187,61 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     return {"gradients": fp32_partition, "optimizer_temporaries": temps}
 
 
+def zero3_held(spec: ModelSpec, cfg: TrainConfig, persistence_threshold: int, persistent: int | None = None) -> int:
+    """Elements stage 3 holds gathered at the end of forward: every partitioned one, up to
+    stage3_max_reuse_distance. From the second step on (a complete trace) a module's parameters are
+    released only if their next use is further than max_reuse_distance elements of the trace away
+    (partitioned_param_coordinator.py __params_to_release); stage3_max_live_parameters releases
+    nothing (measured: the same peak with 1 and with 1e9, tests/test_knobs.py)."""
+    from autotune.deepspeed_config import bucket_sizes
+
+    p = spec.num_params - (persistent_params(spec, persistence_threshold) if persistent is None else persistent)
+    return min(p, bucket_sizes(spec, cfg)["stage3_max_reuse_distance"])
+
+
 def zero3_gathered(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
                    persistent: int | None = None) -> int:
-    """Stage 3 parameters gathered for forward/backward and kept live: up to
-    stage3_max_live_parameters elements (measured: with the default 1e9 and reuse distance 1e9,
-    a small model keeps every gathered parameter from forward through backward)."""
+    """Stage 3 parameters gathered for forward/backward and kept live (`zero3_held`; measured: with
+    the default reuse distance 1e9 a small model keeps every gathered parameter from forward
+    through backward)."""
     if cfg.zero_stage != 3 or cluster.world_size == 1:
         return 0
-    p = spec.num_params - (persistent_params(spec, persistence_threshold) if persistent is None else persistent)
-    gathered = min(p, STAGE3_MAX_LIVE_PARAMETERS)
-    return int(dtype_bytes(cfg.precision) * gathered)
+    return int(dtype_bytes(cfg.precision) * zero3_held(spec, cfg, persistence_threshold, persistent))
+
+
+def zero3_prefetch(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
+                   persistent: int | None = None, on_demand: int = 0) -> int:
+    """The flat buffer of the prefetch that holds the LM head, live until the head runs: the
+    forward's last prefetched parameters, gathered ahead while every layer's activations are saved.
+
+    From the second step on, each module's fetch issues one all-gather of the next parameters in
+    the trace, up to min(stage3_prefetch_bucket_size, max_live_parameters - available) elements and
+    one parameter past it (the loop stops once the count reaches the limit: partitioned_param_
+    coordinator.py _fetch_sub_module_impl). The gather lands in one flat buffer of that many
+    elements (partition_parameters.py _all_gather_dtype) that each parameter then copies out of
+    (AllGatherCoalescedHandle.wait); the buffer is freed when the last of them has been waited for.
+    So the head's bucket holds at most min(bucket, max_live) + one parameter (the largest bounds it),
+    and no more than the held parameters less `on_demand`, those fetched before the first prefetch:
+    the stand-in's embedding (its top module calls it first, so it is fetched on demand; measured),
+    none for transformers' code (param-less LlamaForCausalLM/LlamaModel are fetched first, and the
+    embedding is prefetched with the rest; measured). With everything held (`zero3_held`), available
+    parameters grow to what is held, so the head is prefetched only if that stays under max_live +
+    one parameter.
+    Measured on 2 CPU ranks (bf16, the forward peak; reproduce: tests/test_knobs.py and docs/memory.md):
+    the stand-in tiny-llama, bucket 4e6 +1,321,848 B (one buffer of every parameter after the
+    embedding), 5e5 +825,720 B (bucket + head), 2e5 +47,736 B (the model: +1.3% on that peak), 5e4
+    and 0.9 h^2 nothing beyond the logits' peak, bucket 4e6 with max_live 6e5 nothing; transformers'
+    tiny-llama, bucket 4e6 +1,921,904 B (every held parameter); with 5e5 the forward peak varies run
+    to run up to 2.08% above this model (several buffers in flight earlier in the forward: open,
+    docs/memory.md "Known open error")."""
+    if cfg.zero_stage != 3 or cluster.world_size == 1:
+        return 0
+    from autotune.deepspeed_config import bucket_sizes
+
+    b = bucket_sizes(spec, cfg)
+    held, last = zero3_held(spec, cfg, persistence_threshold, persistent), largest_param(spec)
+    live = b["stage3_max_live_parameters"]
+    if held > live + last:
+        return 0
+    rest = max(0, held - on_demand)
+    return int(dtype_bytes(cfg.precision) * min(rest, min(b["stage3_prefetch_bucket_size"], live) + last))

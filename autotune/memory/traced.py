@@ -415,6 +415,13 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
         # the stage changes which point is highest (stage 3 holds no growing gradients): chosen after
         options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full) for p in present]
         phases[phase] = max(options, key=lambda t: sum(t.values()))
+    layer_points = [p for p in PHASE_POINTS["forward"] if p in points and p != "fwd.head"]
+    if "forward (prefetch)" in analytic and layer_points:
+        # ZeRO-3's head bucket is live through the layers before the head: their highest point + the bucket
+        before_head = max((_stage_terms("forward", p, points, fits[p], analytic, cfg, full) for p in layer_points),
+                          key=lambda t: sum(t.values()))
+        before_head = {**before_head, "prefetch_bucket": analytic["forward (prefetch)"]["prefetch_bucket"]}
+        phases = {"forward": phases.pop("forward"), "forward (prefetch)": before_head, **phases}
     step_bytes = step[0] if step else analytic["optimizer"].get("optimizer_temporaries", 0)
     phases["optimizer"] = {**phases["optimizer"], "optimizer_temporaries": step_bytes}
     phases["optimizer"] = {k: v for k, v in phases["optimizer"].items() if v}
