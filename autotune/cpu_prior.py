@@ -53,10 +53,13 @@ DEEPSPEED_Z3_S_PER_MODULE = 2.8e-3
 """ZeRO-3's own time per micro step for each module whose parameters it gathers (those at or above
 the persistence threshold): its fetch and release hooks around the module's forward and backward,
 beyond the gloo calls priced below. Measured as (ZeRO-3 step - ZeRO-0 step) - (the prior's ZeRO-3 -
-ZeRO-0 difference) on 2 CPU ranks, fp32, seq 64, best of 2, by `python benchmarks/cpu_prior.py`:
-the 197K-parameter Llama (22 gathered modules) 3.05 and 3.19 ms per module at micro batch 1 and 4,
-the 15.1M one (32 modules) 2.55 and 0.69 ms (a loaded machine); 2.8 ms is the median. Without it
-the prior put ZeRO-3 at small micro batches 1.5x too fast on both landscapes."""
+ZeRO-0 difference) on 2 CPU ranks, fp32, seq 64, by `python benchmarks/cpu_prior.py`: the
+197K-parameter Llama (22 gathered modules) 3.05 and 3.19 ms per module at micro batch 1 and 4, the
+15.1M one (32 modules) 2.55 and 0.69 ms (best of 2, a loaded machine); again on an idle one (best
+of 3): 3.60, 2.89, 3.24 and 0.89 ms. 2.8 ms is the median of the first run, 3.07 of the second.
+At micro batch 4 the larger model's gathers hide partly behind its compute, which a per-module
+constant does not model. Without the term the prior put ZeRO-3 at small micro batches 1.5x too
+fast on both landscapes."""
 
 
 def _collectives_per_step(model: ModelSpec, cfg: TrainConfig) -> int:
