@@ -101,7 +101,13 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
     same forward+backward (every code's layers take different arguments, so none is called alone).
     With one timing, two candidates 15% apart on the Llama landscape swapped in 3 of 5 searches;
     with two, in 3 of 10. `lora`: (method, rank, targets, dropout) of a LoRA config, timed on the
-    real peft module (frozen base: no weight gradients; adapters' small GEMMs), None for full."""
+    real peft module (frozen base: no weight gradients; adapters' small GEMMs), None for full.
+
+    Each micro batch is timed on its own, twice in a row, as a trial repeats one shape. Timing a
+    search's micro batches in turns (1, 2, 4, 1, 2, 4) against the machine's drift was tried and
+    measured worse: over four runs the Llama landscape's rank correlation fell from 0.95-0.985 to
+    0.85-0.95 and the first pick missed the best by 27% in all four (the likely cause, unverified:
+    each change of shape meets a cold allocator that a trial's repeated steps do not)."""
     import torch
 
     from autotune.impl import impl_for
