@@ -177,7 +177,7 @@ def _unpacked_sequences():
 
 def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
          host_rng: bool) -> dict[str, dict[str, int]]:
-    from autotune.memory.traced import _adamw, _classify, _tracing
+    from autotune.memory.traced import _adamw, _classify, _tracing, segment_points
 
     marks = {"measure": False, "backward": False, "shared": set()}
     with _tracing(host_rng) as live, _unpacked_sequences():
@@ -215,15 +215,8 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
             "rotary_tables": marks["shared"],
         }
         known["activations"] = set(marks["saved"]) - set().union(*known.values())
-    pairs = [(s, s) for s in ("fwd.start", "fwd.head", "fwd.end", "bwd.head", "bwd.end", "opt")]
-    last = ckpt + full - 1
-    if ckpt:
-        pairs += [("fwd.block0", "fwd.ckpt.first"), (f"fwd.block{ckpt - 1}", "fwd.ckpt.last"),
-                  (f"bwd.block{ckpt - 1}", "bwd.ckpt.first"), ("bwd.block0", "bwd.ckpt.last")]
-    if full:
-        pairs += [(f"fwd.block{ckpt}", "fwd.full.first"), (f"fwd.block{last}", "fwd.full.last"),
-                  (f"bwd.block{last}", "bwd.full.first"), (f"bwd.block{ckpt}", "bwd.full.last")]
-    return {name: _classify(live.peaks[segment][1], known) for segment, name in pairs if segment in live.peaks}
+    return {name: _classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)
+            if segment in live.peaks}
 
 
 def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,

@@ -203,6 +203,12 @@ def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, f
             "rotary_tables": marks["rope"],
         }
         known["activations"] = set(marks["saved"]) - set().union(*known.values())
+    return {name: _classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)}
+
+
+def segment_points(ckpt: int, full: int) -> list[tuple[str, str]]:
+    """(segment, PHASE_POINTS name) of a program of `ckpt` checkpointed then `full` blocks: the
+    first and last block of each kind, forward and backward, and the fixed points around them."""
     pairs = [(s, s) for s in ("fwd.start", "fwd.head", "fwd.end", "bwd.head", "bwd.end", "opt")]
     last = ckpt + full - 1  # with one block of a kind, its first and last are the same block
     if ckpt:
@@ -211,7 +217,7 @@ def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, f
     if full:
         pairs += [(f"fwd.block{ckpt}", "fwd.full.first"), (f"fwd.block{last}", "fwd.full.last"),
                   (f"bwd.block{last}", "bwd.full.first"), (f"bwd.block{ckpt}", "bwd.full.last")]
-    return {name: _classify(live.peaks[segment][1], known) for segment, name in pairs}
+    return pairs
 
 
 def _plan(ckpt: int, full: int) -> list[tuple[int, int]]:
