@@ -159,9 +159,11 @@ def gathered_modules(model: ModelSpec, threshold: int, lora: tuple | None = None
     import torch
 
     from autotune.impl import impl_for
+    from autotune.models.hf_config import default_attention
 
     with torch.device("meta"):
-        net = impl_for(model, _lora_config(lora)).build(model, dtype=torch.float32, attention="sdpa")
+        net = impl_for(model, _lora_config(lora)).build(model, dtype=torch.float32,
+                                                        attention=default_attention(model))
     return sum(1 for m in net.modules() if any(p.numel() >= threshold for p in m.parameters(recurse=False)))
 
 

@@ -18,6 +18,7 @@ from autotune.deepspeed_config import deepspeed_config
 from autotune.hardware import Cluster
 from autotune.errors import SpecError
 from autotune.models import ModelSpec
+from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig
 
 
@@ -77,7 +78,7 @@ def lora_config_json(model: ModelSpec, cfg: TrainConfig) -> str:
 
     base = impl_for(model)
     with torch.device("meta"):
-        layer = base.layers(base.build(model, dtype=torch.bfloat16, attention="sdpa", num_layers=1))[0]
+        layer = base.layers(base.build(model, dtype=torch.bfloat16, attention=default_attention(model), num_layers=1))[0]
     return json.dumps(lora_config_dict(cfg, target_modules(cfg, layer)), indent=2) + "\n"
 
 

@@ -344,6 +344,13 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
         if model.implementation != "hf":
             raise SpecError(f"attention flash_attention_2 is a transformers attn_implementation; the "
                             f"{model.implementation} code has sdpa or eager")
+    supported = _attentions(model)
+    if supported is not None and cfg.attention not in supported:
+        cls = (model.hf_config or {}).get("architectures", [model.name])[0]
+        raise SpecError(f"model {model.name}: {cls} has no {cfg.attention} attention in transformers; it runs "
+                        f"{', '.join(supported)} (transformers picks {supported[0]} for it): use attention "
+                        f"{supported[0]} (--attention {supported[0]} for estimate and trial, `attention: "
+                        f"[{supported[0]}]` in a --space file for search)")
     if cfg.method != "full" and model.implementation != "hf":
         raise SpecError(f"method {cfg.method} wraps the Hugging Face model with peft; the {model.implementation} "
                         f"code cannot take it (use --impl hf, or method full)")
@@ -362,3 +369,9 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
                         f"the {cluster.gpus_per_node} GPUs per node (hpZ partitions within a node)")
     if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
         raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")
+
+
+def _attentions(model: ModelSpec) -> tuple[str, ...] | None:
+    from autotune.models.hf_config import attentions
+
+    return attentions(model)

@@ -150,6 +150,41 @@ def test_flash_attention_refused_on_cpu_and_outside_hf():
     check_config(TrainConfig(attention="flash_attention_2", seq_len=64), m, a100)
 
 
+def test_attention_a_class_lacks_is_refused_with_what_it_runs(tmp_path, capsys):
+    """transformers refuses sdpa for some classes (Bloom, Gemma2): the estimate says which attention the
+    class runs (exit 2, no traceback), and prices it once asked for (the traced step of a Bloom in eager
+    attention is the real one within 128 B: benchmarks/hf_families.py)."""
+    from transformers import AutoConfig
+
+    from autotune.cli import main
+
+    AutoConfig.for_model("bloom", n_layer=2, hidden_size=64, n_head=4, vocab_size=300).save_pretrained(tmp_path)
+    spec = resolve_model(str(tmp_path))
+    assert hf_config.attentions(spec) == ("eager",)
+    assert hf_config.attentions(resolve_model("tiny-llama"))[:2] == ("sdpa", "eager")
+    assert hf_config.attentions(resolve_model("tiny-llama", implementation="builtin")) is None
+    args = ["estimate", "--model", str(tmp_path), "--gpus", "2xcpu", "--seq-len", "32"]
+    assert main(args) == 2
+    assert "BloomForCausalLM has no sdpa attention" in capsys.readouterr().err
+    assert main([*args, "--attention", "eager"]) == 0
+
+
+def test_code_that_cannot_step_is_a_clear_error():
+    """transformers' Mixtral experts run torch._grouped_mm, which on CPU takes bf16 only: fp32 cannot
+    be traced (nor trained there), and the estimate says so instead of a traceback; bf16 is priced."""
+    from transformers import AutoConfig
+
+    from autotune.memory import estimate
+
+    conf = AutoConfig.for_model("mixtral", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=64, vocab_size=300,
+                                num_local_experts=4, num_experts_per_tok=2)
+    spec = hf_config.spec_from_config(conf, name="test-mixtral", source="test")
+    with pytest.raises(SpecError, match="cannot run a training step .* fp32.*BF16"):
+        estimate(spec, parse_gpus("2xA100"), TrainConfig(precision="fp32", seq_len=32))
+    assert estimate(spec, parse_gpus("2xA100"), TrainConfig(precision="bf16", seq_len=32)).fits
+
+
 def test_factory_errors_say_what_is_allowed():
     with pytest.raises(SpecError, match="--model-factory"):
         resolve_model("tiny-llama", implementation="factory")

@@ -27,7 +27,9 @@ import json
 import torch
 from torch.utils._pytree import tree_leaves
 
+from autotune.errors import SpecError
 from autotune.models import ModelSpec
+from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, torch_dtype
 
 _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
@@ -227,7 +229,16 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
     key = (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng,
            cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
+        try:
+            _PROGRAMS[key] = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError) as e:
+            # The model's own code refused the step (measured: transformers' Mixtral experts run
+            # torch._grouped_mm, which takes bf16 only on CPU, so fp32 fails there as in a real run).
+            # What it says is the user's answer, not a traceback of the tracer.
+            raise SpecError(f"model {spec.name}: its code cannot run a training step (traced on CPU fake "
+                            f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
+                            f"{cfg.micro_batch}, seq {cfg.seq_len} "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     return _PROGRAMS[key]
 
 
@@ -242,7 +253,7 @@ def _numels(spec: ModelSpec, layers: int = 2) -> tuple[tuple[int, ...], tuple[in
     if key in _NUMELS:
         return _NUMELS[key]
     with FakeTensorMode():
-        impl, model = build(spec, "fp32", "sdpa", layers)
+        impl, model = build(spec, "fp32", default_attention(spec), layers)
         in_layers = {id(p) for layer in impl.layers(model) for p in layer.parameters()}
         named = [(id(p) in in_layers, p.numel()) for p in model.parameters()]
     first = next(i for i, (inside, _) in enumerate(named) if inside)

@@ -31,6 +31,7 @@ from functools import cache
 from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
+from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, dtype_bytes
 
 NF4_BYTES = 0.5
@@ -64,7 +65,7 @@ def _layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tupl
     cfg = TrainConfig(method=method, lora_rank=rank, lora_targets=targets)
     impl = impl_for(spec, cfg)
     with torch.device("meta"):
-        model = impl.build(spec, dtype=torch.bfloat16, attention="sdpa", num_layers=1)
+        model = impl.build(spec, dtype=torch.bfloat16, attention=default_attention(spec), num_layers=1)
     layer = impl.layers(model)[0]
     sizes = tuple(p.numel() for p in model.parameters() if p.requires_grad)
     names = tuple(sorted({n.split(".lora_")[0] for n, p in layer.named_parameters() if p.requires_grad}))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,32 @@ def preset_config(spec: ModelSpec, model_type: str) -> dict[str, Any]:
 def config_dict(spec: ModelSpec) -> dict[str, Any]:
     """The spec's Hugging Face config as a dict: its own, else its family's built from the shape."""
     return spec.hf_config if spec.hf_config is not None else preset_config(spec, spec.family)
+
+
+def attentions(spec: ModelSpec) -> tuple[str, ...] | None:
+    """The attn_implementation names the spec's Hugging Face class supports, in the order
+    transformers prefers them when none is asked for (sdpa where the class supports it, else
+    eager), from the class's own flags (`_supports_sdpa`, `_supports_flash_attn`); None for code
+    that is not Hugging Face's (builtin, factory: sdpa and eager both run)."""
+    if spec.implementation != "hf":
+        return None
+    return _class_attentions(config_dict(spec).get("model_type"))
+
+
+def default_attention(spec: ModelSpec) -> str:
+    """What transformers picks for the spec's class when none is asked for (sdpa where supported,
+    else eager); sdpa for other code. For building a module only to count or inspect it."""
+    return (attentions(spec) or ("sdpa",))[0]
+
+
+@cache
+def _class_attentions(model_type: str) -> tuple[str, ...]:
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[CONFIG_MAPPING[model_type]]  # noqa: SLF001
+    flags = (("sdpa", getattr(cls, "_supports_sdpa", False)), ("eager", True),
+             ("flash_attention_2", getattr(cls, "_supports_flash_attn", False)))
+    return tuple(name for name, ok in flags if ok)
 
 
 def config_object(spec: ModelSpec, num_layers: int | None = None):
