@@ -11,7 +11,7 @@ Format: the keys are TrainConfig's searched fields (autotune/train_config.py), e
     grad_accum: [1]              # replaced by global / (micro * world) under --global-batch
     optimizer: [adamw]
     offload_optimizer: [false]
-    attention: [sdpa]
+    attention: [auto]            # auto = what transformers picks for the class (sdpa where it has it)
     seq_len: [auto]              # auto = the study's --seq-len; or [2048, 4096, 8192]
     trial: {steps: 6, warmup_steps: 2, timeout: 10m}
 
@@ -33,6 +33,7 @@ from yaml.constructor import SafeConstructor
 from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
+from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, allowed_text, check_config, check_value, searched_fields
 from autotune.units import parse_duration_s
 
@@ -94,7 +95,8 @@ class SearchSpace:
 
     def resolved(self, name: str, model: ModelSpec, cluster: Cluster, seq_len: int | None = None) -> list:
         """The concrete values of one field for this model and cluster (`all`/`L/2` -> layer counts,
-        `auto` precision -> bf16 where the device has it, else fp16, `auto` seq_len -> `seq_len`)."""
+        `auto` precision -> bf16 where the device has it, else fp16, `auto` seq_len -> `seq_len`,
+        `auto` attention -> what transformers picks for the model's class: hf_config.default_attention)."""
         if name == "ckpt_layers":
             return self.ckpt_values(model.num_layers)
         vals = self.values[name]
@@ -102,6 +104,8 @@ class SearchSpace:
             vals = [seq_len if v == "auto" else v for v in vals]
         if name == "precision":
             vals = [("bf16" if cluster.gpu.bf16 else "fp16") if p == "auto" else p for p in vals]
+        if name == "attention":
+            vals = [default_attention(model) if a == "auto" else a for a in vals]
         return list(dict.fromkeys(vals))
 
 
@@ -196,7 +200,7 @@ def _values(key: str, node: yaml.Node, where: str) -> tuple:
 def _allowed_text(key: str) -> str:
     """What a space may give for `key`: the field's own values, plus the symbolic ones that are
     resolved per model and cluster (SearchSpace.resolved)."""
-    if key == "precision":
+    if key in ("precision", "attention"):
         return allowed_text(key).replace("choose from ", "choose from auto, ")
     if key == "seq_len":
         return "auto (the study's --seq-len) or " + allowed_text(key)
@@ -208,7 +212,7 @@ def _allowed_text(key: str) -> str:
 def _allowed(key: str, v: Any) -> bool:
     if key == "ckpt_layers" and isinstance(v, str):
         return v == "all" or _ckpt_ok(v)
-    if key in ("precision", "seq_len") and v == "auto":
+    if key in ("precision", "seq_len", "attention") and v == "auto":
         return True
     try:
         check_value(key, v)

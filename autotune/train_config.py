@@ -93,7 +93,9 @@ class TrainConfig:
     keeps each rank's parameter partition in pinned host memory and gathers from there
     (Rajbhandari et al. 2021, ZeRO-Infinity, arXiv:2104.07857)."""
     attention: Literal["sdpa", "eager", "flash_attention_2"] = _setting(
-        "sdpa", space=("sdpa",), help="attention implementation, transformers' names (flash_attention_2: GPU, hf only)")
+        "sdpa", space=("auto",),
+        help="attention implementation, transformers' names (flash_attention_2: GPU, hf only); default: what "
+             "transformers picks for the model's class (sdpa where it has it, else eager)")
     """transformers' attn_implementation names. sdpa: torch's scaled_dot_product_attention
     (memory-efficient/flash kernels, no s x s matrix kept; what transformers picks by default);
     eager: the explicit softmax(QK^T)V that keeps the s x s scores; flash_attention_2: the

@@ -8,6 +8,7 @@ import dataclasses
 
 from autotune.hardware import Cluster, parse_gpus
 from autotune.models import ModelSpec, resolve_model
+from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, check_config, choices, kind
 
 
@@ -45,7 +46,8 @@ def add_train_config(p: argparse.ArgumentParser) -> None:
         if kind(f.name) is bool:
             p.add_argument(_flag(f), dest=f.name, action="store_true", help=help)
             continue
-        default = None if f.name == "seq_len" else f.default  # seq_len: the model's own maximum, up to 2048
+        # seq_len: the model's own maximum, up to 2048; attention: what transformers picks for the class
+        default = None if f.name in ("seq_len", "attention") else f.default
         c = choices(f.name)
         p.add_argument(_flag(f), dest=f.name, type=kind(f.name), default=default,
                        choices=list(c) if c else None, help=help + ("" if default is None else f" (default {default})"))
@@ -59,6 +61,8 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, Train
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     if values["seq_len"] is None:
         values["seq_len"] = default_seq_len(model)
+    if values["attention"] is None:
+        values["attention"] = default_attention(model)
     cfg = TrainConfig(**values)
     check_config(cfg, model, cluster)
     return model, cluster, cfg

@@ -83,17 +83,16 @@ def build(spec: ModelSpec, precision: str, attention: str, num_layers: int, cfg:
 
 
 def _with_layer_types(spec: ModelSpec, num_layers: int) -> ModelSpec:
-    """A config that lists a type per layer (Qwen2, Mistral-likes: `layer_types`) must list as many
-    as are built; the programs traced may have a layer more than the model. The extrapolation
-    assumes every layer is the same code, so a config whose layers differ is refused."""
+    """A config that lists a type per layer (Qwen2, Gemma 2/3: `layer_types`) must list as many as
+    are built; the programs traced may have more layers than a small config. The list is continued
+    in its own pattern (Gemma2's full, sliding, full, ...), as a deeper model of the same config
+    has it. The extrapolation prices every layer like the traced ones: kinds that differ only in
+    their mask's contents (sliding and full attention) keep the same tensors."""
     types = (spec.hf_config or {}).get("layer_types")
-    if not isinstance(types, list) or len(types) >= num_layers:
+    if not isinstance(types, list) or not types or len(types) >= num_layers:
         return spec
-    if len(set(types)) > 1:
-        raise NotImplementedError(f"model {spec.name}: layers of different kinds ({sorted(set(types))}); the "
-                                  f"traced memory model extrapolates from identical layers")
-    more = {"layer_types": types[:1] * num_layers, "num_hidden_layers": num_layers}  # validated together
-    return dataclasses.replace(spec, hf_config={**spec.hf_config, **more})
+    more = {"layer_types": [types[i % len(types)] for i in range(num_layers)], "num_hidden_layers": num_layers}
+    return dataclasses.replace(spec, hf_config={**spec.hf_config, **more})  # validated together
 
 
 def _first_grad_tensor(tree) -> torch.Tensor | None:
