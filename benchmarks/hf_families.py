@@ -1,6 +1,7 @@
 """Families beyond the five of benchmarks/memory_accuracy.py: does the traced tier follow their code?
 
     python benchmarks/hf_families.py [MODEL_TYPE ...]
+    python benchmarks/hf_families.py --deepspeed [MODEL_TYPE ...]   # real DeepSpeed, 2 CPU ranks (~1 min)
 
 For each transformers model_type below, a 3-layer config of a shape no test uses (hidden 64, 4
 heads, vocab 512, random init) is traced on fake tensors (autotune.memory.traced.trace, the code
@@ -8,6 +9,9 @@ path of every Hugging Face estimate) and run for real on CPU tensors in this pro
 (tests/cpu_step.py: one AdamW step, then a measured one), fp32 sdpa without checkpointing and bf16
 eager with one checkpointed layer. It prints real - traced bytes per phase: the same to the byte
 but for the 0-dim CPU scalars c10 makes outside the dispatcher (a few bytes per layer, under 128).
+With --deepspeed: real DeepSpeed trials on 2 CPU ranks of a wider model (hidden 96) of each type
+(default: phi, qwen3, gemma3_text) at ZeRO-0 fp32, ZeRO-2 bf16 with 1 checkpointed layer and ZeRO-3
+bf16 with 2, against `autotune.memory.estimate`: the whole per-rank peak, DeepSpeed's terms included.
 Classes without sdpa are refused with the attention they support (train_config.check_config), and
 code that cannot run a step says why (code_trace.trace_program).
 """
@@ -69,5 +73,47 @@ def main(types: list[str]) -> None:
     print(f"\n{exact} of {total} traced steps within 128 B of the real step")
 
 
+def deepspeed(types: list[str]) -> None:
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from autotune.memory import estimate
+    from autotune.models import hf_config as hf
+    from autotune.trial import run_trials
+    from autotune.trial.record import TrialRequest
+
+    cluster = parse_gpus("2xcpu")
+    wider = dict(hidden_size=96, intermediate_size=256, vocab_size=700)
+    cases = [(fam, z, p, k, mb) for fam in types
+             for z, p, k, mb in ((0, "fp32", 0, 2), (2, "bf16", 1, 3), (3, "bf16", 2, 2))]
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs = []
+        for fam, z, p, k, mb in cases:
+            shape = {**COMMON, **FAMILIES[fam], **wider}
+            if "head_dim" in shape:
+                shape["head_dim"] = 24
+            spec = hf.spec_from_config(AutoConfig.for_model(fam, **shape), name=f"bench-{fam}",
+                                       source="benchmarks/hf_families.py")
+            cfg = TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=80)
+            reqs.append(TrialRequest(model=spec, cluster=cluster, config=cfg, out_dir=Path(tmp, f"{fam}-{z}"),
+                                     steps=2, warmup_steps=1, timeout_s=300))
+        errors = []
+        for (fam, z, p, k, mb), req, res in zip(cases, reqs, run_trials(reqs)):
+            if res.status != "ok":
+                print(f"{fam:12s} z{z} {p} k={k} mb {mb}: {res.status} {res.reason}")
+                continue
+            est = estimate(req.model, cluster, req.config).tensor_peak_bytes
+            errors.append(abs(est / res.peak_bytes - 1))
+            print(f"{fam:12s} z{z} {p} k={k} mb {mb}: measured {res.peak_bytes:,} B, estimate {est:,} B "
+                  f"({100 * (est / res.peak_bytes - 1):+.2f}%)")
+    if errors:
+        print(f"\nworst |error| {100 * max(errors):.2f}% over {len(errors)} DeepSpeed runs")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(FAMILIES))
+    args = sys.argv[1:]
+    if args[:1] == ["--deepspeed"]:
+        deepspeed(args[1:] or ["phi", "qwen3", "gemma3_text"])
+    else:
+        main(args or list(FAMILIES))
