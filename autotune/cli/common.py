@@ -61,8 +61,10 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, Train
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     if values["seq_len"] is None:
         values["seq_len"] = default_seq_len(model)
-    if values["attention"] is None:
-        values["attention"] = default_attention(model)
-    cfg = TrainConfig(**values)
-    check_config(cfg, model, cluster)
+    pick = values["attention"] is None   # what transformers picks for the class, once the rest is valid
+    cfg = TrainConfig(**{**values, "attention": "eager" if pick else values["attention"]})
+    check_config(cfg, model, cluster)    # fast: looks up no class for eager
+    if pick:
+        cfg = dataclasses.replace(cfg, attention=default_attention(model))
+        check_config(cfg, model, cluster)
     return model, cluster, cfg
