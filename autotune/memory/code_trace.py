@@ -178,7 +178,7 @@ def _unpacked_sequences():
 
 def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
          host_rng: bool) -> dict[str, dict[str, int]]:
-    from autotune.memory.traced import _adamw, _classify, _tracing, segment_points
+    from autotune.memory.traced import _adamw, _backward_and_step, _classify, _tracing, segment_points
 
     marks = {"measure": False, "backward": False, "shared": set()}
     with _tracing(host_rng) as live, _unpacked_sequences():
@@ -198,13 +198,7 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
         marks["loss"] = live.track(loss)
         marks["saved"] = live.live_serials()
         live.peaks["fwd.end"] = (live.live, marks["saved"])
-        marks["backward"] = True
-        live.enter("bwd.head")
-        loss.backward()
-        marks["backward"] = False
-        live.enter("opt")
-        opt.step()
-        live.enter(None)
+        _backward_and_step(live, marks, loss, opt)
         grads = {live.track(p.grad) for p in params}
         del loss
         known = {

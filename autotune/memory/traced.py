@@ -185,13 +185,7 @@ def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, f
         batch = torch.randint(0, spec.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
         marks["measure"] = True
         loss = model(batch[:, :-1], batch[:, 1:])
-        marks["backward"] = True
-        live.enter("bwd.head")
-        loss.backward()
-        marks["backward"] = False
-        live.enter("opt")
-        opt.step()
-        live.enter(None)
+        _backward_and_step(live, marks, loss, opt)
         grads = {live.track(p.grad) for p in model.parameters()}
         del loss
         known = {
@@ -204,6 +198,18 @@ def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, f
         }
         known["activations"] = set(marks["saved"]) - set().union(*known.values())
     return {name: _classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)}
+
+
+def _backward_and_step(live: _LiveBytes, marks: dict, loss, opt) -> None:
+    """The measured step after the forward: backward from the loss's segment, then the optimizer's
+    (marks["backward"] tells the module hooks that a recomputation is not the forward)."""
+    marks["backward"] = True
+    live.enter("bwd.head")
+    loss.backward()
+    marks["backward"] = False
+    live.enter("opt")
+    opt.step()
+    live.enter(None)
 
 
 def segment_points(ckpt: int, full: int) -> list[tuple[str, str]]:
