@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal
 
@@ -174,8 +174,8 @@ class TrainConfig:
                 object.__setattr__(self, name, TrainConfig.__dataclass_fields__[name].default)
         elif isinstance(self.lora_dropout, int) and not isinstance(self.lora_dropout, bool):
             object.__setattr__(self, "lora_dropout", float(self.lora_dropout))  # YAML's 0 is an int
-        for f in dataclasses.fields(self):
-            check_value(f.name, getattr(self, f.name))
+        for name in _FIELD_NAMES:
+            check_value(name, getattr(self, name))
         if self.offload_optimizer and self.zero_stage == 0:
             raise SpecError("offload_optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads the "
                             "partitioned optimizer only)")
@@ -230,11 +230,13 @@ class TrainConfig:
         return self.micro_batch * self.seq_len
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # every field is a scalar: no deep copy needed (dataclasses.asdict deep-copies each value,
+        # and a search space's expansion calls this per combination)
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
 
     def key(self) -> tuple:
         """Identity of the candidate, for de-duplication."""
-        return tuple(sorted(asdict(self).items()))
+        return tuple(sorted(self.to_dict().items()))
 
     def short(self) -> str:
         """`z3 bf16 mb4 ga1 ckpt10`, then every other searched setting that is not its default."""
@@ -251,6 +253,9 @@ class TrainConfig:
             if f.metadata["column"] == "varying" and v != f.default:
                 parts.append(f.name.replace("_optimizer", "") if v is True else str(v))
         return " ".join(parts)
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
 STABILITY_RISKS = {
@@ -277,12 +282,14 @@ def searched_fields() -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(TrainConfig) if f.metadata["space"] is not None)
 
 
+@cache   # static per field, and called for every field of every config built (a search space's product)
 def choices(name: str) -> tuple | None:
     """The allowed values of a Literal field (None for int and bool fields)."""
     t = _types()[name]
     return typing.get_args(t) if typing.get_origin(t) is Literal else None
 
 
+@cache
 def kind(name: str) -> type:
     """int, bool, or the Python type of a Literal field's choices."""
     c = choices(name)
