@@ -23,6 +23,7 @@ from typing import Any, Literal
 from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
+from autotune.models.hf_config import attentions
 
 Precision = Literal["fp32", "fp16", "bf16"]
 
@@ -353,7 +354,7 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
         if model.implementation != "hf":
             raise SpecError(f"attention flash_attention_2 is a transformers attn_implementation; the "
                             f"{model.implementation} code has sdpa or eager")
-    supported = None if cfg.attention == "eager" else _attentions(model)   # every class runs eager
+    supported = None if cfg.attention == "eager" else attentions(model)   # every class runs eager
     if supported is not None and cfg.attention not in supported:
         cls = (model.hf_config or {}).get("architectures", [model.name])[0]
         raise SpecError(f"model {model.name}: {cls} has no {cfg.attention} attention in transformers; it runs "
@@ -378,9 +379,3 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
                         f"the {cluster.gpus_per_node} GPUs per node (hpZ partitions within a node)")
     if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
         raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")
-
-
-def _attentions(model: ModelSpec) -> tuple[str, ...] | None:
-    from autotune.models.hf_config import attentions
-
-    return attentions(model)

@@ -362,21 +362,26 @@ seq_len: [1024, 2048, 4096]
 """
 
 
+def simulated_search(tmp_path, monkeypatch, space: str, gpus: str = "4xA100", **kw):
+    """A simulated search of 13B over `space` (YAML text) in its own trials folder: the study."""
+    from autotune import study as st
+    from autotune.workflow import open_search
+
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
+    (tmp_path / "space.yaml").write_text(space)
+    with open_search(model="13b", gpus=gpus, executor="simulated", space=tmp_path / "space.yaml", **kw) as s:
+        s.run(progress=False)
+        name = s.study.study_name
+    return st.load_study(name)
+
+
 @pytest.mark.slow   # the whole 13B space, traced
 @pytest.mark.parametrize("objective", ["samples", "tokens"])
 def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
     """seq_len is searched like any axis; the objective decides the ranking and is recorded."""
     from autotune import report
-    from autotune import study as st
-    from autotune.workflow import open_search
 
-    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
-    (tmp_path / "space.yaml").write_text(SEQ_SPACE)
-    with open_search(model="13b", gpus="4xA100", executor="simulated", space=tmp_path / "space.yaml",
-                     objective=objective) as s:
-        s.run(progress=False)
-        name = s.study.study_name
-    study = st.load_study(name)
+    study = simulated_search(tmp_path, monkeypatch, SEQ_SPACE, objective=objective)
     df = report.trials_frame(study)
     ok = df[df["status"] == "ok"]
     assert set(ok["seq_len"]) == {1024, 2048, 4096}
@@ -417,16 +422,10 @@ def test_offload_param_moves_the_partition_to_host_and_host_ram_prunes():
 
 def test_host_memory_prunes_in_a_search(tmp_path, monkeypatch):
     from autotune import report
-    from autotune import study as st
-    from autotune.workflow import open_search
 
-    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
-    (tmp_path / "space.yaml").write_text("zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
-                                         "offload_param: [none, cpu]\noffload_optimizer: [false, true]\n")
-    with open_search(model="13b", gpus="8xH100@host=64GiB", executor="simulated", space=tmp_path / "space.yaml") as s:
-        s.run(progress=False)
-        name = s.study.study_name
-    df = report.trials_frame(st.load_study(name))
+    space = ("zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
+             "offload_param: [none, cpu]\noffload_optimizer: [false, true]\n")
+    df = report.trials_frame(simulated_search(tmp_path, monkeypatch, space, gpus="8xH100@host=64GiB"))
     host = df[df["pruned_by"] == "host-memory"]
     # the optimizer offloaded (16 B/param over 8 GPUs, ~26 GB per GPU) does not fit 64 GiB a node; the
     # 16-bit partition alone (~3.3 GB per GPU) does
@@ -439,8 +438,6 @@ def test_host_memory_prunes_in_a_search(tmp_path, monkeypatch):
 def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path, monkeypatch):
     """Master weights 4 -> 2 B and moments 8 -> 4 B per partition element; the report warns."""
     from autotune import report
-    from autotune import study as st
-    from autotune.workflow import open_search
 
     model, cluster = resolve_model("13b"), parse_gpus("4xA100")
     fp32 = estimate(model, cluster, TrainConfig(zero_stage=3, ckpt_layers=40)).terms
@@ -450,13 +447,9 @@ def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path,
     assert bf16["optimizer_states"] * 2 == pytest.approx(fp32["optimizer_states"], abs=2)
     with pytest.raises(SpecError, match="needs offload_optimizer"):
         TrainConfig(zero_stage=3, bf16_master_weights_and_grads=True)
-    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
-    (tmp_path / "space.yaml").write_text("zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
-                                         "bf16_master_weights_and_grads: [true]\nbf16_optimizer_states: [true]\n")
-    with open_search(model="13b", gpus="4xA100", executor="simulated", space=tmp_path / "space.yaml") as s:
-        s.run(progress=False)
-        name = s.study.study_name
-    text = report.render(st.load_study(name))
+    space = ("zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
+             "bf16_master_weights_and_grads: [true]\nbf16_optimizer_states: [true]\n")
+    text = report.render(simulated_search(tmp_path, monkeypatch, space))
     assert "WARNING: rank" in text and "stability risk" in text
 
 
