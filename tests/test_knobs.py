@@ -45,6 +45,9 @@ IDS = ["-".join(f"{k}={v}" for k, v in kw.items()) for kw in KNOBS]
 
 UNDER, OVER = 0.01, 0.03
 """tests/test_trial.py's tolerance: at most 1% under the measured peak, at most 3% over."""
+JITTER = 256
+"""Two runs of one program: the same peak but for the few bytes of scalars that gloo's threads free a
+moment earlier or later (trial/launch.py LEAK_TOLERANCE_BYTES: up to ~100 B measured)."""
 OVER_ONE_BUCKET = 0.07
 """When one bucket holds every gradient (reduce_bucket_size >= P), a second gradient partition is live
 at one step in some runs and not in others (measured: tiny-llama z1/z2 bf16 with a 4e6 bucket, +P/N x
@@ -161,14 +164,15 @@ def test_stage3_prefetch_on_transformers_code_matches_the_traced_tier(tmp_path, 
 @pytest.mark.slow
 def test_max_live_parameters_releases_nothing_and_a_big_bucket_costs_memory(measured):
     """stage3_max_live_parameters caps the prefetch only: 1 element (no prefetch at all) keeps the
-    default's forward peak to the byte, and so does a one-parameter bucket. A larger bucket gathers
-    more ahead into one flat buffer live until the head (4e6: every parameter after the embedding),
+    default's forward peak (to the byte when measured; JITTER here), and so does a one-parameter
+    bucket. A larger bucket gathers more ahead into one flat buffer live until the head (4e6: every
+    parameter after the embedding),
     unless max_live (6e5) stops the prefetch first (test above: the bytes)."""
     base = measured["zero_stage=3-precision=bf16"][1]
     peaks = {k.removeprefix("zero_stage=3-precision=bf16-"): measured[k][1].phase_peak_bytes["forward"] for k in S3}
-    assert peaks["stage3_max_live_parameters=1"] == peaks["stage3_prefetch_bucket_size=1"] == \
-        base.phase_peak_bytes["forward"]
-    assert peaks[f"stage3_prefetch_bucket_size={BIG}-stage3_max_live_parameters=600000"] == base.phase_peak_bytes["forward"]
+    same = pytest.approx(base.phase_peak_bytes["forward"], abs=JITTER)
+    assert peaks["stage3_max_live_parameters=1"] == same and peaks["stage3_prefetch_bucket_size=1"] == same
+    assert peaks[f"stage3_prefetch_bucket_size={BIG}-stage3_max_live_parameters=600000"] == same
     assert peaks[f"stage3_prefetch_bucket_size={BIG}"] > peaks["stage3_prefetch_bucket_size=500000"] > \
         base.phase_peak_bytes["forward"]
 
@@ -283,6 +287,8 @@ def test_max_seq_len_and_micro_batch_are_the_largest_that_fit(capsys):
     assert out["max_seq_len"] == largest_fitting(model, cluster, cfg, "seq_len")
     tiny = resolve_model("tiny-gpt2")   # learned positions: never past the model's own maximum
     assert largest_fitting(tiny, parse_gpus("2xH100"), TrainConfig(seq_len=32), "seq_len") == tiny.max_seq_len
+    llama = resolve_model("tiny-llama")   # traced: no probe fits, nor does 1
+    assert largest_fitting(llama, parse_gpus("1xcpu@1MiB"), TrainConfig(seq_len=32), "seq_len") == 0
 
 
 PARSE = r"""
@@ -475,7 +481,7 @@ def test_full_space_knobs_do_not_multiply_the_trials():
 
     space = load_space(SPACES_DIR / "full.yaml")
     assert {f.name for f in searched_fields()} <= set(space.values)
-    flags_only = ("allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters")
+    flags_only = ("allgather_bucket_size",)
     assert all(len(space.values[n]) > 1 for n in MEMORY_FOR_SPEED if n not in flags_only)
     model, cluster = resolve_model("13b"), parse_gpus("4xA100")
     cands = [Candidate(c, estimate(model, cluster, c)) for c in expand(space, model, cluster, seq_len=2048).candidates]

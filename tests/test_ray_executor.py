@@ -103,7 +103,11 @@ class TestTwoNodes:
         res = results[ticket]
         assert res.status == "ok", res.reason + res.log_tail
         assert len(set(res.nodes)) == 2  # STRICT_SPREAD: one rank on each Ray node
-        assert len(res.peak_bytes_per_rank) == 2 and res.peak_bytes_per_rank[0] == res.peak_bytes_per_rank[1]
+        # the same model on both ranks: the same peak but for the few bytes of scalars that gloo's threads
+        # free a moment earlier or later (trial/launch.py LEAK_TOLERANCE_BYTES; a CI run: 17,678,248 and
+        # 17,678,252 B)
+        a, b = res.peak_bytes_per_rank
+        assert abs(a - b) <= 256, res.peak_bytes_per_rank
         assert res.losses[-1] < res.losses[0]
         assert not ranks_of(tmp_path)
 
