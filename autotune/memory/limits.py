@@ -51,10 +51,10 @@ def largest_fitting(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, name: 
     def fits(v: int) -> bool:
         return est(v).fits
 
-    if not fits(1):
-        return 0
     if builtin(model) or PROBES[name][-1] > top:
-        return _search(fits, 1, None, top)
+        return _search(fits, 1, None, top) if fits(1) else 0
+    if not fits(PROBES[name][0]) and not fits(1):   # a probe that fits implies 1 fits: no trace for it
+        return 0
     guess = None
     for _ in range(3):
         near = sorted(seen, key=lambda v: abs(v - guess))[:3] if guess else PROBES[name]
