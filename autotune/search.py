@@ -315,8 +315,8 @@ class Search:
     def _record(self, decided: list[tuple[Candidate, dict]]) -> None:
         """Store candidates decided without a run as PRUNED trials, in one batch."""
         if decided:
-            self.study.add_trials([st.pruned_record(c.cfg, self.dists, {**self._est_attrs(c), **a})
-                                   for c, a in decided])
+            st.add_finished(self.study, [st.pruned_record(c.cfg, self.dists, {**self._est_attrs(c), **a})
+                                         for c, a in decided])
             for _ in decided:
                 self._count("pruned")
 

@@ -380,3 +380,32 @@ def test_end_to_end_real_trials_killed_and_resumed(tmp_path):
                            text=True, timeout=120, env=env)
     assert check.returncode == 0, check.stderr[-2000:]
     assert json.loads(check.stdout.strip().splitlines()[-1])["world"] == 2
+
+
+def test_bulk_pruned_records_read_back_as_add_trials_writes_them(tmp_path, monkeypatch):
+    """st.add_finished writes Optuna's rows itself (one transaction instead of one per trial): what it
+    wrote reads back through Optuna exactly as `Study.add_trials` writes it, numbered after a running
+    trial, and the study goes on (ask, tell) as usual."""
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
+    cfgs = [TrainConfig(zero_stage=z, micro_batch=b, precision=p) for z in (0, 3) for b in (1, 2, 8)
+            for p in ("fp32", "bf16")]
+    dists = st.distributions(cfgs)
+    records = [st.pruned_record(c, dists, {"pruned_by": "memory", "reason": f"r{i}", "estimate": {"total_bytes": i}})
+               for i, c in enumerate(cfgs)]
+    studies = {}
+    for name, write in (("one", lambda s, r: s.add_trials(r)), ("bulk", st.add_finished)):
+        study = st.create_study(name, None, {"x": 1}, sampler=optuna.samplers.RandomSampler(seed=0))
+        running = study.ask(dists)
+        write(study, records)
+        study.tell(running, 1.5)
+        study.tell(study.ask(dists), state=optuna.trial.TrialState.FAIL)
+        studies[name] = st.load_study(name).trials
+    one, bulk = studies["one"], studies["bulk"]
+    assert len(bulk) == len(cfgs) + 2 and [t.number for t in bulk] == list(range(len(cfgs) + 2))
+
+    def view(t):
+        return (t.number, t.state, t.value, t.params, t.distributions, t.user_attrs, t.datetime_start is None)
+
+    assert [view(t) for t in bulk] == [view(t) for t in one]
+    assert [t.number for t in bulk if t.state.name == "PRUNED"] == list(range(1, len(cfgs) + 1))
+    assert [st.record_of(t).config for t in bulk[1:-1]] == cfgs
