@@ -4,9 +4,11 @@ Space: ZeRO 0-3 x k in 0..40 x micro batch 1..64 x {fp32, fp16, bf16} = 31,488 c
 Target: under 0.1 s. Prints the grid path (what the search uses) and the point-by-point path,
 and the ratio between them measured in the same run, for the stand-in model (analytic terms),
 then for the Hugging Face Llama-2-13B (traced terms: the one-time trace of its small programs,
-then the whole space again from the cache).
+then the whole space again from the cache, then as a later run finds it: its programs read back
+from the disk cache, memory/trace_cache.py).
 
-Last, `--max-seq-len` for ZeRO-3 (issue target: under a second) with each implementation.
+Last, `--max-seq-len` for ZeRO-3 (issue target: under a second) with each implementation, and
+for transformers' code as a first and as a later run.
 
     python benchmarks/estimate_speed.py
 """
@@ -14,6 +16,9 @@ Last, `--max-seq-len` for ZeRO-3 (issue target: under a second) with each implem
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -26,21 +31,30 @@ from autotune.train_config import TrainConfig
 
 
 def main() -> None:
-    builtin()
-    hugging_face()
-    max_seq_len()
+    # A cache of our own, empty: "first" below is a first run's tracing (memory/trace_cache.py)
+    os.environ["AUTOTUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="estimate-speed-")
+    try:
+        builtin()
+        hugging_face()
+        max_seq_len()
+    finally:
+        shutil.rmtree(os.environ["AUTOTUNE_CACHE_DIR"], ignore_errors=True)
 
 
 def max_seq_len() -> None:
     """`autotune estimate --model 13b --gpus 4xA100 --zero 3 --max-seq-len`, after the imports and
-    the first trace (which any estimate pays), for each implementation."""
-    from autotune.memory import limits
+    the first trace (which any estimate pays), for each implementation; for transformers' code as
+    the first run traces it, then as a later run finds it (the programs read back from the disk
+    cache, the in-memory one cleared)."""
+    from autotune.memory import code_trace, limits
 
     cluster = parse_gpus("4xA100")
     cfg = TrainConfig(zero_stage=3, precision="bf16", seq_len=2048)
     print()
-    for impl in ("builtin", "hf"):
+    for impl, run in (("builtin", ""), ("hf", "first run"), ("hf", "a later run")):
         model = resolve_model("13b", implementation=impl)
+        if run == "a later run":
+            code_trace._PROGRAMS.clear()
         estimate(model, cluster, dataclasses.replace(cfg, seq_len=1))      # imports, first trace
         calls = []
         original = limits.estimate
@@ -51,8 +65,8 @@ def max_seq_len() -> None:
             dt = time.perf_counter() - t0
         finally:
             limits.estimate = original
-        print(f"max seq len ({impl}, ZeRO-3 bf16 micro batch 1): {v} in {dt:.2f} s, {len(calls)} estimates "
-              f"-> target under 1 s: {'met' if dt < 1 else 'MISSED'}")
+        print(f"max seq len ({impl}{', ' + run if run else ''}, ZeRO-3 bf16 micro batch 1): {v} in {dt:.2f} s, "
+              f"{len(calls)} estimates -> target under 1 s: {'met' if dt < 1 else 'MISSED'}")
 
 
 def hugging_face() -> None:
@@ -75,6 +89,11 @@ def hugging_face() -> None:
         best = min(best, time.perf_counter() - t0)
     print(f"cached grid: {n:,} candidates in {best * 1e3:.1f} ms; {fits:,} fit "
           f"-> target well under 1 s: {'met' if best < 0.5 else 'MISSED'}")
+    code_trace._PROGRAMS.clear()
+    t0 = time.perf_counter()
+    sum(int((grid_total_bytes(model, cluster, b, mbs, ks) <= cluster.capacity_bytes).sum()) for b in bases)
+    print(f"a later run's first grid: {time.perf_counter() - t0:.2f} s, the {len(code_trace._PROGRAMS)} programs "
+          f"read back from the disk cache")
 
 
 def builtin() -> None:

@@ -14,6 +14,7 @@ from autotune.hardware import parse_gpus
 from autotune.memory import _phases, code_trace, estimate
 from autotune.memory.grid import grid_total_bytes
 from autotune.memory.traced import trace
+from autotune.models import SpecError
 from autotune.train_config import TrainConfig
 
 from conftest import quick
@@ -123,3 +124,36 @@ def test_deepspeed_runs_of_hf_models_match_the_estimate(tmp_path):
         assert res.status == "ok", res.reason
         est = estimate(req.model, gpus, req.config).tensor_peak_bytes
         assert abs(est / res.peak_bytes - 1) <= 0.01, (req.model.name, req.config.short(), est, res.peak_bytes)
+
+
+def test_traces_are_kept_on_disk_for_transformers_code_only(tmp_path, monkeypatch):
+    """A later process reads a program back instead of tracing it (memory/trace_cache.py): with the
+    in-memory cache cleared and tracing made to fail, the estimate is the same; a user's module
+    (factory) is traced every time, and a corrupt entry is traced again."""
+    from autotune.memory import trace_cache
+
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(code_trace, "_PROGRAMS", {})
+    s = spec("llama")
+    cfg = TrainConfig(micro_batch=1, seq_len=24, precision="bf16", ckpt_layers=1)
+    first = estimate(s, CPU, cfg)
+    files = sorted((tmp_path / "traces" / trace_cache.fingerprint()).glob("*.json"))
+    assert len(files) == len(code_trace._PROGRAMS) >= 2
+
+    def refuse(*a, **k):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(code_trace, "_PROGRAMS", {})
+    monkeypatch.setattr(code_trace, "_run", refuse)
+    again = estimate(s, CPU, cfg)
+    assert again.phases == first.phases and again.terms == first.terms
+    files[0].write_text("{not json")
+    monkeypatch.setattr(code_trace, "_PROGRAMS", {})
+    with pytest.raises(SpecError, match="traced again"):
+        estimate(s, CPU, cfg)
+    monkeypatch.undo()
+
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "factory"))
+    user = dataclasses.replace(s, implementation="factory", factory="tests.tiny_factory:make")
+    estimate(user, CPU, cfg)
+    assert not (tmp_path / "factory").exists()

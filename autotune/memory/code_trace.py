@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from autotune.errors import SpecError
+from autotune.memory import trace_cache
 from autotune.models import ModelSpec
 from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, torch_dtype
@@ -221,9 +222,15 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
     the program are in the key: not the ZeRO stage, cluster size or grad_accum."""
     key = (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng,
            cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout)
+    if key not in _PROGRAMS and spec.implementation == "hf":   # a user's module can change: not kept
+        stored = trace_cache.load(key)
+        if stored is not None:
+            _PROGRAMS[key] = stored
     if key not in _PROGRAMS:
         try:
             _PROGRAMS[key] = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
+            if spec.implementation == "hf":
+                trace_cache.store(key, _PROGRAMS[key])
         except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError) as e:
             # The model's own code refused the step (measured: transformers' Mixtral experts run
             # torch._grouped_mm, which takes bf16 only on CPU, so fp32 fails there as in a real run).
