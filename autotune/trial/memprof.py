@@ -113,12 +113,16 @@ class CpuCurve:
 
     def phase_peaks(self, step: str) -> dict[str, int]:
         """Peak per phase (forward, backward, optimizer) inside the range `step`, relative to baseline."""
+        return {phase: peak for phase, (peak, _) in self.phase_peak_times(step).items()}
+
+    def phase_peak_times(self, step: str) -> dict[str, tuple[int, int]]:
+        """(peak relative to baseline, its time) per phase inside the range `step`."""
         s0, s1 = self.span(step)
         out = {}
         for phase in ("forward", "backward", "optimizer"):
             inside = [sp for sp in self.ranges.get(MARK + phase, []) if s0 <= sp[0] and sp[1] <= s1]
             if inside:
-                out[phase] = max(self.peak(a, b)[0] for a, b in inside)
+                out[phase] = max(self.peak(a, b) for a, b in inside)
         return out
 
     def _group(self, indices) -> dict[str, list[int]]:

@@ -363,10 +363,13 @@ def cpu_memory(curve, req, rank: int) -> dict:
         steps.append(peak)
         ends.append(curve.live_at(curve.span(name)[1]) - curve.baseline_bytes)
         best = max(best, (peak, t_peak))
-    phase = curve.phase_peaks(f"autotune.step{req.warmup_steps + len(steps) - 1}") if steps else {}
-    if steps:
+    at = curve.phase_peak_times(f"autotune.step{req.warmup_steps + len(steps) - 1}") if steps else {}
+    phase = {k: v for k, (v, _) in at.items()}
+    if steps:   # the step's peak, then each phase's of the last step, then what was allocated
+        tables = [curve.live_table(best[1])] + [f"{name} phase of the last step:\n{curve.live_table(t)}"
+                                               for name, (_, t) in at.items()]
         Path(req.out_dir, "memory_summary.txt" if rank == 0 else f"memory_summary_rank{rank}.txt").write_text(
-            curve.live_table(best[1]) + "\n\n" + curve.alloc_table())
+            "\n\n".join(tables + [curve.alloc_table()]))
     return {"init_peak_bytes": init_peak, "peak_bytes": best[0] if steps else None,
             "step_peak_bytes": steps, "step_end_bytes": ends, "phase_peak_bytes": phase,
             "baseline_bytes": curve.baseline_bytes, "reserved_bytes": None}
