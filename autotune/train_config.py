@@ -309,8 +309,24 @@ def allowed_text(name: str) -> str:
     return "positive integers" if low == 1 else f"integers >= {low}"
 
 
+_VALID: set[tuple] = set()
+"""(field, type, value) seen valid: a space's expansion builds ~1M configs of a few dozen values."""
+
+
 def check_value(name: str, v: Any) -> None:
     """Raise SpecError unless `v` is a valid value of field `name` (bools are not integers here)."""
+    try:
+        key = (name, v.__class__, v)
+        if key in _VALID:
+            return
+    except TypeError:   # an unhashable value: checked every time
+        key = None
+    _check_value(name, v)
+    if key is not None:
+        _VALID.add(key)
+
+
+def _check_value(name: str, v: Any) -> None:
     c, k = choices(name), kind(name)
     ok = isinstance(v, k) and (k is bool or not isinstance(v, bool))
     if k is float:  # the dropout probabilities
