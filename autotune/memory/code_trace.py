@@ -203,7 +203,8 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
         grads = {live.track(p.grad) for p in params}
         del loss
         known = {
-            "parameters": {live.track(p) for p in model.parameters()} | {live.track(b) for b in model.buffers()},
+            "parameters": {live.track(p) for p in model.parameters()},
+            "module_buffers": {live.track(b) for b in model.buffers()},
             "gradients": grads,
             "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
                                  if isinstance(t, torch.Tensor)},

@@ -33,11 +33,11 @@ from autotune.train_config import TrainConfig, torch_dtype
 from autotune.builtin import Transformer
 from autotune.units import fmt_bytes
 
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "batch_and_loss", "rotary_tables",
+CATEGORIES = ("parameters", "module_buffers", "gradients", "optimizer_states", "batch_and_loss", "rotary_tables",
               "activations", "temporaries")
 """How `raw_phases` splits the single-process program's live bytes."""
 TRACED_TERMS = {"activations", "checkpointed_inputs", "rotary_tables", "logits_and_loss", "logits_transient",
-                "recomputed_layer", "optimizer_temporaries"}
+                "recomputed_layer", "optimizer_temporaries", "module_buffers"}
 """Analytic terms the trace replaces; every other term of a phase (model states, gradients, buffers
 for the ZeRO stage) is taken from autotune.memory as it stands."""
 PHASE_POINTS = {
@@ -371,7 +371,10 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
     if in_grad and cfg.grad_accum == 1 and phase.startswith("backward"):
         full_grads = analytic["backward (end)"].get("gradients", 0)
         out["gradients"] = round(full_grads * cats["gradients"] / points["opt"]["gradients"])
-    out.update(batch_and_loss=cats["batch_and_loss"], rotary_tables=cats["rotary_tables"])
+    # the module's registered buffers (a causal-mask table, sinusoidal positions): whole on every rank
+    # at every stage, as ZeRO partitions parameters only (DeepSpeed stage3.py)
+    out.update(batch_and_loss=cats["batch_and_loss"], rotary_tables=cats["rotary_tables"],
+               module_buffers=cats.get("module_buffers", 0))
     transient = cats["temporaries"]
     if phase in ("forward", "backward (loss)"):
         _, a, b = fit["activations"]
