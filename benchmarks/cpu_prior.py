@@ -143,17 +143,15 @@ def main() -> None:
     p.add_argument("--every", type=int, default=3, help="train every N-th landscape config again (same-run check)")
     p.add_argument("--only-same-run", action="store_true", help="only the same-run check")
     args = p.parse_args()
-    if args.only_same_run:
-        for path in sorted(DATA.glob("cpu_landscape*.csv")):
-            same_run(path, args.every)
-        return
-    if not args.no_trials:
+    landscapes = sorted(DATA.glob("cpu_landscape*.csv"))
+    if not args.no_trials and not args.only_same_run:
         for model in (TINY, MID):
             deepspeed_overhead(model, args.repeats)
-    for path in sorted(DATA.glob("cpu_landscape*.csv")):
-        against_landscape(path)
+    if not args.only_same_run:
+        for path in landscapes:
+            against_landscape(path)
     if not args.no_trials:
-        for path in sorted(DATA.glob("cpu_landscape*.csv")):
+        for path in landscapes:
             same_run(path, args.every)
 
 

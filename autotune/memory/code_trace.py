@@ -223,15 +223,14 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
     the program are in the key: not the ZeRO stage, cluster size or grad_accum."""
     key = (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng,
            cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout)
-    if key not in _PROGRAMS and spec.implementation == "hf":   # a user's module can change: not kept
+    kept = spec.implementation == "hf"   # a user's module can change between runs: not kept on disk
+    if key not in _PROGRAMS and kept:
         stored = trace_cache.load(key)
         if stored is not None:
             _PROGRAMS[key] = stored
     if key not in _PROGRAMS:
         try:
-            _PROGRAMS[key] = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
-            if spec.implementation == "hf":
-                trace_cache.store(key, _PROGRAMS[key])
+            program = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
         except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError) as e:
             # The model's own code refused the step (measured: transformers' Mixtral experts run
             # torch._grouped_mm, which takes bf16 only on CPU, so fp32 fails there as in a real run).
@@ -240,6 +239,9 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
                             f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
                             f"{cfg.micro_batch}, seq {cfg.seq_len} "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        _PROGRAMS[key] = program
+        if kept:
+            trace_cache.store(key, program)
     return _PROGRAMS[key]
 
 
