@@ -60,11 +60,19 @@ def _print_simulated(model, cluster, cfg) -> None:
 
 
 def run(args) -> int:
+    from autotune.memory.limits import traced_once
+
+    model, cluster, cfg = specs_from_args(args)
+    # asked for the largest sequence length, the configuration's own estimate comes from the same build
+    with traced_once(model, cfg, "seq_len" if args.max_seq_len else "micro_batch" if args.max_micro_batch else None):
+        return _run(args, model, cluster, cfg)
+
+
+def _run(args, model, cluster, cfg) -> int:
     from autotune.memory import estimate
     from autotune.train_config import risks
     from autotune.units import GiB, fmt_bytes
 
-    model, cluster, cfg = specs_from_args(args)
     est = estimate(model, cluster, cfg)
     if args.json:
         out = {"implementation": model.code_name, **est.to_json(), "model": model.name, "gpus": cluster.text,

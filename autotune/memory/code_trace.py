@@ -177,9 +177,13 @@ def _unpacked_sequences():
         masking_utils.find_packed_sequence_indices = original
 
 
-def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
-         host_rng: bool) -> dict[str, dict[str, int]]:
-    from autotune.memory.traced import _adamw, _backward_and_step, _classify, _tracing, segment_points
+def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, host_rng: bool,
+         vary: tuple[str, tuple[int, ...]] | None = None):
+    """One program: its segment peaks by category. With `vary` = (field, values), one measured step at
+    each value of `cfg`'s field ("seq_len" or "micro_batch") in one build, and each step's
+    (peaks, seq_family.Record) returned: every step starts from the same steady state (optimizer
+    states made, gradients freed), which seq_family.fit checks in the records."""
+    from autotune.memory.traced import _adamw, _tracing
 
     marks = {"measure": False, "backward": False, "shared": set()}
     with _tracing(host_rng) as live, _unpacked_sequences():
@@ -192,42 +196,74 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        batch = torch.randint(0, spec.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
-        marks["measure"] = True
-        live.enter("fwd.start")
-        loss = impl.loss(model, batch)
-        marks["loss"] = live.track(loss)
-        marks["saved"] = live.live_serials()
-        live.peaks["fwd.end"] = (live.live, marks["saved"])
-        _backward_and_step(live, marks, loss, opt)
-        grads = {live.track(p.grad) for p in params}
-        del loss
-        known = {
-            "parameters": {live.track(p) for p in model.parameters()},
-            "module_buffers": {live.track(b) for b in model.buffers()},
-            "gradients": grads,
-            "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
-                                 if isinstance(t, torch.Tensor)},
-            "batch_and_loss": {live.track(batch), marks["loss"]},
-            "rotary_tables": marks["shared"],
-        }
-        known["activations"] = set(marks["saved"]) - set().union(*known.values())
-    return {name: _classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)
-            if segment in live.peaks}
+        step = dict(live=live, marks=marks, impl=impl, model=model, opt=opt, params=params, ckpt=ckpt, full=full,
+                    vocab=spec.vocab_size)
+        if vary is None:
+            return _measured_step(**step, shape=(cfg.micro_batch, cfg.seq_len))[0]
+        name, values = vary
+        return [_measured_step(**step, shape=(v if name == "micro_batch" else cfg.micro_batch,
+                                              v if name == "seq_len" else cfg.seq_len), record=True)
+                for v in values]
+
+
+def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: int, vocab: int,
+                   shape: tuple[int, int], record: bool = False):
+    """One training step of a (micro batch, seq) batch from the steady state, and back to it:
+    (segment peaks by category, the step's seq_family.Record where `record`, else None)."""
+    from autotune.memory.seq_family import Record
+    from autotune.memory.traced import _backward_and_step, _classify, segment_points
+
+    if record:
+        baseline = sorted(live.live_serials().items())
+        live.log, live.samples = [], []
+    batch = torch.randint(0, vocab, (shape[0], shape[1] + 1))
+    marks.update(measure=True, backward=False, shared=set())
+    live.enter("fwd.start")
+    loss = impl.loss(model, batch)
+    marks["loss"] = live.track(loss)
+    marks["saved"] = live.live_serials()
+    live.point("fwd.end")
+    _backward_and_step(live, marks, loss, opt)
+    grads = {live.track(p.grad) for p in params}
+    del loss
+    known = {
+        "parameters": {live.track(p) for p in model.parameters()},
+        "module_buffers": {live.track(b) for b in model.buffers()},
+        "gradients": grads,
+        "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
+                             if isinstance(t, torch.Tensor)},
+        "batch_and_loss": {live.track(batch), marks["loss"]},
+        "rotary_tables": marks["shared"],
+    }
+    known["activations"] = set(marks["saved"]) - set().union(*known.values())
+    points = segment_points(ckpt, full)
+    peaks = {name: _classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
+    rec = Record(baseline=baseline, log=live.log, samples=live.samples, known=known,
+                 points=points) if record else None
+    marks["measure"] = False
+    opt.zero_grad(set_to_none=True)
+    live.log = live.samples = None
+    live.peaks.clear()
+    return peaks, rec
 
 
 def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
                   host_rng: bool) -> dict[str, dict[str, int]]:
     """Segment peaks by category of a (ckpt + full)-layer `spec` in its own code, its first `ckpt`
     layers checkpointed (traced.py's `_trace_program` contract), cached. Only the fields that change
-    the program are in the key: not the ZeRO stage, cluster size or grad_accum."""
-    key = (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng,
-           cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout)
+    the program are in the key: not the ZeRO stage, cluster size or grad_accum. Inside `families`,
+    a value in its range of the field it names is replayed from the program's family
+    (seq_family.py) where that is exact."""
+    key = _key(spec, cfg, ckpt, full, fused, host_rng)
     kept = spec.implementation == "hf"   # a user's module can change between runs: not kept on disk
     if key not in _PROGRAMS and kept:
         stored = trace_cache.load(key)
         if stored is not None:
             _PROGRAMS[key] = stored
+    if key not in _PROGRAMS and _VARY is not None and _VARY[1][0] <= getattr(cfg, _VARY[0]) <= _VARY[1][-1]:
+        family = _family(spec, cfg, ckpt, full, fused, host_rng, kept)
+        if family is not None:   # exact: kept in memory; on disk the family is
+            _PROGRAMS[key] = family.program(getattr(cfg, _VARY[0]))
     if key not in _PROGRAMS:
         try:
             program = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
@@ -243,6 +279,61 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
         if kept:
             trace_cache.store(key, program)
     return _PROGRAMS[key]
+
+
+def _key(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool) -> tuple:
+    return (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng,
+            cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout)
+
+
+_VARY: tuple[str, tuple[int, int, int]] | None = None
+"""The field and values `families` traces programs at, while inside it."""
+_FAMILIES: dict[tuple, object] = {}
+"""seq_family.Family of each program (None where it is not exact), by its key without the field."""
+
+
+@contextlib.contextmanager
+def families(name: str, values: tuple[int, int, int]):
+    """Within: a program at a value of `name` ("seq_len" or "micro_batch") in [values[0], values[-1]]
+    is replayed from one build of it stepped at the three `values` (seq_family.py) where that is
+    exact, not traced on its own."""
+    global _VARY
+    previous, _VARY = _VARY, (name, tuple(values))
+    try:
+        yield
+    finally:
+        _VARY = previous
+
+
+def _family(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool, kept: bool):
+    """The program's seq_family.Family over `families`' values, or None where it is not exact: read
+    from the disk cache or traced (one build, three steps, each also kept as its own value's program)."""
+    from autotune.memory import seq_family
+
+    name, values = _VARY
+    fkey = list(_key(spec, cfg, ckpt, full, fused, host_rng))
+    fkey[3 if name == "seq_len" else 4] = None
+    fkey = ("family", name, values, *fkey)
+    if fkey not in _FAMILIES and kept:
+        stored = trace_cache.load(fkey)
+        if stored is not None:
+            _FAMILIES[fkey] = seq_family.Family.from_json(stored) if stored["exact"] else None
+    if fkey not in _FAMILIES:
+        try:
+            steps = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng, vary=(name, values))
+        except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError):
+            steps = []           # the code refuses one of the values: each is traced on its own, and says so
+        family = seq_family.fit(values, [r for _, r in steps], [p for p, _ in steps]) if steps else None
+        for v, (program, _) in zip(values, steps):   # each step is a trace of its own value
+            key = _key(spec, dataclasses.replace(cfg, **{name: v}), ckpt, full, fused, host_rng)
+            if key not in _PROGRAMS:
+                _PROGRAMS[key] = program
+                if kept:
+                    trace_cache.store(key, program)
+        _FAMILIES[fkey] = family
+        if kept:
+            trace_cache.store(fkey, {"exact": True, **family.to_json()} if family else {"exact": False})
+    return _FAMILIES[fkey]
 
 
 _NUMELS: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}

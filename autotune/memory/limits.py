@@ -16,14 +16,22 @@ the loss's backward moved 0.6 GB off the fit between 768 and 2048 tokens), the t
 estimated nearest the guess are fitted again, twice at most, and then an exact bisection between
 the largest value seen to fit and the smallest seen not to finishes.
 The answer is always the exact estimate's; the fit only decides where to look first.
+
+Tracing each of those values on its own costs a build and a step per program (3.85 s for the
+13B ZeRO-3 answer on a 2-core machine). So the search runs inside `traced_once`: each program is
+built once and stepped at three values spanning the range (256 to 65,536 tokens, 2 to 1,024
+sequences, the configuration's own value among them), and every value in between is replayed from
+that record (memory/seq_family.py), exact where the record shows the code the same at all three.
+Where it does not, or outside the range, values are traced one by one as above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from autotune.hardware import Cluster
-from autotune.memory import builtin, estimate
+from autotune.memory import builtin, code_trace, estimate
 from autotune.memory.overhead import overhead_terms
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
@@ -36,11 +44,44 @@ PROBES = {"seq_len": (256, 512, 768), "micro_batch": (1, 2, 3)}
 clear of any kernel's alignment padding."""
 
 
+RANGE = {"seq_len": (256, 65536), "micro_batch": (2, 1024)}
+"""Where one traced build answers every value (`traced_once`). Not from micro batch 1: torch takes
+other paths for size-1 dimensions (a view where a copy is made otherwise), which seq_family.fit
+refuses (measured: transformers' Llama, eager attention, 2 checkpointed layers)."""
+
+
+def _top(model: ModelSpec, name: str) -> int:
+    if name == "seq_len" and model.position == "learned":
+        return model.max_seq_len     # learned positions stop there (check_config)
+    return UNBOUNDED
+
+
+@contextlib.contextmanager
+def traced_once(model: ModelSpec, cfg: TrainConfig, name: str | None):
+    """Within: estimates of `model` at any value of `name` in its RANGE come from one build of each
+    traced program, stepped at the range's ends and at `cfg`'s own value (or the geometric middle),
+    where that record is exact (memory/seq_family.py). Builtin code needs no trace: nothing changes."""
+    if name is None or builtin(model):
+        yield
+        return
+    lo, hi = RANGE[name][0], min(RANGE[name][1], _top(model, name))
+    own = getattr(cfg, name)
+    mid = own if lo < own < hi else max(lo + 1, min(hi - 1, round((lo * hi) ** 0.5)))
+    if not lo < mid < hi:
+        yield
+        return
+    with code_trace.families(name, (lo, mid, hi)):
+        yield
+
+
 def largest_fitting(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, name: str) -> int:
     """The largest value of `name` ("seq_len" or "micro_batch") for which `cfg` fits; 0 if not even 1."""
-    top = UNBOUNDED
-    if name == "seq_len" and model.position == "learned":
-        top = model.max_seq_len      # learned positions stop there (check_config)
+    with traced_once(model, cfg, name):
+        return _largest(model, cluster, cfg, name)
+
+
+def _largest(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, name: str) -> int:
+    top = _top(model, name)
     seen: dict[int, object] = {}
 
     def est(v: int):

@@ -6,9 +6,10 @@ depend only on the program's key (code_trace.trace_program: the model's config, 
 attention, shape, layers, LoRA) and on the code that ran: transformers, peft and torch, and
 autotune's own tracer. So they are stored under a fingerprint of those versions and of every
 autotune source file, and a later `autotune estimate` or `search` of the same model reads them
-back instead of tracing again. Any change of those versions or of autotune's code starts a fresh
-folder; a user's own module (implementation `factory`) is never stored, as its file can change
-between runs without any version saying so.
+back instead of tracing again. So is a program's family over a range of sequence lengths or
+micro batches (memory/seq_family.py), or the finding that it is not exact. Any change of those
+versions or of autotune's code starts a fresh folder; a user's own module (implementation
+`factory`) is never stored, as its file can change between runs without any version saying so.
 
 Where: $AUTOTUNE_CACHE_DIR, else $XDG_CACHE_HOME/autotune, else ~/.cache/autotune; one JSON file
 per program, written to a temporary name and renamed, so a crash or a concurrent run never leaves

@@ -54,7 +54,12 @@ not checkpointed, which the analytic model does not price), and the segment peak
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Live storage bytes after every op, and the peak of the current segment with its storages."""
+    """Live storage bytes after every op, and the peak of the current segment with its storages.
+
+    While `log` is a list, every storage that starts or stops being counted is also appended to it,
+    (serial, +bytes) or (serial, -bytes), and `samples` gets (len(log), segment, kind) wherever a peak
+    is compared: kind 1 on entering a segment, 0 after each op inside one, 2 for a point set by
+    `point`. That record lets seq_family.py replay the peaks with other tensor sizes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,6 +68,8 @@ class _LiveBytes(TorchDispatchMode):
         self.serials = itertools.count()
         self.segment: str | None = None
         self.peaks: dict[str, tuple[int, dict[int, int]]] = {}
+        self.log: list[tuple[int, int]] | None = None
+        self.samples: list[tuple[int, str, int]] | None = None
 
     def track(self, t: torch.Tensor) -> int:
         st = t.untyped_storage()
@@ -71,26 +78,43 @@ class _LiveBytes(TorchDispatchMode):
             serial, n = next(self.serials), st.nbytes()
             self.storages[key] = (serial, n, weakref.ref(st, lambda _, k=key: self._free(k)))
             self.live += n
+            if self.log is not None:
+                self.log.append((serial, n))
         return self.storages[key][0]
 
     def _free(self, key: int) -> None:
-        self.live -= self.storages.pop(key)[1]
+        serial, n, _ = self.storages.pop(key)
+        self.live -= n
+        if self.log is not None:
+            self.log.append((serial, -n))
 
     def live_serials(self) -> dict[int, int]:
         return {serial: n for serial, n, _ in self.storages.values()}
+
+    def _sample(self, segment: str, kind: int) -> None:
+        if self.samples is not None:
+            self.samples.append((len(self.log), segment, kind))
 
     def enter(self, segment: str | None) -> None:
         self.segment = segment
         if segment is not None:
             self.peaks[segment] = (self.live, self.live_serials())
+            self._sample(segment, 1)
+
+    def point(self, name: str) -> None:
+        """The live storages now, as the peak of `name` (a moment, not a segment)."""
+        self.peaks[name] = (self.live, self.live_serials())
+        self._sample(name, 2)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
-        if self.segment is not None and self.live > self.peaks[self.segment][0]:
-            self.peaks[self.segment] = (self.live, self.live_serials())
+        if self.segment is not None:
+            if self.live > self.peaks[self.segment][0]:
+                self.peaks[self.segment] = (self.live, self.live_serials())
+            self._sample(self.segment, 0)
         return out
 
 
@@ -147,7 +171,7 @@ def _hooks(model: Transformer, live: _LiveBytes, marks: dict) -> None:
         if marks["measure"]:
             marks["loss"] = live.track(loss)
             marks["saved"] = live.live_serials()
-            live.peaks["fwd.end"] = (live.live, marks["saved"])
+            live.point("fwd.end")
 
     model.register_forward_pre_hook(lambda *_: live.enter("fwd.start") if marks["measure"] else None)
     model.register_forward_hook(model_post)

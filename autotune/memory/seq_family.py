@@ -1,0 +1,161 @@
+"""One traced program for every sequence length (or micro batch) in a range: `autotune estimate
+--max-seq-len` / `--max-micro-batch` on code that must be traced.
+
+A traced program's segment peaks (code_trace.py) are maxima over the moments of a step of the bytes
+live then. Which storages are live at each moment is the same at every sequence length as long as
+the code takes the same branches; only their sizes change, and each size is the element size times
+a product of dimensions that are affine in the sequence length (s, s + 1, heads x s, ...) with at
+most two of them growing with it (attention scores are s x s). So each storage's size is an integer
+polynomial of degree at most two in the sequence length (one in the micro batch), fixed by three
+steps. `fit` takes those three steps of one build (code_trace._run with `vary`), each recorded as the
+order in which storages start and stop being counted and where the peaks are compared
+(traced._LiveBytes.log), and keeps, per storage, the polynomial of its size; `Family.program(v)`
+replays the step with the sizes at v and returns what a trace at v returns, in microseconds.
+
+It is exact where its conditions hold, and `fit` refuses it (None) where they do not:
+- the three steps record the same sequence of storages, comparisons, segments and categories (code
+  that branches on the length, such as a sliding window that masks only beyond its width, or a
+  rotary scaling that starts beyond the trained positions, records another sequence);
+- every storage's size fits an integer polynomial (a size that stops growing, min(s, w), does not);
+- the replay gives each probe's own traced peaks back, to the byte.
+Values outside the probes' range are not answered from it (code_trace traces them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+CATEGORY_ORDER = ("parameters", "module_buffers", "gradients", "optimizer_states", "batch_and_loss", "rotary_tables",
+                  "activations", "temporaries")
+"""traced.CATEGORIES, in the order a storage is classified (traced._classify: the first set it is
+in; temporaries when none)."""
+
+
+@dataclass
+class Record:
+    """One measured step as traced._LiveBytes logged it (code_trace._measured_step)."""
+    baseline: list[tuple[int, int]]         # (serial, bytes) live when the log started
+    log: list[tuple[int, int]]              # (serial, +bytes / -bytes)
+    samples: list[tuple[int, str, int]]     # (log position, segment, kind)
+    known: dict[str, set[int]]              # serials by category
+    points: list[tuple[str, str]]           # (segment, point name) kept
+
+
+@dataclass
+class Family:
+    """A program's replay for any value in [lo, hi] (see the module docstring)."""
+    values: tuple[int, int, int]
+    coef: np.ndarray          # (storages, 3) int64: bytes = c0 + c1 v + c2 v^2
+    category: np.ndarray      # (storages,) index into CATEGORY_ORDER
+    base: np.ndarray          # storages live at the start
+    events: np.ndarray        # storage index per event
+    signs: np.ndarray         # +1 counted, -1 freed
+    stints: dict[str, np.ndarray]   # point name -> event counts at which its peak is compared, in order
+
+    @property
+    def lo(self) -> int:
+        return self.values[0]
+
+    @property
+    def hi(self) -> int:
+        return self.values[-1]
+
+    def program(self, v: int) -> dict[str, dict[str, int]]:
+        """What code_trace.trace_program returns at value v (lo <= v <= hi)."""
+        sizes = self.coef[:, 0] + self.coef[:, 1] * v + self.coef[:, 2] * v * v
+        ncat = len(CATEGORY_ORDER)
+        start = np.zeros(ncat, dtype=np.int64)
+        np.add.at(start, self.category[self.base], sizes[self.base])
+        steps = np.zeros((len(self.events) + 1, ncat), dtype=np.int64)
+        steps[0] = start
+        steps[np.arange(1, len(self.events) + 1), self.category[self.events]] = self.signs * sizes[self.events]
+        live = np.cumsum(steps, axis=0)
+        totals = live.sum(axis=1)
+        out = {}
+        for name, at in self.stints.items():
+            row = live[at[int(np.argmax(totals[at]))]]   # the first moment at the maximum, as _LiveBytes keeps it
+            out[name] = {c: int(row[i]) for i, c in enumerate(CATEGORY_ORDER)}
+        return out
+
+    def to_json(self) -> dict:
+        return {"values": list(self.values), "coef": self.coef.tolist(), "category": self.category.tolist(),
+                "base": self.base.tolist(), "events": self.events.tolist(), "signs": self.signs.tolist(),
+                "stints": {k: v.tolist() for k, v in self.stints.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Family:
+        return cls(values=tuple(d["values"]), coef=np.array(d["coef"], dtype=np.int64).reshape(-1, 3),
+                   category=np.array(d["category"], dtype=np.int64), base=np.array(d["base"], dtype=np.int64),
+                   events=np.array(d["events"], dtype=np.int64), signs=np.array(d["signs"], dtype=np.int64),
+                   stints={k: np.array(v, dtype=np.int64) for k, v in d["stints"].items()})
+
+
+def _structure(rec: Record):
+    """The record with serials renumbered in order of appearance (the baseline first), the size of
+    each, and the stints: the samples that decide each kept point's peak, as _LiveBytes decides it
+    (entering a segment restarts its peak; each op inside it may raise it; a point is one moment)."""
+    index: dict[int, int] = {}
+    sizes: list[int] = []
+    for serial, n in rec.baseline:
+        index[serial] = len(sizes)
+        sizes.append(n)
+    events = []
+    for serial, n in rec.log:
+        if serial not in index:
+            if n < 0:               # freed without having been counted in the log: not a storage of this step
+                return None
+            index[serial] = len(sizes)
+            sizes.append(n)
+        events.append((index[serial], 1 if n > 0 else -1))
+    category = [len(CATEGORY_ORDER) - 1] * len(sizes)
+    for serial, i in index.items():
+        category[i] = next((CATEGORY_ORDER.index(c) for c, serials in rec.known.items() if serial in serials),
+                           len(CATEGORY_ORDER) - 1)
+    runs: dict[str, list[int]] = {}
+    current = None
+    for pos, segment, kind in rec.samples:
+        if kind == 0:
+            runs[current].append(pos)
+        else:
+            runs[segment] = [pos]
+            if kind == 1:
+                current = segment
+    stints = {name: tuple(runs[segment]) for segment, name in rec.points if segment in runs}
+    return tuple(events), tuple(category), len(rec.baseline), stints, sizes
+
+
+def fit(values: tuple[int, int, int], records: list[Record], programs: list[dict]) -> Family | None:
+    """The family of three steps at `values` (increasing) of one build, or None where it would not be
+    exact (module docstring). `programs`: each step's own traced peaks, which the replay must give back."""
+    shapes = [_structure(r) for r in records]
+    if any(s is None for s in shapes) or any(s[:4] != shapes[0][:4] for s in shapes[1:]):
+        return None
+    events, category, nbase, stints, _ = shapes[0]
+    x = [Fraction(v) for v in values]
+    coef = []
+    for ys in zip(*(s[4] for s in shapes)):
+        c = _quadratic(x, [Fraction(y) for y in ys])
+        if any(ci.denominator != 1 for ci in c):
+            return None
+        coef.append([int(ci) for ci in c])
+    ev = np.array(events, dtype=np.int64).reshape(-1, 2)
+    family = Family(values=tuple(values), coef=np.array(coef, dtype=np.int64).reshape(-1, 3),
+                    category=np.array(category, dtype=np.int64), base=np.arange(nbase, dtype=np.int64),
+                    events=ev[:, 0], signs=ev[:, 1], stints={k: np.array(v, dtype=np.int64) for k, v in stints.items()})
+    if any(family.program(v) != p for v, p in zip(values, programs)):
+        return None
+    return family
+
+
+def _quadratic(x: list[Fraction], y: list[Fraction]) -> tuple[Fraction, Fraction, Fraction]:
+    """(c0, c1, c2) of the polynomial through the three points (Newton's divided differences)."""
+    d1 = (y[1] - y[0]) / (x[1] - x[0])
+    d2 = ((y[2] - y[1]) / (x[2] - x[1]) - d1) / (x[2] - x[0])
+    # y = y0 + d1 (v - x0) + d2 (v - x0)(v - x1)
+    c2 = d2
+    c1 = d1 - d2 * (x[0] + x[1])
+    c0 = y[0] - d1 * x[0] + d2 * x[0] * x[1]
+    return c0, c1, c2
