@@ -15,7 +15,8 @@ peak moves from one segment to another is only piecewise polynomial: measured on
 the loss's backward moved 0.6 GB off the fit between 768 and 2048 tokens), the three values
 estimated nearest the guess are fitted again, twice at most, and then an exact bisection between
 the largest value seen to fit and the smallest seen not to finishes.
-The answer is always the exact estimate's; the fit only decides where to look first.
+The answer is always the exact estimate's (a replayed one is the traced one to the byte); the fit
+only decides where to look first.
 
 Tracing each of those values on its own costs a build and a step per program (3.85 s for the
 13B ZeRO-3 answer on a 2-core machine). So the search runs inside `traced_once`: each program is

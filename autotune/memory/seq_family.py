@@ -24,7 +24,6 @@ Values outside the probes' range are not answered from it (code_trace traces the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
 
@@ -134,13 +133,9 @@ def fit(values: tuple[int, int, int], records: list[Record], programs: list[dict
     if any(s is None for s in shapes) or any(s[:4] != shapes[0][:4] for s in shapes[1:]):
         return None
     events, category, nbase, stints, _ = shapes[0]
-    x = [Fraction(v) for v in values]
-    coef = []
-    for ys in zip(*(s[4] for s in shapes)):
-        c = _quadratic(x, [Fraction(y) for y in ys])
-        if any(ci.denominator != 1 for ci in c):
-            return None
-        coef.append([int(ci) for ci in c])
+    coef = [_quadratic(values, ys) for ys in zip(*(s[4] for s in shapes))]
+    if None in coef:
+        return None
     ev = np.array(events, dtype=np.int64).reshape(-1, 2)
     family = Family(values=tuple(values), coef=np.array(coef, dtype=np.int64).reshape(-1, 3),
                     category=np.array(category, dtype=np.int64), base=np.arange(nbase, dtype=np.int64),
@@ -150,12 +145,17 @@ def fit(values: tuple[int, int, int], records: list[Record], programs: list[dict
     return family
 
 
-def _quadratic(x: list[Fraction], y: list[Fraction]) -> tuple[Fraction, Fraction, Fraction]:
-    """(c0, c1, c2) of the polynomial through the three points (Newton's divided differences)."""
-    d1 = (y[1] - y[0]) / (x[1] - x[0])
-    d2 = ((y[2] - y[1]) / (x[2] - x[1]) - d1) / (x[2] - x[0])
-    # y = y0 + d1 (v - x0) + d2 (v - x0)(v - x1)
-    c2 = d2
-    c1 = d1 - d2 * (x[0] + x[1])
-    c0 = y[0] - d1 * x[0] + d2 * x[0] * x[1]
-    return c0, c1, c2
+def _quadratic(x: tuple[int, int, int], y: tuple[int, int, int]) -> tuple[int, int, int] | None:
+    """Integer (c0, c1, c2) of the polynomial through the three points, or None where its
+    coefficients are not integers (Python ints: exact at any size)."""
+    (x0, x1, x2), (y0, y1, y2) = x, y
+    num = (y2 - y1) * (x1 - x0) - (y1 - y0) * (x2 - x1)
+    den = (x2 - x1) * (x1 - x0) * (x2 - x0)
+    if num % den:
+        return None
+    c2 = num // den
+    rest = (y1 - y0) - c2 * (x1 * x1 - x0 * x0)
+    if rest % (x1 - x0):
+        return None
+    c1 = rest // (x1 - x0)
+    return y0 - c1 * x0 - c2 * x0 * x0, c1, c2
