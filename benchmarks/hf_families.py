@@ -2,6 +2,7 @@
 
     python benchmarks/hf_families.py [MODEL_TYPE ...]
     python benchmarks/hf_families.py --deepspeed [MODEL_TYPE ...]   # real DeepSpeed, 2 CPU ranks (~1 min)
+    python benchmarks/hf_families.py --replay [MODEL_TYPE ...]      # one build for many lengths (~2 min)
 
 For each transformers model_type below, a 3-layer config of a shape no test uses (hidden 64, 4
 heads, vocab 512, random init) is traced on fake tensors (autotune.memory.traced.trace, the code
@@ -12,6 +13,10 @@ but for the 0-dim CPU scalars c10 makes outside the dispatcher (a few bytes per 
 With --deepspeed: real DeepSpeed trials on 2 CPU ranks of a wider model (hidden 96) of each type
 (default: phi, qwen3, gemma3_text) at ZeRO-0 fp32, ZeRO-2 bf16 with 1 checkpointed layer and ZeRO-3
 bf16 with 2, against `autotune.memory.estimate`: the whole per-rank peak, DeepSpeed's terms included.
+With --replay: each traced program of the two cases replayed from one build stepped at three sequence
+lengths (16, 48, 256) and at three micro batches (2, 3, 8) (memory/seq_family.py, what `autotune
+estimate --max-seq-len` / `--max-micro-batch` use) against the same program traced at three values
+between on its own: the same to the byte, or refused (then traced value by value), never different.
 Classes without sdpa are refused with the attention they support (train_config.check_config), and
 code that cannot run a step says why (code_trace.trace_program).
 """
@@ -111,9 +116,48 @@ def deepspeed(types: list[str]) -> None:
         print(f"\nworst |error| {100 * max(errors):.2f}% over {len(errors)} DeepSpeed runs")
 
 
+def replay(types: list[str]) -> None:
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from autotune.memory import code_trace
+    from autotune.models import hf_config as hf
+
+    counts = {"same": 0, "refused": 0, "DIFFERENT": 0}
+    for fam in types:
+        spec = hf.spec_from_config(AutoConfig.for_model(fam, **{**COMMON, **FAMILIES[fam]}), name=f"bench-{fam}",
+                                   source="benchmarks/hf_families.py")
+        for precision, attention, k in CASES:
+            cfg = TrainConfig(micro_batch=2, seq_len=48, precision=precision, attention=attention, ckpt_layers=k)
+            try:
+                check_config(cfg, spec, CPU)
+                trace(spec, CPU, cfg)    # the first trace in a process counts objects made once
+            except SpecError as e:
+                print(f"{fam:12s} {precision} {attention:5s} k={k}  refused: {e}")
+                continue
+            for name, values in (("seq_len", (16, 48, 256)), ("micro_batch", (2, 3, 8))):
+                asked = [values[0] + 1, values[1] + 2, values[2] - 1]
+                code_trace._PROGRAMS.clear()
+                code_trace._FAMILIES.clear()
+                with code_trace.families(name, values):
+                    replayed = [trace(spec, CPU, dataclasses.replace(cfg, **{name: v})).points for v in asked]
+                accepted = all(f is not None for f in code_trace._FAMILIES.values())
+                code_trace._PROGRAMS.clear()
+                code_trace._FAMILIES.clear()
+                traced = [trace(spec, CPU, dataclasses.replace(cfg, **{name: v})).points for v in asked]
+                verdict = "DIFFERENT" if replayed != traced else "same" if accepted else "refused"
+                counts[verdict] += 1
+                print(f"{fam:12s} {precision} {attention:5s} k={k} {name:11s} {values}: {verdict}"
+                      + ("" if accepted else " (traced value by value)"))
+    print("\n" + ", ".join(f"{v} {k}" for k, v in counts.items()) + " (replayed vs traced at 3 values each)")
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["--deepspeed"]:
         deepspeed(args[1:] or ["phi", "qwen3", "gemma3_text"])
+    elif args[:1] == ["--replay"]:
+        replay(args[1:] or list(FAMILIES))
     else:
         main(args or list(FAMILIES))
