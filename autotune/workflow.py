@@ -18,17 +18,9 @@ from autotune import study as st
 from autotune.errors import SpecError
 from autotune.hardware import Cluster, parse_gpus
 from autotune.memory.correction import Correction
-from autotune.models import ModelSpec, resolve_model
+from autotune.models import ModelSpec, default_seq_len, resolve_model
 from autotune.search import Search, Summary
 from autotune.search_space import SearchSpace, load_space, parse_space
-
-DEFAULT_SEQ_LEN = 2048
-
-
-def default_seq_len(model: ModelSpec) -> int:
-    """2048 tokens, or the model's own maximum where that is shorter (GPT-2: 1024)."""
-    return min(DEFAULT_SEQ_LEN, model.max_seq_len)
-
 
 @dataclass(frozen=True)
 class Inputs:

@@ -54,7 +54,7 @@ def add_train_config(p: argparse.ArgumentParser) -> None:
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, TrainConfig]:
-    from autotune.workflow import default_seq_len
+    from autotune.models import default_seq_len
 
     model = model_from_args(args)
     cluster = parse_gpus(args.gpus)

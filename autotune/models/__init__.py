@@ -197,6 +197,14 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+DEFAULT_SEQ_LEN = 2048
+
+
+def default_seq_len(model: ModelSpec) -> int:
+    """2048 tokens, or the model's own maximum where that is shorter (GPT-2: 1024)."""
+    return min(DEFAULT_SEQ_LEN, model.max_seq_len)
+
+
 def _build(name: str, family: str, shape: dict[str, Any], source: str) -> ModelSpec:
     if family not in FAMILY_DEFAULTS:
         raise SpecError(f"model {name}: unknown family {family!r}; known: {', '.join(FAMILY_DEFAULTS)}")
