@@ -27,10 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-CATEGORY_ORDER = ("parameters", "module_buffers", "gradients", "optimizer_states", "batch_and_loss", "rotary_tables",
-                  "activations", "temporaries")
-"""traced.CATEGORIES, in the order a storage is classified (traced._classify: the first set it is
-in; temporaries when none)."""
+from autotune.memory.traced import CATEGORIES
 
 
 @dataclass
@@ -45,27 +42,19 @@ class Record:
 
 @dataclass
 class Family:
-    """A program's replay for any value in [lo, hi] (see the module docstring)."""
+    """A program's replay for any value from values[0] to values[-1] (see the module docstring)."""
     values: tuple[int, int, int]
     coef: np.ndarray          # (storages, 3) int64: bytes = c0 + c1 v + c2 v^2
-    category: np.ndarray      # (storages,) index into CATEGORY_ORDER
+    category: np.ndarray      # (storages,) index into traced.CATEGORIES
     base: np.ndarray          # storages live at the start
     events: np.ndarray        # storage index per event
     signs: np.ndarray         # +1 counted, -1 freed
     stints: dict[str, np.ndarray]   # point name -> event counts at which its peak is compared, in order
 
-    @property
-    def lo(self) -> int:
-        return self.values[0]
-
-    @property
-    def hi(self) -> int:
-        return self.values[-1]
-
     def program(self, v: int) -> dict[str, dict[str, int]]:
-        """What code_trace.trace_program returns at value v (lo <= v <= hi)."""
+        """What code_trace.trace_program returns at value v (values[0] <= v <= values[-1])."""
         sizes = self.coef[:, 0] + self.coef[:, 1] * v + self.coef[:, 2] * v * v
-        ncat = len(CATEGORY_ORDER)
+        ncat = len(CATEGORIES)
         start = np.zeros(ncat, dtype=np.int64)
         np.add.at(start, self.category[self.base], sizes[self.base])
         steps = np.zeros((len(self.events) + 1, ncat), dtype=np.int64)
@@ -76,7 +65,7 @@ class Family:
         out = {}
         for name, at in self.stints.items():
             row = live[at[int(np.argmax(totals[at]))]]   # the first moment at the maximum, as _LiveBytes keeps it
-            out[name] = {c: int(row[i]) for i, c in enumerate(CATEGORY_ORDER)}
+            out[name] = {c: int(row[i]) for i, c in enumerate(CATEGORIES)}
         return out
 
     def to_json(self) -> dict:
@@ -109,10 +98,9 @@ def _structure(rec: Record):
             index[serial] = len(sizes)
             sizes.append(n)
         events.append((index[serial], 1 if n > 0 else -1))
-    category = [len(CATEGORY_ORDER) - 1] * len(sizes)
-    for serial, i in index.items():
-        category[i] = next((CATEGORY_ORDER.index(c) for c, serials in rec.known.items() if serial in serials),
-                           len(CATEGORY_ORDER) - 1)
+    temporaries = CATEGORIES.index("temporaries")   # in no known set (traced._classify)
+    category = [next((CATEGORIES.index(c) for c, serials in rec.known.items() if serial in serials), temporaries)
+                for serial in index]                 # in index order: the dict keeps insertion order
     runs: dict[str, list[int]] = {}
     current = None
     for pos, segment, kind in rec.samples:
