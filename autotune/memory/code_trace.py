@@ -16,7 +16,9 @@ Nothing here knows a family: what a Hugging Face layer saves (dropout masks, the
 probabilities of the math path, RMSNorm's fp32 upcast, the eager path's 4-D mask, the loss's fp32
 logits) is whatever its code allocates. Traces are cached per (model, implementation, precision,
 attention, sequence length, micro batch, layer counts); the same small program serves every ZeRO
-stage, cluster and grad_accum, since the stage is accounted analytically on top.
+stage, cluster and grad_accum, since the stage is accounted analytically on top. Within
+`families(...)` (`autotune estimate --max-seq-len` / `--max-micro-batch`), a program at any length
+or micro batch of a range is replayed from one build stepped at three of them (seq_family.py).
 """
 
 from __future__ import annotations
