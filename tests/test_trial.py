@@ -86,17 +86,9 @@ def test_matrix_config_trains_and_is_measured(matrix, key):
 # tiny-gpt2 ZeRO-3 fp32 +2.3% (end-of-backward buffers freed late by gloo threads are priced as held),
 # tiny-gpt2 ZeRO-1 fp32 -0.7% (rank 0 holds a few KB more than rank 1).
 UNDER, OVER = 0.01, 0.03
-OPEN = {("tiny-gpt2", 2, "fp32", 0)}
-"""A known, open error of the traced tier (docs/memory.md, "Known open error"): transformers' GPT-2 in
-fp32 at ZeRO-2 without checkpointing, measured -2.4% (an under-estimate): rank 1, which does not own
-the tied embedding's partition, holds 2.35 MB more than rank 0 during backward (19,590,528 B against
-17,244,544 B), and the estimate (19,126,040 B) lies between them. Marked, not hidden; a fix shows as XPASS."""
 
 
-@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(
-    reason="open: the traced tier under-estimates rank 1 of GPT-2 fp32 ZeRO-2 k0 by 2.4% (see OPEN)", strict=False))
-    if k in OPEN else k for k in MATRIX],
-                         ids=["-".join(map(str, k)) for k in MATRIX])
+@pytest.mark.parametrize("key", MATRIX, ids=["-".join(map(str, k)) for k in MATRIX])
 def test_matrix_measured_peak_matches_estimate(matrix, key):
     from autotune.memory import estimate
 

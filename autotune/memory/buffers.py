@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
 from autotune.memory.activations import dtype_bytes
@@ -29,6 +31,54 @@ def partition_grad_bytes(cfg: TrainConfig) -> int:
     grad_accum_dtype says so; stage_1_and_2.py get_flat_partition(dtype=gradient_accumulation_dtype),
     stage3.py grad_partitions_flat_buffer), else the model's."""
     return 4 if cfg.grad_accum_dtype == "fp32" else dtype_bytes(cfg.precision)
+
+
+def partition_elements(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+    """Elements of the reduced-gradient buffer of stages 1-2 on the rank that holds the most. DeepSpeed
+    sizes it by whole parameters: every parameter that starts in the rank's partition or straddles its
+    start counts in full (stage_1_and_2.py copy_grads_in_partition: total_size over
+    params_in_partition; get_partition_info), the partition being the flat buffer, padded to a
+    multiple of 2 x ranks (nccl_start_alignment_factor), split evenly. Measured on transformers'
+    GPT-2 (1.12M parameters, 2 CPU ranks, ZeRO-2 fp32): rank 1's buffer is 594,816 elements where
+    P/2 is 560,512, the layer-1 attention weight straddling the boundary. LoRA's adapters: P / ranks."""
+    if cfg.method != "full":
+        return spec.num_params // cluster.world_size
+    return _whole_parameter_partition(spec, cluster.world_size)
+
+
+@cache
+def _whole_parameter_partition(spec: ModelSpec, ranks: int) -> int:
+    from autotune.memory.code_trace import param_numels
+
+    numels = param_numels(spec)   # the optimizer's order: the module's parameters, a tied one once
+    align = 2 * ranks
+    part = -(-sum(numels) // align) * align // ranks
+    most = 0
+    for r in range(ranks):
+        start, end, at, total = r * part, (r + 1) * part, 0, 0
+        for n in numels:
+            if start <= at < end or at < start < at + n:
+                total += n
+            at += n
+        most = max(most, total)
+    return most
+
+
+def held_extra_large_gradient(spec: ModelSpec, cfg: TrainConfig) -> int:
+    """A layer's gradient larger than the reduce bucket, held while backward goes on: at stage 2 with
+    contiguous gradients such a gradient bypasses the bucket and is reduced in place only when the
+    next parameter's gradient arrives (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads,
+    extra_large_param_to_reduce), so one is live through the layers' backward; the largest is priced,
+    in the model's dtype. Measured on transformers' GPT-2 (2 CPU ranks, ZeRO-2 fp32, bucket 16,384
+    elements): rank 1's backward peak holds one 65,536-element MLP weight's gradient beside the
+    partition and the bucket. None below stage 2 (reduced at the end, autotune's default) or for LoRA
+    (adapters are smaller than the bucket)."""
+    if cfg.zero_stage != 2 or cfg.method != "full":
+        return 0
+    from autotune.memory.code_trace import _numels
+
+    bucket = bucket_sizes(spec, cfg)["reduce_bucket_size"]
+    return dtype_bytes(cfg.precision) * max((n for n in _numels(spec)[1] if n > bucket), default=0)
 
 
 def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
@@ -63,7 +113,7 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     if cfg.zero_stage == 1:
         if bf16_optimizer(cfg):
             return 0
-        return partition_grad_bytes(cfg) * spec.num_params // cluster.world_size + reduce_bucket_bytes(spec, cfg)
+        return partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
     if cfg.zero_stage == 2:
         return reduce_bucket_bytes(spec, cfg)
     return 0
@@ -87,7 +137,7 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     if cfg.grad_accum == 1 or cfg.zero_stage == 3:
         return 0
     pb = dtype_bytes(cfg.precision)
-    return pb * spec.num_params // (1 if cfg.zero_stage == 0 else cluster.world_size)
+    return pb * (spec.num_params if cfg.zero_stage == 0 else partition_elements(spec, cluster, cfg))
 
 
 def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
@@ -97,14 +147,10 @@ def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     too, until the step (stage_1_and_2.py, partition_gradients=False); the reduced partition is
     filled beside them at the end (see `backward_end_extra`). Stage 2: the reduced partition.
     """
-    pb = dtype_bytes(cfg.precision)
-    p, n = spec.num_params, cluster.world_size
-    if cfg.zero_stage == 0:
-        return pb * p
-    if cfg.zero_stage == 1:
-        return pb * p
+    if cfg.zero_stage <= 1:
+        return dtype_bytes(cfg.precision) * spec.num_params
     if cfg.zero_stage == 2:
-        return partition_grad_bytes(cfg) * p // n
+        return partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
     return 0
 
 
@@ -135,7 +181,7 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
         return pb * (head + layers_done * spec.layer_params)
     if cfg.zero_stage == 2:
-        return partition_grad_bytes(cfg) * spec.num_params // cluster.world_size + reduce_bucket_bytes(spec, cfg)
+        return partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
     return 0
 
 
@@ -150,7 +196,7 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
     vh = pb * spec.vocab_size * spec.hidden_size
     out = {"head_gradient": 2 * vh if cfg.zero_stage == 3 else vh}
     if cfg.zero_stage == 2:
-        part = spec.num_params // cluster.world_size
+        part = partition_elements(spec, cluster, cfg)
         out["gradient_partition"] = partition_grad_bytes(cfg) * part
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)
         if bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params:
