@@ -75,10 +75,10 @@ def held_extra_large_gradient(spec: ModelSpec, cfg: TrainConfig) -> int:
     (adapters are smaller than the bucket)."""
     if cfg.zero_stage != 2 or cfg.method != "full":
         return 0
-    from autotune.memory.code_trace import _numels
+    from autotune.memory.code_trace import layer_numels
 
     bucket = bucket_sizes(spec, cfg)["reduce_bucket_size"]
-    return dtype_bytes(cfg.precision) * max((n for n in _numels(spec)[1] if n > bucket), default=0)
+    return dtype_bytes(cfg.precision) * max((n for n in layer_numels(spec) if n > bucket), default=0)
 
 
 def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:

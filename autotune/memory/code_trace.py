@@ -367,6 +367,11 @@ def param_numels(spec: ModelSpec, num_layers: int | None = None) -> list[int]:
     return [*pre, *(layer * (spec.num_layers if num_layers is None else num_layers)), *post]
 
 
+def layer_numels(spec: ModelSpec) -> tuple[int, ...]:
+    """Element counts of one decoder layer's parameters, in the module's order."""
+    return _numels(spec)[1]
+
+
 def persistent_params(spec: ModelSpec, threshold: int) -> int:
     """Parameters ZeRO-3 keeps whole on every rank: those with fewer than `threshold` elements
     (DeepSpeed stage3.py, persistence_threshold), counted on the module itself."""
