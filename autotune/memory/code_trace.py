@@ -213,7 +213,7 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     """One training step of a (micro batch, seq) batch from the steady state, and back to it:
     (segment peaks by category, the step's seq_family.Record where `record`, else None)."""
     from autotune.memory.seq_family import Record
-    from autotune.memory.traced import _backward_and_step, _classify, segment_points
+    from autotune.memory.traced import _backward_and_step, _classify, _known, segment_points
 
     if record:
         baseline = sorted(live.live_serials().items())
@@ -228,16 +228,7 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     _backward_and_step(live, marks, loss, opt)
     grads = {live.track(p.grad) for p in params}
     del loss
-    known = {
-        "parameters": {live.track(p) for p in model.parameters()},
-        "module_buffers": {live.track(b) for b in model.buffers()},
-        "gradients": grads,
-        "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
-                             if isinstance(t, torch.Tensor)},
-        "batch_and_loss": {live.track(batch), marks["loss"]},
-        "rotary_tables": marks["shared"],
-    }
-    known["activations"] = set(marks["saved"]) - set().union(*known.values())
+    known = _known(live, model, opt, grads, batch, marks, shared=marks["shared"])
     points = segment_points(ckpt, full)
     peaks = {name: _classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
     rec = Record(baseline=baseline, log=live.log, samples=live.samples, known=known,

@@ -212,16 +212,26 @@ def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, f
         _backward_and_step(live, marks, loss, opt)
         grads = {live.track(p.grad) for p in model.parameters()}
         del loss
-        known = {
-            "parameters": {live.track(p) for p in model.parameters()},
-            "gradients": grads,
-            "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
-                                 if isinstance(t, torch.Tensor)},
-            "batch_and_loss": {live.track(batch), marks["loss"]},
-            "rotary_tables": marks["rope"],
-        }
-        known["activations"] = set(marks["saved"]) - set().union(*known.values())
+        known = _known(live, model, opt, grads, batch, marks, shared=marks["rope"])
     return {name: _classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)}
+
+
+def _known(live: _LiveBytes, model, opt, grads: set[int], batch, marks: dict,
+           shared: set[int]) -> dict[str, set[int]]:
+    """Serials of a measured step's storages by category, in the order `_classify` tries them (the
+    stand-in registers no buffers, so its `module_buffers` is empty); activations: what the forward
+    left saved (marks["saved"]) that is none of the others."""
+    known = {
+        "parameters": {live.track(p) for p in model.parameters()},
+        "module_buffers": {live.track(b) for b in model.buffers()},
+        "gradients": grads,
+        "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
+                             if isinstance(t, torch.Tensor)},
+        "batch_and_loss": {live.track(batch), marks["loss"]},
+        "rotary_tables": shared,
+    }
+    known["activations"] = set(marks["saved"]) - set().union(*known.values())
+    return known
 
 
 def _backward_and_step(live: _LiveBytes, marks: dict, loss, opt) -> None:
