@@ -13,6 +13,7 @@ re-traces only when one of those changes. docs/costmodel.md ("Op-level compute")
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -137,6 +138,15 @@ class OpProfile:
     layer: tuple[tuple[Op, int], ...]
     rest: tuple[tuple[Op, int], ...]
 
+    def to_json(self) -> dict:
+        return {part: [[*dataclasses.astuple(op), n] for op, n in getattr(self, part)] for part in ("layer", "rest")}
+
+    @classmethod
+    def from_json(cls, d: dict) -> OpProfile:
+        def op(cls_, name, phase, flops, nbytes, shape, term):
+            return Op(cls_, name, phase, float(flops), int(nbytes), tuple(shape), term)
+        return cls(**{part: tuple((op(*row[:-1]), row[-1]) for row in d[part]) for part in ("layer", "rest")})
+
     def ops(self, num_layers: int) -> Counter[Op]:
         """Every op of an L-block model with its count."""
         out = Counter(dict(self.rest))
@@ -147,7 +157,12 @@ class OpProfile:
 
 def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len: int, vocab: int,
            heads: int = 0) -> Counter[Op]:
-    with FakeTensorMode():
+    """The ops of one forward+backward on fake tensors, on the branch a real run takes: transformers'
+    masks read the position ids, which fake tensors cannot, and would build a 4-D mask where a real
+    run passes none and runs a causal kernel (memory/code_trace.py `unpacked_sequences`)."""
+    from autotune.memory.code_trace import unpacked_sequences
+
+    with FakeTensorMode(), unpacked_sequences():
         model = build(num_layers)
         model.train()  # dropout where the code has it, as in training
         batch = torch.randint(0, vocab, (micro_batch, seq_len + 1))
@@ -177,9 +192,19 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
     """The cached op profile of one (model, implementation, precision, attention, micro batch, seq
     len). `implementation`: whose code is priced, as ModelSpec.implementation names it (builtin:
     autotune's stand-in; hf: transformers' own modeling code; factory: the user's module), built
-    and run through the same seam trials and the memory model use."""
+    and run through the same seam trials and the memory model use. Hugging Face code's profile is
+    also kept on disk between runs, beside its memory traces (autotune/memory/trace_cache.py, the
+    same fingerprint of the libraries and autotune's sources); a user's module is not, as its file
+    can change between runs."""
     from autotune.impl import impl_for
+    from autotune.memory import trace_cache
+    from autotune.memory.code_trace import spec_key
 
+    kept = implementation == "hf"
+    key = ("op_profile", spec_key(spec), implementation, precision, attention, micro_batch, seq_len)
+    stored = trace_cache.load(key) if kept else None
+    if stored is not None:
+        return OpProfile.from_json(stored)
     impl = impl_for(replace(spec, implementation=implementation))
     dtype = torch_dtype(precision)
     # flash_attention_2 has no CPU kernel to trace: its ops are sdpa's flash path's
@@ -188,8 +213,11 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
     def build(num_layers: int) -> nn.Module:
         return impl.build(spec, dtype=dtype, attention=traced_attention, num_layers=num_layers)
 
-    return op_profile(build, impl.loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,
-                      heads=spec.num_heads)
+    profile = op_profile(build, impl.loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,
+                         heads=spec.num_heads)
+    if kept:
+        trace_cache.store(key, profile.to_json())
+    return profile
 
 
 # ---- pricing ---------------------------------------------------------------------------------

@@ -67,6 +67,21 @@ def test_hf_gpt2_runs_its_own_ops():
     assert "gelu" in builtin and "tanh" not in builtin
 
 
+def test_hf_llama_attention_is_priced_as_the_causal_kernel_a_real_run_calls(tmp_path, monkeypatch):
+    """transformers' Llama with sdpa and no padding calls the causal kernel without a mask in a real
+    run; on fake tensors its mask code cannot read the position ids and would hand SDPA a 4-D mask
+    (priced then as full, not causal, attention). The profile also comes back from the disk cache
+    unchanged, in a new process's place (the in-memory cache cleared)."""
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
+    spec = resolve_model("tiny-llama", implementation="hf")
+    p = co.profile_for(spec, "hf", "fp32", "sdpa", 2, 64)
+    attention = [op for op, _ in p.layer if op.cls == "attention"]
+    assert len(attention) == 2 and all(op.shape[-1] is True for op in attention)
+    co.profile_for.cache_clear()
+    assert list(tmp_path.rglob("*.json"))
+    assert co.profile_for(spec, "hf", "fp32", "sdpa", 2, 64) == p
+
+
 def test_gemm_price_by_hand():
     """A 4096^3 bf16 GEMM on an A100: FLOPs over peak x MAMF 0.869 x depth fill 4096/(4096+128)
     x sustained (its 256x128 tiles fill 512 = 4.74 waves of 108 SMs; 128x128 tiles: 1024 = 9.48,

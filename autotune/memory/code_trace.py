@@ -149,7 +149,7 @@ def _hooks(impl, model, live, marks: dict) -> None:
 
 
 @contextlib.contextmanager
-def _unpacked_sequences():
+def unpacked_sequences():
     """transformers takes another branch on fake tensors than on real ones: masking_utils'
     `find_packed_sequence_indices` reads the position ids to tell packed sequences apart, and on a
     fake tensor (`is_tracing`) it cannot, so it returns the packing index and the model builds a
@@ -188,7 +188,7 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
     from autotune.memory.traced import _adamw, _tracing
 
     marks = {"measure": False, "backward": False, "shared": set()}
-    with _tracing(host_rng) as live, _unpacked_sequences():
+    with _tracing(host_rng) as live, unpacked_sequences():
         impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full, cfg)
         impl.checkpoint_first(model, ckpt)
         _hooks(impl, model, live, marks)
