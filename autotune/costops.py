@@ -192,15 +192,15 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
     """The cached op profile of one (model, implementation, precision, attention, micro batch, seq
     len). `implementation`: whose code is priced, as ModelSpec.implementation names it (builtin:
     autotune's stand-in; hf: transformers' own modeling code; factory: the user's module), built
-    and run through the same seam trials and the memory model use. Hugging Face code's profile is
-    also kept on disk between runs, beside its memory traces (autotune/memory/trace_cache.py, the
-    same fingerprint of the libraries and autotune's sources); a user's module is not, as its file
-    can change between runs."""
+    and run through the same seam trials and the memory model use. The profile of transformers'
+    code and of the stand-in is also kept on disk between runs, beside the memory traces
+    (autotune/memory/trace_cache.py: under a fingerprint of the libraries and of autotune's own
+    sources); a user's module is not, as its file can change between runs."""
     from autotune.impl import impl_for
     from autotune.memory import trace_cache
     from autotune.memory.code_trace import spec_key
 
-    kept = implementation == "hf"
+    kept = implementation in ("hf", "builtin")
     key = ("op_profile", spec_key(spec), implementation, precision, attention, micro_batch, seq_len)
     stored = trace_cache.load(key) if kept else None
     if stored is not None:
