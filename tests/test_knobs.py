@@ -69,7 +69,7 @@ def measured(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("knobs")
     # The knob terms were measured on the stand-in, whose activations the analytic model prices
-    # exactly. With transformers' Llama (the default code) 15 of these miss, -11.8% to +25%
+    # exactly. With transformers' Llama (the default code) 4 of these miss, all over, +14.3% to +25%
     # (benchmarks/knobs_on_hf.py; docs/memory.md, "Known open error"): open, stated there, not hidden
     # by a wider tolerance here.
     model = resolve_model("tiny-llama", implementation="builtin")
@@ -160,6 +160,26 @@ def test_stage3_prefetch_on_transformers_code_matches_the_traced_tier(tmp_path, 
     est = estimate(model, CLUSTER, cfg).phases
     err = est["forward (prefetch)"] / res.phase_peak_bytes["forward"] - 1
     assert -UNDER <= err <= OVER, (est, res.phase_peak_bytes, f"{100 * err:+.2f}%")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{}, {"grad_accum_dtype": "fp32"}], ids=["bf16", "fp32-accumulation"])
+def test_zero2_one_bucket_on_transformers_code_is_not_under(tmp_path, kw):
+    """transformers' Llama at ZeRO-2 with one reduce bucket larger than the model: stage 2's first
+    reduction (partition, bucket, a second partition, the fp32 extras) happens at the LM head's
+    gradient with every activation saved, a moment DeepSpeed makes and the trace cannot see
+    (traced._with_head_phase). Without that phase these were 7.4% and 11.8% under."""
+    from autotune.trial import run_trials
+    from autotune.trial.record import TrialRequest
+
+    model = resolve_model("tiny-llama")
+    cfg = _cfg(dict(zero_stage=2, precision="bf16", reduce_bucket_size=BIG, **kw))
+    [res] = run_trials([TrialRequest(model=model, cluster=CLUSTER, config=cfg, out_dir=tmp_path, steps=2,
+                                     warmup_steps=1, timeout_s=300)])
+    assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
+    est = estimate(model, CLUSTER, cfg)
+    err = est.tensor_peak_bytes / res.peak_bytes - 1
+    assert -UNDER <= err <= OVER_ONE_BUCKET, (est.phases, res.phase_peak_bytes, f"{100 * err:+.2f}%")
 
 
 @pytest.mark.slow
