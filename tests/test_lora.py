@@ -157,3 +157,27 @@ def test_autotune_export_writes_the_lora_config_beside_the_deepspeed_json(tmp_pa
     lora = LoraConfig(**json.loads((tmp_path / "ds.lora.json").read_text()))
     assert lora.r == 16 and lora.lora_alpha == 32 and lora.target_modules == "all-linear"
     assert "get_peft_model" in text and "enable_input_require_grads" in text and "if p.requires_grad" in text
+
+
+@pytest.mark.slow
+def test_recorded_lora_runs_stay_within_the_bar():
+    """The 28 real DeepSpeed + peft runs recorded by benchmarks/lora_memory.py (2 CPU ranks; GPT-2,
+    Llama, Qwen2 and GPT-NeoX shapes no other test uses), estimated again by today's code: the issue's
+    bar, median |error| at most 2% and worst at most 5%. A change of a shared ZeRO term once put
+    the four grad_accum 2 runs at ZeRO-2 20-28% over and no test saw it."""
+    import importlib.util
+    import statistics
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_memory.py"
+    sys.path.insert(0, str(path.parent))   # it imports its sibling hf_memory.py
+    try:
+        loaded = importlib.util.spec_from_file_location("lora_memory", path)
+        bench = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(bench)
+        rows = bench.rows_with_estimates()
+    finally:
+        sys.path.remove(str(path.parent))
+    errors = {f"{r['family']} {r['cfg'].short()}": 100 * abs(r["err"]) for r in rows}
+    assert len(errors) == 28
+    assert statistics.median(errors.values()) <= 2 and max(errors.values()) <= 5, errors

@@ -40,7 +40,10 @@ def partition_elements(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     params_in_partition; get_partition_info), the partition being the flat buffer, padded to a
     multiple of 2 x ranks (nccl_start_alignment_factor), split evenly. Measured on transformers'
     GPT-2 (1.12M parameters, 2 CPU ranks, ZeRO-2 fp32): rank 1's buffer is 594,816 elements where
-    P/2 is 560,512, the layer-1 attention weight straddling the boundary. LoRA's adapters: P / ranks."""
+    P/2 is 560,512, the layer-1 attention weight straddling the boundary. LoRA's adapters: P / ranks,
+    also for memory/lora.py's adapter view (a spec whose parameter count is the adapters', not its
+    module's: the module's own parameters would price the base's partition, 20-28% over on the
+    recorded LoRA runs at ZeRO-2 with grad_accum 2, benchmarks/lora_memory.py)."""
     if cfg.method != "full":
         return spec.num_params // cluster.world_size
     return _whole_parameter_partition(spec, cluster.world_size)
@@ -51,6 +54,8 @@ def _whole_parameter_partition(spec: ModelSpec, ranks: int) -> int:
     from autotune.memory.code_trace import param_numels
 
     numels = param_numels(spec)   # the optimizer's order: the module's parameters, a tied one once
+    if sum(numels) != spec.num_params:   # not the module's own parameters (LoRA's adapter view)
+        return spec.num_params // ranks
     align = 2 * ranks
     part = -(-sum(numels) // align) * align // ranks
     most = 0
