@@ -69,9 +69,9 @@ def measured(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("knobs")
     # The knob terms were measured on the stand-in, whose activations the analytic model prices
-    # exactly. With transformers' Llama (the default code) 4 of these miss, all over, +14.3% to +25%
-    # (benchmarks/knobs_on_hf.py; docs/memory.md, "Known open error"): open, stated there, not hidden
-    # by a wider tolerance here.
+    # exactly. With transformers' Llama (the default code) 1 of these misses, +14.3% over (the
+    # persistence threshold; benchmarks/knobs_on_hf.py; docs/memory.md, "Known open error"): open,
+    # stated there, not hidden by a wider tolerance here.
     model = resolve_model("tiny-llama", implementation="builtin")
     reqs = [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / str(i), steps=2,
                          warmup_steps=1, timeout_s=300) for i, kw in enumerate(KNOBS)]
@@ -162,24 +162,37 @@ def test_stage3_prefetch_on_transformers_code_matches_the_traced_tier(tmp_path, 
     assert -UNDER <= err <= OVER, (est, res.phase_peak_bytes, f"{100 * err:+.2f}%")
 
 
+ON_HF = {
+    # stage 2's first reduction (partition, bucket, a second partition, the fp32 extras) happens at the
+    # LM head's gradient with every activation saved, a moment DeepSpeed makes and the trace cannot
+    # see (traced._with_head_phase); without it these were 7.4% and 11.8% under
+    "z2-one-bucket": dict(zero_stage=2, precision="bf16", reduce_bucket_size=BIG),
+    "z2-one-bucket-fp32-accumulation": dict(zero_stage=2, precision="bf16", reduce_bucket_size=BIG,
+                                            grad_accum_dtype="fp32"),
+    # the update's temporaries in the master weights' dtype (traced._trace_step); priced in fp32 this
+    # was 25% over
+    "z2-bf16-master-and-states": dict(zero_stage=2, precision="bf16", bf16_master_weights_and_grads=True,
+                                      bf16_optimizer_states=True),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [{}, {"grad_accum_dtype": "fp32"}], ids=["bf16", "fp32-accumulation"])
-def test_zero2_one_bucket_on_transformers_code_is_not_under(tmp_path, kw):
-    """transformers' Llama at ZeRO-2 with one reduce bucket larger than the model: stage 2's first
-    reduction (partition, bucket, a second partition, the fp32 extras) happens at the LM head's
-    gradient with every activation saved, a moment DeepSpeed makes and the trace cannot see
-    (traced._with_head_phase). Without that phase these were 7.4% and 11.8% under."""
+@pytest.mark.parametrize("name", ON_HF)
+def test_knobs_on_transformers_code_match_the_traced_tier(tmp_path, name):
+    """Knobs whose terms the traced tier composes with transformers' Llama (the default code), one
+    real trial each: the measured peak within the test's tolerance."""
     from autotune.trial import run_trials
     from autotune.trial.record import TrialRequest
 
     model = resolve_model("tiny-llama")
-    cfg = _cfg(dict(zero_stage=2, precision="bf16", reduce_bucket_size=BIG, **kw))
+    cfg = _cfg(ON_HF[name])
     [res] = run_trials([TrialRequest(model=model, cluster=CLUSTER, config=cfg, out_dir=tmp_path, steps=2,
                                      warmup_steps=1, timeout_s=300)])
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(model, CLUSTER, cfg)
     err = est.tensor_peak_bytes / res.peak_bytes - 1
-    assert -UNDER <= err <= OVER_ONE_BUCKET, (est.phases, res.phase_peak_bytes, f"{100 * err:+.2f}%")
+    over = OVER_ONE_BUCKET if cfg.reduce_bucket_size >= model.num_params else OVER
+    assert -UNDER <= err <= over, (est.phases, res.phase_peak_bytes, f"{100 * err:+.2f}%")
 
 
 @pytest.mark.slow
