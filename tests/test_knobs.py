@@ -176,18 +176,25 @@ ON_HF = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ON_HF)
-def test_knobs_on_transformers_code_match_the_traced_tier(tmp_path, name):
-    """Knobs whose terms the traced tier composes with transformers' Llama (the default code), one
-    real trial each: the measured peak within the test's tolerance."""
+@pytest.fixture(scope="module")
+def measured_on_hf(tmp_path_factory):
     from autotune.trial import run_trials
     from autotune.trial.record import TrialRequest
 
-    model = resolve_model("tiny-llama")
-    cfg = _cfg(ON_HF[name])
-    [res] = run_trials([TrialRequest(model=model, cluster=CLUSTER, config=cfg, out_dir=tmp_path, steps=2,
-                                     warmup_steps=1, timeout_s=300)])
+    root = tmp_path_factory.mktemp("knobs-hf")
+    model = resolve_model("tiny-llama")   # transformers' code, the default
+    reqs = [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / name, steps=2,
+                         warmup_steps=1, timeout_s=300) for name, kw in ON_HF.items()]
+    return dict(zip(ON_HF, zip(reqs, run_trials(reqs))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ON_HF)
+def test_knobs_on_transformers_code_match_the_traced_tier(measured_on_hf, name):
+    """Knobs whose terms the traced tier composes with transformers' Llama (the default code), real
+    trials in one process group: the measured peak within the test's tolerance."""
+    req, res = measured_on_hf[name]
+    model, cfg = req.model, req.config
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(model, CLUSTER, cfg)
     err = est.tensor_peak_bytes / res.peak_bytes - 1
