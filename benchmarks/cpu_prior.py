@@ -3,6 +3,7 @@
     python benchmarks/cpu_prior.py              # ~1 min on 2 idle cores
     python benchmarks/cpu_prior.py --no-trials  # only the recorded landscapes (~15 s)
     python benchmarks/cpu_prior.py --only-same-run [--every 3]   # only 3. (~8 min)
+    python benchmarks/cpu_prior.py --only-same-run --landscape cpu_landscape_gpt2   # one landscape
 
 1. DeepSpeed's own time per step (cpu_prior.DEEPSPEED_MICRO_S, DEEPSPEED_S_PER_PARAM): real trials
    of two Llamas (197K and 15.1M parameters, seq 64; neither landscape's model) on 2 CPU ranks at
@@ -11,7 +12,8 @@
 2. The prior against each recorded landscape (benchmarks/data/cpu_landscape*.csv): Spearman rank
    correlation over the configs that ran, whether its first pick among the configs the memory model
    lets through is within 2% of the best, and the step time it expects against the measured one.
-3. The prior against a sample of each landscape trained again in the same run (`same_run`).
+3. The prior against a sample of each landscape trained again in the same run (`same_run`), with
+   the prior, the throughput measured now and the recorded one of each config.
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ def same_run(path: Path, every: int) -> None:
     ratio = [n / t for n, t in zip(now, then)]
     print(f"  measured now / recorded samples/s: median {statistics.median(ratio):.2f}, "
           f"range {min(ratio):.2f}-{max(ratio):.2f}")
+    print(f"  {'config':<24} {'prior':>7} {'now':>7} {'recorded':>9}")
+    for (c, _), e, n, t in sorted(zip(ok, expected, now, then), key=lambda x: x[2]):
+        print(f"  {c.short():<24} {e:7.2f} {n:7.2f} {t:9.2f}")
 
 
 def main() -> None:
@@ -142,8 +147,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--every", type=int, default=3, help="train every N-th landscape config again (same-run check)")
     p.add_argument("--only-same-run", action="store_true", help="only the same-run check")
+    p.add_argument("--landscape", default="cpu_landscape*", help="which recorded landscapes (a glob of their stem)")
     args = p.parse_args()
-    landscapes = sorted(DATA.glob("cpu_landscape*.csv"))
+    landscapes = sorted(DATA.glob(f"{args.landscape}.csv"))
     if not args.no_trials and not args.only_same_run:
         for model in (TINY, MID):
             deepspeed_overhead(model, args.repeats)
