@@ -9,7 +9,7 @@ it, tests/test_knobs.py), so they are priced there and not here.
 from __future__ import annotations
 
 from autotune.hardware import Cluster
-from autotune.memory.model_states import adam_state_bytes, master_bytes
+from autotune.memory.model_states import adam_state_bytes, master_bytes, offload_buffers
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, dtype_bytes
 from autotune.units import GiB
@@ -35,6 +35,7 @@ def host_terms_per_rank(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) ->
         out["offloaded_master_weights"] = int(master_bytes(cfg) * share)
         out["offloaded_optimizer_states"] = int(adam_state_bytes(cfg) * share)
         out["offloaded_fp32_gradients"] = int(master_bytes(cfg) * share)
+        out.update(offload_buffers(model, cluster, cfg, on_host=True))
     return out
 
 

@@ -131,14 +131,42 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
         out["parameters"] = pb * p
     if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32" and not cfg.offload_optimizer:
         out["fp32_gradients"] = 4 * p  # BF16_Optimizer's fp32 gradients (memory/buffers.py bf16_optimizer)
-    if cfg.offload_optimizer:
+    if cfg.offload_optimizer and cluster.gpu.is_cpu:
+        # CPU ranks: the host is the device, so DeepSpeedCPUAdam's fp32 partition, its moments and
+        # the pinned fp32 gradient partition it steps from (memory/host.py) are in the rank's own
+        # memory, where the profiler counts them (measured: tiny-gpt2 ZeRO-3 bf16 on 2 CPU ranks,
+        # 8,967,521 B above the estimate that left them out; P/2 x 16 B = 8,968,192)
+        out["master_weights"] = int(master_bytes(cfg) * shard)
+        out["optimizer_states"] = int(state_b * shard)
+        out["offloaded_fp32_gradients"] = int(master_bytes(cfg) * shard)
+    elif cfg.offload_optimizer:
         out["master_weights"] = 0  # fp32 partition and Adam states live in pinned CPU memory
         out["optimizer_states"] = 0
     else:
         master = master_bytes(cfg) * shard if (z >= 1 or cfg.precision != "fp32") else 0
         out["master_weights"] = int(master)
         out["optimizer_states"] = int(state_b * shard)
+    out.update(offload_buffers(spec, cluster, cfg))
     return out
+
+
+def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, on_host: bool = False) -> dict[str, int]:
+    """Stage 1-2 ZeRO-Offload's staging buffers, allocated once (stage_1_and_2.py with cpu_offload):
+    `temp_grad_buffer_for_gpu_offload`, the largest parameter in the model dtype, on the device;
+    on the host `temp_grad_buffer_for_cpu_offload` (the same size) and
+    `param_buffer_of_bit16_for_cpu_offload_groups`, a 16-bit copy of the rank's partition. On CPU
+    ranks the host is the device, so all three are device terms (measured: transformers' GPT-2, ZeRO-1
+    fp32 on 2 CPU ranks, the forward 4,338,924 B above the estimate without them; P/2 x 4 B + 2 x
+    262,144 x 4 B = 4,339,200). `on_host`: the host's two (memory/host.py), on GPU clusters. An adapter
+    view (LoRA) prices its largest parameter as at most all its adapters."""
+    if not cfg.offload_optimizer or cfg.zero_stage not in (1, 2):
+        return {}
+    pb, largest = dtype_bytes(cfg.precision), min(largest_param(spec), spec.num_params)
+    host = {"offload_bit16_partition": int(pb * spec.num_params / cluster.world_size),
+            "offload_cpu_grad_buffer": pb * largest}
+    if on_host:
+        return {} if cluster.gpu.is_cpu else host
+    return {"offload_grad_buffer": pb * largest, **(host if cluster.gpu.is_cpu else {})}
 
 
 def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimizer: bool) -> dict[str, int]:
@@ -158,8 +186,10 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     """
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
     pb = dtype_bytes(cfg.precision)
-    if cfg.offload_optimizer:
+    if cfg.offload_optimizer and not cluster.gpu.is_cpu:
         # gradients are copied partition by partition to pinned CPU memory, the step runs there
+        # (on CPU ranks the step is the same torch AdamW as without offload, on the same memory:
+        # measured, Optimizer.step#AdamW.step's sqrt and div over the fp32 partition)
         return {"gradients": int(pb * p / n) if z in (1, 2) else 0, "optimizer_temporaries": 0}
     if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32":
         # BF16_Optimizer (memory/buffers.py bf16_optimizer): its fp32 gradients are a state. At the
@@ -180,6 +210,8 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
         grads = pb * p + (4 * p if pb != 4 else 0)
         return {"gradients": grads, "optimizer_temporaries": temps}
     fp32_partition = int(master_bytes(cfg) * stepped)
+    if cfg.offload_optimizer:   # CPU ranks: the fp32 gradient partition is a state (`states`), not made here
+        fp32_partition = 0
     if z in (1, 2) and pb != 4 and temps < pb * p / n:
         # the 16-bit partition and its fp32 copy coexist before the update; that is the peak
         # only when the update itself makes less than the 16-bit partition (fused optimizers)

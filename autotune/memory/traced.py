@@ -294,8 +294,8 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     are then bf16 too, TrainConfig's check; measured on transformers' Llama, ZeRO 1-3: priced in
     fp32 they were twice the bf16 update's, +21.5% to +25% over the measured peak); None where torch
     cannot run that optimizer (offload: CPUAdam; 8-bit: bitsandbytes)."""
-    if cfg.offload_optimizer or cfg.optimizer == "adamw8bit":
-        return None
+    if (cfg.offload_optimizer and not cluster.gpu.is_cpu) or cfg.optimizer == "adamw8bit":
+        return None   # on CPU ranks an offloaded step is torch AdamW on the same memory (step_terms)
     fused = not cluster.gpu.is_cpu
     trained = spec.num_params
     if cfg.method != "full":  # only the adapters are stepped
