@@ -132,9 +132,9 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
     if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32" and not cfg.offload_optimizer:
         out["fp32_gradients"] = 4 * p  # BF16_Optimizer's fp32 gradients (memory/buffers.py bf16_optimizer)
     if cfg.offload_optimizer and cluster.gpu.is_cpu:
-        # CPU ranks: the host is the device, so DeepSpeedCPUAdam's fp32 partition, its moments and
-        # the pinned fp32 gradient partition it steps from (memory/host.py) are in the rank's own
-        # memory, where the profiler counts them (measured: tiny-gpt2 ZeRO-3 bf16 on 2 CPU ranks,
+        # CPU ranks: the host is the device, so the offloaded fp32 partition, its moments and the
+        # fp32 gradient partition the step reads (memory/host.py) are in the rank's own memory,
+        # where the profiler counts them (measured: tiny-gpt2 ZeRO-3 bf16 on 2 CPU ranks,
         # 8,967,521 B above the estimate that left them out; P/2 x 16 B = 8,968,192)
         out["master_weights"] = int(master_bytes(cfg) * shard)
         out["optimizer_states"] = int(state_b * shard)
