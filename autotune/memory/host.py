@@ -35,7 +35,7 @@ def host_terms_per_rank(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) ->
         out["offloaded_master_weights"] = int(master_bytes(cfg) * share)
         out["offloaded_optimizer_states"] = int(adam_state_bytes(cfg) * share)
         out["offloaded_fp32_gradients"] = int(master_bytes(cfg) * share)
-        out.update(offload_buffers(model, cluster, cfg, on_host=True))
+        out.update(offload_buffers(model, cluster, cfg)[1])
     return out
 
 

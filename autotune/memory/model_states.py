@@ -146,27 +146,28 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
         master = master_bytes(cfg) * shard if (z >= 1 or cfg.precision != "fp32") else 0
         out["master_weights"] = int(master)
         out["optimizer_states"] = int(state_b * shard)
-    out.update(offload_buffers(spec, cluster, cfg))
+    device, host = offload_buffers(spec, cluster, cfg)
+    out.update(device)
+    if cluster.gpu.is_cpu:   # the host is the device
+        out.update(host)
     return out
 
 
-def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, on_host: bool = False) -> dict[str, int]:
+def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[dict[str, int], dict[str, int]]:
     """Stage 1-2 ZeRO-Offload's staging buffers, allocated once (stage_1_and_2.py with cpu_offload):
     `temp_grad_buffer_for_gpu_offload`, the largest parameter in the model dtype, on the device;
     on the host `temp_grad_buffer_for_cpu_offload` (the same size) and
     `param_buffer_of_bit16_for_cpu_offload_groups`, a 16-bit copy of the rank's partition. On CPU
     ranks the host is the device, so all three are device terms (measured: transformers' GPT-2, ZeRO-1
     fp32 on 2 CPU ranks, the forward 4,338,924 B above the estimate without them; P/2 x 4 B + 2 x
-    262,144 x 4 B = 4,339,200). `on_host`: the host's two (memory/host.py), on GPU clusters. An adapter
-    view (LoRA) prices its largest parameter as at most all its adapters."""
+    262,144 x 4 B = 4,339,200). Returns (device terms, host terms); an adapter view (LoRA) prices
+    its largest parameter as at most all its adapters."""
     if not cfg.offload_optimizer or cfg.zero_stage not in (1, 2):
-        return {}
+        return {}, {}
     pb, largest = dtype_bytes(cfg.precision), min(largest_param(spec), spec.num_params)
-    host = {"offload_bit16_partition": int(pb * spec.num_params / cluster.world_size),
-            "offload_cpu_grad_buffer": pb * largest}
-    if on_host:
-        return {} if cluster.gpu.is_cpu else host
-    return {"offload_grad_buffer": pb * largest, **(host if cluster.gpu.is_cpu else {})}
+    return ({"offload_grad_buffer": pb * largest},
+            {"offload_bit16_partition": int(pb * spec.num_params / cluster.world_size),
+             "offload_cpu_grad_buffer": pb * largest})
 
 
 def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimizer: bool) -> dict[str, int]:

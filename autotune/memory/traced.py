@@ -297,6 +297,7 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     if (cfg.offload_optimizer and not cluster.gpu.is_cpu) or cfg.optimizer == "adamw8bit":
         return None   # on CPU ranks an offloaded step is torch AdamW on the same memory (step_terms)
     fused = not cluster.gpu.is_cpu
+    master = "bf16" if cfg.bf16_master_weights_and_grads else "fp32"   # the states follow (TrainConfig's check)
     trained = spec.num_params
     if cfg.method != "full":  # only the adapters are stepped
         from autotune.memory.lora import adapter_numels
@@ -305,21 +306,21 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     if cfg.zero_stage == 0 and cfg.method != "full":
         every = adapter_numels(spec, cfg)  # two layers hold every pair of neighbours
         sizes = every[: 2 * len(every) // spec.num_layers]
-        what = "each fp32 adapter, in the module's order"
+        what = f"each {master} adapter, in the module's order"
     elif cfg.zero_stage == 0 and not builtin(spec):
-        sizes, what = code_trace.param_numels(spec, min(2, spec.num_layers)), "each fp32 parameter, in the module's order"
+        sizes, what = code_trace.param_numels(spec, min(2, spec.num_layers)), f"each {master} parameter, in the module's order"
     elif cfg.zero_stage == 0:
         # in the model's order: single-tensor AdamW's `denom` of one parameter lives on while the
         # next one's is made; two layers hold every pair of neighbours
         with FakeTensorMode():
             two = Transformer(replace(spec, num_layers=min(2, spec.num_layers)))
-            sizes, what = [p.numel() for p in two.parameters()], "each fp32 parameter, in the model's order"
+            sizes, what = [p.numel() for p in two.parameters()], f"each {master} parameter, in the model's order"
     elif cfg.zero_stage in (1, 2):
-        sizes, what = [part], f"the flat fp32 partition ({part:,} elements)"
+        sizes, what = [part], f"the flat {master} partition ({part:,} elements)"
     else:
         sizes = [min(part, model_states.STAGE3_SUB_GROUP_SIZE)]
-        what = f"one fp32 sub-group ({sizes[0]:,} elements)"
-    dtype = torch.bfloat16 if cfg.bf16_master_weights_and_grads else torch.float32
+        what = f"one {master} sub-group ({sizes[0]:,} elements)"
+    dtype = torch_dtype(master)
     with _tracing(host_rng=False) as live:
         params = [torch.zeros(n, dtype=dtype, requires_grad=True) for n in sizes]
         for p in params:
@@ -331,7 +332,6 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
         opt.step()
         live.enter(None)
     kind = "fused=True (in place, as FusedAdam)" if fused else "foreach=False"
-    what = what.replace("fp32", "bf16") if cfg.bf16_master_weights_and_grads else what
     return live.peaks["step"][0] - before, f"torch AdamW {kind} over {what}"
 
 
