@@ -1,10 +1,18 @@
 """Settings every test process shares: DeepSpeed on CPU, quiet local Ray, with Ray's token authentication on.
-Also `quick`, which keeps a few cases of a long parametrisation in the quick loop (`-m "not slow"`)."""
+Also `quick`, which keeps a few cases of a long parametrisation in the quick loop (`-m "not slow"`), and
+`killed_and_resumed`, one real search through the CLI that two test modules read."""
 
 import atexit
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
+import types
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +36,63 @@ if not os.environ.get("AUTOTUNE_CACHE_DIR"):
 def quick(cases, fast):
     """`cases` as pytest params, those not in `fast` marked slow: the quick loop runs a few, CI all."""
     return [pytest.param(*c, marks=() if c in fast else pytest.mark.slow) for c in cases]
+
+
+TINY_HF = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="session")
+def killed_and_resumed(tmp_path_factory):
+    """One real search through the CLI, as a user runs it: Ray + DeepSpeed trials of a tiny transformers
+    Llama on two CPU ranks under a 12 MiB cap (micro batch 16 with k < L is estimated over it, the rest
+    fit), killed with SIGTERM after its first completed trial, then resumed to 3 runs. What
+    test_search checks of the runs and test_report_pictures draws from their study (one search for
+    both: about 90 s)."""
+    root = tmp_path_factory.mktemp("e2e")
+    cfg = root / "tiny" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps(TINY_HF))
+    trials = root / "trials"
+    env = {**os.environ, "AUTOTUNE_TRIALS_DIR": str(trials), "DS_ACCELERATOR": "cpu"}
+    space = Path(__file__).resolve().parents[1] / "search_spaces" / "tiny-cpu.yaml"
+    base = [sys.executable, "-m", "autotune", "search", "--model", str(cfg), "--gpus", "2xcpu@12MiB",
+            "--seq-len", "64", "--space", str(space), "--study", "e2e", "--n-trials", "3", "--no-progress"]
+    db = trials / "e2e" / "study.db"
+    first = subprocess.Popen(base, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and first.poll() is None and not any(
+            r["state"] == "COMPLETE" for r in finished_runs(db)):
+        time.sleep(0.5)
+    first.send_signal(signal.SIGTERM)
+    out1, _ = first.communicate(timeout=120)
+    done_before = {json.dumps(r["config"], sort_keys=True) for r in finished_runs(db) if r["state"] == "COMPLETE"}
+    second = subprocess.run([sys.executable, "-m", "autotune", "search", "--resume", "--study", "e2e",
+                             "--n-trials", "3", "--no-progress"], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=400)
+    return types.SimpleNamespace(root=root, trials=trials, env=env, db=db, first=first, out1=out1,
+                                 done_before=done_before, second=second)
+
+
+def _wait_for(pred, timeout_s: float, proc) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and proc.poll() is None and not pred():
+        time.sleep(0.5)
+
+
+def finished_runs(db: Path) -> list[dict]:
+    """Finished runs in the study database, read with sqlite3 alone (the search process owns Optuna's handle)."""
+    import sqlite3
+
+    if not db.exists():
+        return []
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            rows = con.execute("select t.number, t.state, a.value_json from trials t join trial_user_attributes a "
+                               "on a.trial_id = t.trial_id where a.key = 'config'").fetchall()
+    except sqlite3.OperationalError:        # Optuna is still creating its tables
+        return []
+    return [{"number": n, "state": s, "config": json.loads(v)} for n, s, v in rows]
 
 
 _EXIT_STATUS = {}

@@ -158,6 +158,70 @@ def test_traces_are_kept_on_disk_for_transformers_code_only(tmp_path, monkeypatc
     assert not (tmp_path / "factory").exists()
 
 
+TRACED_BY = r"""
+import os, sys
+from autotune.cli import main
+from autotune.memory import code_trace
+run = code_trace._run
+def logged(spec, cfg, **kw):   # which process traces which program
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{os.getpid()} {kw.get('vary') is not None} {kw['ckpt']} {kw['full']}\n")
+    return run(spec, cfg, **kw)
+code_trace._run = logged
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_first_estimate_traces_in_two_processes_and_answers_as_one_does(tmp_path, monkeypatch, capsys):
+    """`autotune estimate --max-seq-len` of transformers' code, as a first run: its last program is
+    traced in a forked process (cli/estimate._trace_ahead, trace_cache.in_parallel) and read back
+    from the disk cache, each program traced once, by one of two processes; the answer is the one
+    a single process gives."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from autotune.cli import main
+    from autotune.memory import trace_cache
+
+    # a GPU (the cost model's profile is traced here meanwhile) small enough for the answer to lie
+    # in the range the two builds are stepped over
+    args = ["estimate", "--model", "tiny-llama", "--gpus", "1xH100@1GiB", "--max-seq-len", "--json"]
+    log = tmp_path / "traced_by"
+    run = subprocess.run([sys.executable, "-c", TRACED_BY, str(log), *args], capture_output=True, text=True,
+                         env={**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "two")}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    two = json.loads(run.stdout)
+    traced = [line.split() for line in log.read_text().splitlines()]
+    assert two["max_seq_len"] and all(vary == "True" for _, vary, *_ in traced)
+    assert len({pid for pid, *_ in traced}) == len(traced) == len({tuple(t[2:]) for t in traced}) == 2
+
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "one"))
+    monkeypatch.setattr(code_trace, "_PROGRAMS", {})
+    monkeypatch.setattr(code_trace, "_FAMILIES", {})
+    monkeypatch.setattr(trace_cache, "in_parallel", lambda here, there: [call() for call in here + there])
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == two
+
+
+def test_a_child_that_fails_or_hangs_costs_only_time(tmp_path, monkeypatch):
+    """trace_cache.in_parallel: what the child stores is read here; a child that raises or outlives
+    the timeout leaves the calls here done and nothing half written."""
+    import time
+
+    from autotune.memory import trace_cache
+
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
+    here = []
+    trace_cache.in_parallel([lambda: here.append(1)], [lambda: trace_cache.store(("k",), {"v": 2})])
+    assert here == [1] and trace_cache.load(("k",)) == {"v": 2}
+    trace_cache.in_parallel([lambda: here.append(3)], [lambda: 1 / 0])
+    t = time.monotonic()
+    trace_cache.in_parallel([lambda: here.append(4)], [lambda: time.sleep(60)], timeout_s=0.5)
+    assert here == [1, 3, 4] and time.monotonic() - t < 30
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_registered_buffers_are_priced_whole_on_every_rank(zero):
     """A module's registered buffers (GPTBigCode's causal-mask table, here 256 x 256 bools per model)

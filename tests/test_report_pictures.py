@@ -1,5 +1,5 @@
 """The report's pictures from real study databases (issue 17): a simulated 13B x 4xA100 search and,
-slow, a measured 2-trial CPU search. Content is checked on the data each picture draws."""
+slow, the measured CPU search of conftest.killed_and_resumed. Content is checked on the data each picture draws."""
 
 from __future__ import annotations
 
@@ -101,9 +101,10 @@ def test_simulated_13b_pictures(sim_study, tmp_path):
 
 
 @pytest.mark.slow
-def test_measured_cpu_pictures(tmp_path, monkeypatch):
-    study = _search(tmp_path / "trials", monkeypatch, 2, model="tiny-llama", gpus="2xcpu",
-                    space=Path(__file__).parents[1] / "search_spaces" / "tiny-cpu.yaml", executor="ray")
+def test_measured_cpu_pictures(killed_and_resumed, tmp_path, monkeypatch):
+    """The study of a real CPU search through the CLI, killed and resumed (conftest.killed_and_resumed)."""
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(killed_and_resumed.trials))
+    study = st.load_study("e2e")
     p = check_content(study)
     assert p.source == "measured"
     assert all(b.measured_peak_bytes for b in p.memory if b.status == "ok")

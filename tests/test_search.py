@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -31,6 +28,8 @@ from autotune.search import PriorGuided, Search
 from autotune.search_space import expand, parse_space
 from autotune.train_config import TrainConfig
 from autotune.units import MiB
+
+from conftest import finished_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
@@ -309,54 +308,20 @@ def test_main_command_without_the_gpus_is_simulated_and_says_so(tmp_path, monkey
     assert sum(t.user_attrs.get("pruned_by") == "memory" for t in study.trials) > 0
 
 
-def _wait_for(pred, timeout_s: float, proc) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end and proc.poll() is None and not pred():
-        time.sleep(0.5)
-
-
-def _runs(db: Path) -> list[dict]:
-    """Finished runs in the study database, read with sqlite3 alone (the search process owns Optuna's handle)."""
-    import sqlite3
-
-    if not db.exists():
-        return []
-    try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
-            rows = con.execute("select t.number, t.state, a.value_json from trials t join trial_user_attributes a "
-                               "on a.trial_id = t.trial_id where a.key = 'config'").fetchall()
-    except sqlite3.OperationalError:        # Optuna is still creating its tables
-        return []
-    return [{"number": n, "state": s, "config": json.loads(v)} for n, s, v in rows]
-
-
 @pytest.mark.slow
-def test_end_to_end_real_trials_killed_and_resumed(tmp_path):
+def test_end_to_end_real_trials_killed_and_resumed(killed_and_resumed):
     """Real Ray + DeepSpeed trials on two CPU ranks under a memory cap; killed with SIGTERM after the
-    first completed trial, then resumed: no completed configuration runs again; then report and export."""
-    cfg = tmp_path / "tiny" / "config.json"
-    cfg.parent.mkdir()
-    cfg.write_text(json.dumps(TINY))
-    env = {**os.environ, "AUTOTUNE_TRIALS_DIR": str(tmp_path / "trials"), "DS_ACCELERATOR": "cpu"}
-    # 12 MiB per rank: the estimates of micro batch 16 with k < L exceed it (26 and 17 MiB), the rest fit
-    base = [sys.executable, "-m", "autotune", "search", "--model", str(cfg), "--gpus", "2xcpu@12MiB",
-            "--seq-len", str(SEQ), "--space", str(ROOT / "search_spaces" / "tiny-cpu.yaml"), "--study", "e2e",
-            "--n-trials", "3", "--no-progress"]
-    db = tmp_path / "trials" / "e2e" / "study.db"
-    first = subprocess.Popen(base, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_for(lambda: any(r["state"] == "COMPLETE" for r in _runs(db)), 240, first)
-    first.send_signal(signal.SIGTERM)
-    out1, _ = first.communicate(timeout=120)
+    first completed trial, then resumed: no completed configuration runs again; then report and export
+    (the runs: conftest.killed_and_resumed)."""
+    run = killed_and_resumed
+    first, out1, second, db, env, tmp_path = run.first, run.out1, run.second, run.db, run.env, run.root
     assert first.returncode == 130, out1[-3000:]
     assert "interrupted: every completed trial is kept" in out1
-    done_before = {json.dumps(r["config"], sort_keys=True) for r in _runs(db) if r["state"] == "COMPLETE"}
+    done_before = run.done_before
     assert len(done_before) >= 1
-    second = subprocess.run([sys.executable, "-m", "autotune", "search", "--resume", "--study", "e2e",
-                             "--n-trials", "3", "--no-progress"], env=env, cwd=tmp_path, capture_output=True,
-                            text=True, timeout=400)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "executor: ray" in second.stdout and "samples/s (measured)" in second.stdout
-    runs = [r for r in _runs(db) if r["state"] in ("COMPLETE", "FAIL")]
+    runs = [r for r in finished_runs(db) if r["state"] in ("COMPLETE", "FAIL")]
     study = optuna.load_study(study_name="e2e", storage=f"sqlite:///{db}")
     real = [t for t in study.trials if t.user_attrs["status"] in ("ok", "oom", "timeout", "crashed", "diverged")]
     keys = [json.dumps(t.user_attrs["config"], sort_keys=True) for t in real]

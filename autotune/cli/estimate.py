@@ -65,7 +65,28 @@ def run(args) -> int:
     model, cluster, cfg = specs_from_args(args)
     # asked for the largest sequence length, the configuration's own estimate comes from the same build
     with traced_once(model, cfg, "seq_len" if args.max_seq_len else "micro_batch" if args.max_micro_batch else None):
+        _trace_ahead(model, cluster, cfg)
         return _run(args, model, cluster, cfg)
+
+
+def _trace_ahead(model, cluster, cfg) -> None:
+    """A first estimate of transformers' code traces its small programs (two at most depths) and,
+    on GPUs, the cost model's op profile, one after another on one core. Traced ahead on two: the
+    last program in a forked process, which stores it in the trace cache (memory/trace_cache.py),
+    the rest here; _run then reads them all back. Measured by `python benchmarks/estimate_speed.py`
+    (docs/search.md); a later run finds every program cached and forks nothing."""
+    from autotune.memory.trace_cache import in_parallel
+    from autotune.memory.traced import trace_jobs
+
+    jobs = trace_jobs(model, cluster, cfg) if model.implementation == "hf" else []   # only hf is stored
+    if len(jobs) < 2 and cluster.gpu.is_cpu:
+        return
+    here = jobs[:-1]
+    if not cluster.gpu.is_cpu:
+        from autotune.costmodel import simulate
+
+        here.append(lambda: simulate(model, cluster, cfg))
+    in_parallel(here, jobs[-1:])
 
 
 def _run(args, model, cluster, cfg) -> int:

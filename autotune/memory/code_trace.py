@@ -241,12 +241,12 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
 
 
 def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
-                  host_rng: bool) -> dict[str, dict[str, int]]:
+                  host_rng: bool, only_cached: bool = False) -> dict[str, dict[str, int]] | None:
     """Segment peaks by category of a (ckpt + full)-layer `spec` in its own code, its first `ckpt`
     layers checkpointed (traced.py's `_trace_program` contract), cached. Only the fields that change
     the program are in the key: not the ZeRO stage, cluster size or grad_accum. Inside `families`,
     a value in its range of the field it names is replayed from the program's family
-    (seq_family.py) where that is exact."""
+    (seq_family.py) where that is exact. `only_cached`: None where it would have to be traced."""
     key = _key(spec, cfg, ckpt, full, fused, host_rng)
     kept = spec.implementation == "hf"   # a user's module can change between runs: not kept on disk
     if key not in _PROGRAMS and kept:
@@ -254,9 +254,11 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
         if stored is not None:
             _PROGRAMS[key] = stored
     if key not in _PROGRAMS and _VARY is not None and _VARY[1][0] <= getattr(cfg, _VARY[0]) <= _VARY[1][-1]:
-        family = _family(spec, cfg, ckpt, full, fused, host_rng, kept)
+        family = _family(spec, cfg, ckpt, full, fused, host_rng, kept, only_cached)
         if family is not None:   # exact: kept in memory; on disk the family is
             _PROGRAMS[key] = family.program(getattr(cfg, _VARY[0]))
+    if key not in _PROGRAMS and only_cached:
+        return None
     if key not in _PROGRAMS:
         try:
             program = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
@@ -298,9 +300,11 @@ def families(name: str, values: tuple[int, int, int]):
         _VARY = previous
 
 
-def _family(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool, kept: bool):
+def _family(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool, kept: bool,
+            only_cached: bool = False):
     """The program's seq_family.Family over `families`' values, or None where it is not exact: read
-    from the disk cache or traced (one build, three steps, each also kept as its own value's program)."""
+    from the disk cache or traced (one build, three steps, each also kept as its own value's program).
+    `only_cached`: None where it would have to be traced."""
     from autotune.memory import seq_family
 
     name, values = _VARY
@@ -311,6 +315,8 @@ def _family(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool
         stored = trace_cache.load(fkey)
         if stored is not None:
             _FAMILIES[fkey] = seq_family.Family.from_json(stored) if stored["exact"] else None
+    if fkey not in _FAMILIES and only_cached:
+        return None
     if fkey not in _FAMILIES:
         try:
             steps = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng, vary=(name, values))

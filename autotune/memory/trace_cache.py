@@ -21,7 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import sys
 import tempfile
+import time
 from functools import cache
 from importlib import metadata
 from pathlib import Path
@@ -73,3 +76,45 @@ def store(key: tuple, value: dict) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def in_parallel(here: list, there: list, *, timeout_s: float = 300.0) -> None:
+    """Run the calls in `there` in a forked child process and those in `here` in this one, then wait
+    for the child: two cores trace at once. What the child traces reaches this process through
+    this cache, so `there` must be calls that store what they make here (transformers' programs;
+    a user's module is never stored). A child that fails, or outlives `timeout_s`, costs nothing but
+    the time: what it did not store is traced again when it is asked for. Without fork (not
+    Linux), everything runs here, in turn."""
+    if not there:
+        for call in here:
+            call()
+        return
+    if not sys.platform.startswith("linux"):
+        for call in here + there:
+            call()
+        return
+    fingerprint()   # hashed once, before the fork, for both processes
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:   # the child: its calls, then out without the parent's exit handlers or buffers
+        code = 1
+        try:
+            for call in there:
+                call()
+            code = 0
+        finally:
+            os._exit(code)
+    done = False
+    try:
+        for call in here:
+            call()
+        done = True
+    finally:
+        deadline = time.monotonic() + (timeout_s if done else 0.0)   # interrupted here: the child too
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.002)

@@ -14,12 +14,13 @@ autotune.memory's model-state and buffer terms for the stage, on top of the trac
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -473,13 +474,29 @@ def _with_head_phase(phases: dict, head: dict[str, int], end: dict[str, int], fi
     return out
 
 
+def _programs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[tuple[int, int], Callable]:
+    """The small programs `trace` steps, by (checkpointed, full) layers: each a call that traces it
+    (or reads it from the cache) and returns its segment peaks by category."""
+    ckpt, full = cfg.ckpt_layers, model.num_layers - cfg.ckpt_layers
+    opts = dict(fused=not cluster.gpu.is_cpu, host_rng=cluster.gpu.is_cpu)
+    program = _trace_program if builtin(model) else code_trace.trace_program
+    return {km: functools.partial(program, model, cfg, ckpt=km[0], full=km[1], **opts) for km in _plan(ckpt, full)}
+
+
+def trace_jobs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> list[Callable[[], object]]:
+    """What `estimate` of code that must be traced (hf, factory) has yet to trace, one call per small
+    program, for running them ahead (trace_cache.in_parallel); [] for the builtin model (analytic)
+    and where every program is in the cache already."""
+    if builtin(model):
+        return []
+    return [p for p in _programs(model, cluster, cfg).values() if p(only_cached=True) is None]
+
+
 def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimate:
     """Trace one training step of `model` under `cfg` on fake tensors; see the module docstring."""
     t0 = time.perf_counter()
     ckpt, full = cfg.ckpt_layers, model.num_layers - cfg.ckpt_layers
-    opts = dict(fused=not cluster.gpu.is_cpu, host_rng=cluster.gpu.is_cpu)
-    program = _trace_program if builtin(model) else code_trace.trace_program
-    traces = {km: program(model, cfg, ckpt=km[0], full=km[1], **opts) for km in _plan(ckpt, full)}
+    traces = {km: program() for km, program in _programs(model, cluster, cfg).items()}
     fits = _fit(traces)
     points = {p: {c: f[0] + f[1] * ckpt + f[2] * full for c, f in cats.items()} for p, cats in fits.items()}
     analytic = _phases(model, cluster, cfg)
