@@ -144,18 +144,12 @@ def test_stage3_prefetch_forward_peak_matches_estimate(measured, key):
     reason="open: transformers' tiny-llama with a 5e5 bucket measured 14,917,273 to 15,270,681 B over seven runs "
            "(-2.08% to +0.24% against the estimate): at the forward's start gloo's own all-gather output is "
            "live in some runs (docs/memory.md)", strict=False))])
-def test_stage3_prefetch_on_transformers_code_matches_the_traced_tier(tmp_path, bucket):
+def test_stage3_prefetch_on_transformers_code_matches_the_traced_tier(measured_on_hf, bucket):
     """transformers' Llama (the traced tier): its top modules own no parameters, so the embedding is
     prefetched with the rest; the forward peak against the traced forward points (measured: -0.29% with
     4e6, where one buffer holds every parameter; with smaller buckets the error varies from run to run)."""
-    from autotune.trial import run_trials
-    from autotune.trial.record import TrialRequest
-
-    model = resolve_model("tiny-llama")
-    cfg = _cfg(dict(zero_stage=3, precision="bf16", stage3_prefetch_bucket_size=bucket))
-    req = TrialRequest(model=model, cluster=CLUSTER, config=cfg, out_dir=tmp_path, steps=2, warmup_steps=1,
-                       timeout_s=300)
-    [res] = run_trials([req])
+    req, res = measured_on_hf[f"z3-prefetch-{bucket}"]
+    model, cfg = req.model, req.config
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(model, CLUSTER, cfg).phases
     err = est["forward (prefetch)"] / res.phase_peak_bytes["forward"] - 1
@@ -189,9 +183,12 @@ def measured_on_hf(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("knobs-hf")
     model = resolve_model("tiny-llama")   # transformers' code, the default
+    # with the stage-3 prefetch cases of the test above: every trial of transformers' code in one group
+    runs = {**ON_HF, **{f"z3-prefetch-{b}": dict(zero_stage=3, precision="bf16", stage3_prefetch_bucket_size=b)
+                        for b in (BIG, 200_000, 500_000)}}
     reqs = [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / name, steps=2,
-                         warmup_steps=1, timeout_s=300) for name, kw in ON_HF.items()]
-    return dict(zip(ON_HF, zip(reqs, run_trials(reqs))))
+                         warmup_steps=1, timeout_s=300) for name, kw in runs.items()]
+    return dict(zip(runs, zip(reqs, run_trials(reqs))))
 
 
 @pytest.mark.slow
