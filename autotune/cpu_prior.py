@@ -2,7 +2,7 @@
 timed here, plus what DeepSpeed adds to a step.
 
     step = grad_accum x (forward+backward [probe] + recompute [probe] + DeepSpeed per micro step)
-           + collectives (gloo: per call + per byte) + AdamW over the rank's parameters [probe]
+           + collectives (gloo: per call + per byte [probe]) + AdamW over the rank's parameters [probe]
            + DeepSpeed per parameter
 
 The probe builds the trial's own model (through autotune.impl: the Hugging Face code by default)
@@ -14,9 +14,10 @@ model; on a model of 11M parameters the same cores reach ~120 GFLOP/s in its GEM
 ranked micro batches backwards. Timing the model itself needs no per-machine constant for
 the arithmetic. It is a prior, used only to order candidates: nothing it returns is reported.
 
-Not probed: gloo (it needs a process group) and DeepSpeed's own time per micro step and per
-parameter, constants measured on this machine type (below), and the slowdown of two ranks sharing
-the memory bus.
+gloo's cost per call and per byte is probed too, by as many processes as the trial has ranks
+(`probe_gloo`). Not probed: DeepSpeed's own time per micro step, per parameter and per gathered
+module, constants measured on this machine type (below), and the slowdown of two ranks sharing the
+memory bus.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from autotune.trial.threads import cpu_threads_per_rank
 from autotune.train_config import TrainConfig, dtype_bytes, torch_dtype
 
 GLOO_CALL_S = 0.31e-3
-"""One gloo collective's fixed cost: all_reduce of 4096 fp32 between 2 ranks (one thread each,
-torch.distributed gloo over loopback, x86_64 2-core machine, torch 2.13): 0.31 ms, best of 5."""
+"""One gloo collective's fixed cost where `probe_gloo` cannot run: all_reduce of 4096 fp32 between
+2 ranks (one thread each, torch.distributed gloo over loopback, x86_64 2-core machine, torch 2.13):
+0.31 ms, best of 5."""
 GLOO_BUS_BYTES_PER_S = 1.43e9
-"""gloo ring bus bandwidth on the same machine: all_reduce of 11.4M fp32 (45 MB; a ring moves
-2(n-1)/n of it per rank) in 31.7 ms, best of 5. A 1M-element all_reduce reaches 2.0 GB/s."""
+"""gloo ring bus bandwidth on the same machine, where `probe_gloo` cannot run: all_reduce of 11.4M
+fp32 (45 MB; a ring moves 2(n-1)/n of it per rank) in 31.7 ms, best of 5. A 1M-element all_reduce
+reaches 2.0 GB/s."""
 DEEPSPEED_MICRO_S = 11e-3
 DEEPSPEED_S_PER_PARAM = 2.6e-9
 """DeepSpeed's own time in a step on CPU beyond what is probed or priced (the model's forward and
@@ -84,6 +87,86 @@ def _ring_volumes_per_step(cfg: TrainConfig) -> float:
     sec. 7.2)."""
     ga = cfg.grad_accum
     return {0: 2.0, 1: 2.0, 2: ga + 1.0, 3: 3.0 * ga}[cfg.zero_stage]
+
+
+GLOO_PROBE = r"""
+import json, statistics, sys, time
+import torch, torch.distributed as dist
+rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+small, big = torch.zeros(4096), torch.zeros(1 << 22)
+for _ in range(20):
+    dist.all_reduce(small)
+calls = []
+for _ in range(10):   # 10 rounds 0.1 s apart: a second of this machine's state, not one busy moment
+    time.sleep(0.1)
+    for _ in range(20):
+        t = time.perf_counter()
+        dist.all_reduce(small)
+        calls.append(time.perf_counter() - t)
+dist.all_reduce(big)
+bulk = []
+for _ in range(3):
+    t = time.perf_counter()
+    dist.all_reduce(big)
+    bulk.append(time.perf_counter() - t)
+if rank == 0:
+    moved = 2 * (world - 1) / world * big.numel() * 4
+    print(json.dumps({"call_s": statistics.median(calls), "bus_bytes_per_s": moved / min(bulk)}))
+dist.destroy_process_group()
+"""
+
+
+@cache
+def probe_gloo(world: int) -> tuple[float, float, str]:
+    """(seconds per gloo collective call, ring bus bytes per second, where they come from), measured
+    now on this machine by `world` ranks (at most 8) over loopback, as trials' ranks talk: the median
+    of 200 all_reduce calls of 4096 fp32 (10 rounds of 20, 0.1 s apart) and the best of 3 of 4M
+    fp32, one thread per rank. One round of 100 calls read 1.67 ms in one of nine runs, at a busy
+    moment, where the others read 0.42-0.73 ms.
+
+    Measured, not a constant, because the call's cost is this shared machine's state: 0.31 ms best
+    of 5 on the day the landscapes were recorded, single calls of 0.12-0.17 ms (fastest) to 3.3-3.6
+    ms (the slowest quarter; a rank waiting to be scheduled) on 2026-12-02, median 0.42-0.47 ms.
+    ZeRO 1-3 on the GPT-2 landscape make 168-236 calls per step, so the cost moves its ranking: that
+    day, 26 of its configs trained again ranked against the prior with the call priced at 0.31,
+    0.45, 0.60, 0.80 and 1.00 ms gave Spearman 0.863, 0.893, 0.899, 0.898 and 0.882
+    (`python benchmarks/cpu_prior.py --only-same-run`). The median of single calls, not the mean
+    of back-to-back ones (1.5-2.1 ms that day): DeepSpeed's calls come between other work. Two
+    processes that import torch: about 3 s, once per search. Where they cannot run or meet (no
+    loopback, a sandbox), the constants above, and the third field says so. The rendezvous is a
+    file in a private temporary folder and gloo's own sockets are on the loopback interface, as
+    in trials (autotune/trial/launch.py): nothing listens beyond this machine."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from autotune.trial.launch import loopback_interface
+
+    world = max(2, min(world, 8))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": loopback_interface(), "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory(prefix="autotune-gloo-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [subprocess.Popen([sys.executable, "-c", GLOO_PROBE, str(r), str(world), store], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+        out = err = ""
+        try:
+            out, err = procs[0].communicate(timeout=120)
+            for p in procs[1:]:
+                p.communicate(timeout=30)
+            got = json.loads(out.strip().splitlines()[-1])
+            return float(got["call_s"]), float(got["bus_bytes_per_s"]), f"probed now, {world} ranks over loopback"
+        except (subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as e:
+            reason = err.strip().splitlines()[-1] if err.strip() else type(e).__name__
+            return GLOO_CALL_S, GLOO_BUS_BYTES_PER_S, f"constants (the probe failed: {reason})"
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
 
 def rank_threads(cluster: Cluster) -> int:
@@ -222,6 +305,7 @@ def probe_adamw_s_per_param(threads: int, n: int = 1 << 22) -> float:
 def cpu_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], float]:
     """Expected samples/s of a config on CPU ranks (the sum in the module docstring)."""
     w, threads = cluster.world_size, rank_threads(cluster)
+    gloo_call_s, gloo_bus = probe_gloo(w)[:2] if w > 1 else (GLOO_CALL_S, GLOO_BUS_BYTES_PER_S)
 
     def prior(cfg: TrainConfig) -> float:
         lora = (cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout) if cfg.method != "full" else None
@@ -235,8 +319,8 @@ def cpu_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], flo
         comm = 0.0
         if w > 1:
             grad_bytes = trained * dtype_bytes(cfg.precision)
-            comm = (_collectives_per_step(model, cfg) * GLOO_CALL_S
-                    + _ring_volumes_per_step(cfg) * (w - 1) / w * grad_bytes / GLOO_BUS_BYTES_PER_S)
+            comm = (_collectives_per_step(model, cfg) * gloo_call_s
+                    + _ring_volumes_per_step(cfg) * (w - 1) / w * grad_bytes / gloo_bus)
         params = trained / (w if cfg.zero_stage >= 1 else 1)
         t_step = (cfg.grad_accum * t_micro + comm + params * probe_adamw_s_per_param(threads)
                   + trained * DEEPSPEED_S_PER_PARAM)

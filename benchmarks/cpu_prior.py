@@ -64,7 +64,8 @@ def deepspeed_overhead(model: ModelSpec, repeats: int) -> None:
                 for z in cfgs}
         fwd_bwd = cp.probe_model(model, 64, mb, "fp32", cfgs[0].attention, threads)[0]
         adam = model.num_params * cp.probe_adamw_s_per_param(threads)
-        gloo = cp.GLOO_CALL_S + model.num_params * 4 / cp.GLOO_BUS_BYTES_PER_S
+        call_s, bus, _ = cp.probe_gloo(2)
+        gloo = call_s + model.num_params * 4 / bus
         priced = cp.DEEPSPEED_MICRO_S + model.num_params * cp.DEEPSPEED_S_PER_PARAM
         print(f"  mb {mb:2d}: ZeRO-0 step {step[0] * 1e3:6.1f} ms (best of {repeats}) - model {fwd_bwd * 1e3:5.1f} - "
               f"AdamW {adam * 1e3:4.2f} - gloo {gloo * 1e3:4.2f} = DeepSpeed {(step[0] - fwd_bwd - adam - gloo) * 1e3:6.1f} ms"
@@ -86,6 +87,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def against_landscape(path: Path) -> None:
     ls = cpu_landscape(path, path.stem)
+    call_s, bus, source = cp.probe_gloo(ls.cluster.world_size)
+    print(f"\ngloo for {ls.cluster.world_size} ranks: {call_s * 1e3:.2f} ms per call, {bus / 1e9:.2f} GB/s ({source})")
     prior = cp.cpu_prior(ls.model, ls.cluster)
     ran = [c for c in ls.configs if ls.run(c).samples_per_s]
     measured = [ls.run(c).samples_per_s for c in ran]
@@ -129,7 +132,9 @@ def same_run(path: Path, every: int) -> None:
     now = [v for _, v in ok]
     then = [ls.run(c).samples_per_s for c, _ in ok]
     expected = [prior(c) for c, _ in ok]
-    print(f"\n{path.name}, {len(ok)} of its configs trained again now (one in {every} of those that ran):")
+    call_s, bus, source = cp.probe_gloo(ls.cluster.world_size)
+    print(f"\n{path.name}, {len(ok)} of its configs trained again now (one in {every} of those that ran); "
+          f"gloo {call_s * 1e3:.2f} ms per call, {bus / 1e9:.2f} GB/s ({source}):")
     print(f"  Spearman(prior, measured now) {spearman(expected, now):.3f}; "
           f"Spearman(prior, recorded) over the same configs {spearman(expected, then):.3f}; "
           f"Spearman(recorded, measured now) {spearman(then, now):.3f}")

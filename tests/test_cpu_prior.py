@@ -38,6 +38,7 @@ def test_prior_is_the_documented_sum(monkeypatch):
     parameter); and the prior falls with every checkpointed layer and with more communication."""
     monkeypatch.setattr(cp, "probe_model", lambda m, s, mb, p, a, th: (0.01 * mb, 0.001 * mb))
     monkeypatch.setattr(cp, "probe_adamw_s_per_param", lambda th: 1e-8)
+    monkeypatch.setattr(cp, "probe_gloo", lambda w: (cp.GLOO_CALL_S, cp.GLOO_BUS_BYTES_PER_S, "fixed"))
     prior = cp.cpu_prior(TINY, parse_gpus("2xcpu"))
     cfg = lambda **kw: TrainConfig(**{"zero_stage": 0, "micro_batch": 4, "grad_accum": 1, "ckpt_layers": 2,  # noqa: E731
                                       "precision": "fp32", "seq_len": 64, **kw})

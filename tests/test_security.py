@@ -115,3 +115,27 @@ def test_single_node_trial_listens_on_loopback_only(tmp_path):
     runner.join()
     assert done and done[0].status == "ok", done and done[0].reason
     assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+
+
+def test_the_cpu_priors_gloo_probe_listens_on_loopback_only():
+    """cpu_prior.probe_gloo's two processes meet through a file and talk gloo on the loopback
+    interface: every socket they listen on is on 127.0.0.1, and the probe says it measured."""
+    from autotune import cpu_prior
+
+    done: list = []
+    runner = threading.Thread(target=lambda: done.append(cpu_prior.probe_gloo.__wrapped__(2)))
+    runner.start()
+    listening = set()
+    while runner.is_alive():
+        family = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            listening |= {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp")
+                          if c.status == psutil.CONN_LISTEN and c.pid in family}
+        except psutil.Error:  # a rank that exits mid-listing
+            pass
+        time.sleep(0.05)
+    runner.join()
+    call_s, bus, source = done[0]
+    assert source.startswith("probed now"), source
+    assert 0 < call_s < 0.05 and bus > 1e7
+    assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening

@@ -14,6 +14,9 @@ versions or of autotune's code starts a fresh folder; a user's own module (imple
 Where: $AUTOTUNE_CACHE_DIR, else $XDG_CACHE_HOME/autotune, else ~/.cache/autotune; one JSON file
 per program, written to a temporary name and renamed, so a crash or a concurrent run never leaves
 half a file. An unreadable entry is traced again; a cache that cannot be written is skipped.
+
+`in_parallel` runs traces in a forked process that hands them over through this cache: how a first
+`autotune estimate` of transformers' code traces on two cores (cli/estimate.py).
 """
 
 from __future__ import annotations
