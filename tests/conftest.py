@@ -74,12 +74,6 @@ def killed_and_resumed(tmp_path_factory):
                                  done_before=done_before, second=second)
 
 
-def _wait_for(pred, timeout_s: float, proc) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end and proc.poll() is None and not pred():
-        time.sleep(0.5)
-
-
 def finished_runs(db: Path) -> list[dict]:
     """Finished runs in the study database, read with sqlite3 alone (the search process owns Optuna's handle)."""
     import sqlite3

@@ -207,8 +207,10 @@ def test_a_first_estimate_traces_in_two_processes_and_answers_as_one_does(tmp_pa
 
 def test_a_child_that_fails_or_hangs_costs_only_time(tmp_path, monkeypatch):
     """trace_cache.in_parallel: what the child stores is read here; a child that raises or outlives
-    the timeout leaves the calls here done and nothing half written."""
+    the timeout leaves the calls here done, and no process behind."""
     import time
+
+    import psutil
 
     from autotune.memory import trace_cache
 
@@ -217,9 +219,11 @@ def test_a_child_that_fails_or_hangs_costs_only_time(tmp_path, monkeypatch):
     trace_cache.in_parallel([lambda: here.append(1)], [lambda: trace_cache.store(("k",), {"v": 2})])
     assert here == [1] and trace_cache.load(("k",)) == {"v": 2}
     trace_cache.in_parallel([lambda: here.append(3)], [lambda: 1 / 0])
+    before = {p.pid for p in psutil.Process().children()}
     t = time.monotonic()
     trace_cache.in_parallel([lambda: here.append(4)], [lambda: time.sleep(60)], timeout_s=0.5)
     assert here == [1, 3, 4] and time.monotonic() - t < 30
+    assert {p.pid for p in psutil.Process().children()} <= before
 
 
 @pytest.mark.parametrize("zero", [0, 3])
