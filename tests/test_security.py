@@ -93,15 +93,11 @@ def test_joining_with_auth_disabled_warns_once(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.slow
-def test_single_node_trial_listens_on_loopback_only(tmp_path):
-    """Every socket the launcher and its ranks listen on during a 2-rank trial is on 127.0.0.1 (left to
-    torch, the rendezvous store listened on every interface)."""
-    req = TrialRequest(model=resolve_model("tiny-llama"), cluster=parse_gpus("2xcpu"),
-                       config=TrainConfig(zero_stage=2, precision="bf16", seq_len=32), out_dir=tmp_path / "t",
-                       steps=3, warmup_steps=1, timeout_s=150.0)
+def listening_while(work, poll_s: float = 0.2) -> tuple[list, set]:
+    """Run `work` in a thread and collect every TCP socket this process and its descendants listen
+    on meanwhile: ([its result], {(ip, port)})."""
     done: list = []
-    runner = threading.Thread(target=lambda: done.append(launch.run_trial(req, threads=1)))
+    runner = threading.Thread(target=lambda: done.append(work()))
     runner.start()
     listening = set()
     while runner.is_alive():
@@ -109,10 +105,21 @@ def test_single_node_trial_listens_on_loopback_only(tmp_path):
         try:
             listening |= {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp")
                           if c.status == psutil.CONN_LISTEN and c.pid in family}
-        except psutil.Error:  # a rank that exits mid-listing
+        except psutil.Error:  # a process that exits mid-listing
             pass
-        time.sleep(0.2)
+        time.sleep(poll_s)
     runner.join()
+    return done, listening
+
+
+@pytest.mark.slow
+def test_single_node_trial_listens_on_loopback_only(tmp_path):
+    """Every socket the launcher and its ranks listen on during a 2-rank trial is on 127.0.0.1 (left to
+    torch, the rendezvous store listened on every interface)."""
+    req = TrialRequest(model=resolve_model("tiny-llama"), cluster=parse_gpus("2xcpu"),
+                       config=TrainConfig(zero_stage=2, precision="bf16", seq_len=32), out_dir=tmp_path / "t",
+                       steps=3, warmup_steps=1, timeout_s=150.0)
+    done, listening = listening_while(lambda: launch.run_trial(req, threads=1))
     assert done and done[0].status == "ok", done and done[0].reason
     assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
 
@@ -122,19 +129,7 @@ def test_the_cpu_priors_gloo_probe_listens_on_loopback_only():
     interface: every socket they listen on is on 127.0.0.1, and the probe says it measured."""
     from autotune import cpu_prior
 
-    done: list = []
-    runner = threading.Thread(target=lambda: done.append(cpu_prior.probe_gloo.__wrapped__(2)))
-    runner.start()
-    listening = set()
-    while runner.is_alive():
-        family = {p.pid for p in psutil.Process().children(recursive=True)}
-        try:
-            listening |= {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp")
-                          if c.status == psutil.CONN_LISTEN and c.pid in family}
-        except psutil.Error:  # a rank that exits mid-listing
-            pass
-        time.sleep(0.05)
-    runner.join()
+    done, listening = listening_while(lambda: cpu_prior.probe_gloo.__wrapped__(2), poll_s=0.05)
     call_s, bus, source = done[0]
     assert source.startswith("probed now"), source
     assert 0 < call_s < 0.05 and bus > 1e7
