@@ -9,7 +9,8 @@ from the disk cache, memory/trace_cache.py).
 
 Last, the whole `autotune estimate --model 13b --gpus 4xA100 --zero 3 --max-seq-len` (issue
 target: under a second) in a fresh process, timed after its imports, with each implementation, as
-a first and as a later run.
+a first and as a later run, and for transformers' code as a first run in one process (its traces in
+turn, as the command ran them before it used two).
 
     python benchmarks/estimate_speed.py
 """
@@ -46,9 +47,12 @@ def main() -> None:
 
 COMMAND = ["estimate", "--model", "13b", "--gpus", "4xA100", "--zero", "3", "--max-seq-len"]
 CHILD = """
-import contextlib, io, sys, time
+import contextlib, io, os, sys, time
 import autotune.cli, autotune.costops, autotune.memory.limits, autotune.memory.code_trace, autotune.costmodel
 import transformers.models.llama.modeling_llama
+from autotune.memory import trace_cache
+if os.environ.get("ONE_PROCESS"):   # as before cli/estimate._trace_ahead: every trace here, in turn
+    trace_cache.in_parallel = lambda here, there: [call() for call in here + there]
 out = io.StringIO()
 t0 = time.perf_counter()
 with contextlib.redirect_stdout(out):
@@ -65,15 +69,18 @@ def max_seq_len() -> None:
     run); for transformers' code and with `--impl builtin` (the stand-in), each as a first run (an
     empty disk cache: the cost model's op profile and, for transformers' code, the memory model's
     programs and their family over sequence lengths are traced) and as a later run (all read back,
-    memory/trace_cache.py)."""
+    memory/trace_cache.py). For transformers' code also a first run in one process, in turns with the
+    others: what the command did before it traced in two (cli/estimate._trace_ahead)."""
     print()
     root = os.environ["AUTOTUNE_CACHE_DIR"]
-    runs = ("first run", "a later run")
     for impl in ("builtin", "hf"):
+        runs = ("first run", "a later run") + (("first run, one process",) if impl == "hf" else ())
         times = {run: [] for run in runs}
         for rep in range(3):
-            env = {**os.environ, "AUTOTUNE_CACHE_DIR": tempfile.mkdtemp(dir=root)}
-            for run in runs:   # the later run reads what the first one stored
+            caches = {run: tempfile.mkdtemp(dir=root) for run in runs}
+            caches["a later run"] = caches["first run"]   # reads what the first run stored
+            for run in runs:
+                env = {**os.environ, "AUTOTUNE_CACHE_DIR": caches[run], "ONE_PROCESS": "1" if "one" in run else ""}
                 cmd = [sys.executable, "-c", CHILD, *COMMAND] + (["--impl", "builtin"] if impl == "builtin" else [])
                 spent, rc, last = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                                  check=True).stdout.strip().splitlines()[-1].split(" ", 2)
