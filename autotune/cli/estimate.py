@@ -70,23 +70,24 @@ def run(args) -> int:
 
 
 def _trace_ahead(model, cluster, cfg) -> None:
-    """A first estimate of transformers' code traces its small programs (two at most depths) and,
-    on GPUs, the cost model's op profile, one after another on one core. Traced ahead on two: the
+    """A first estimate of transformers' code traces two small programs (two and three layers, for
+    most depths) and, on GPUs, the cost model's op profile. Here they are traced on two cores: the
     last program in a forked process, which stores it in the trace cache (memory/trace_cache.py),
-    the rest here; _run then reads them all back. Measured by `python benchmarks/estimate_speed.py`
-    (docs/search.md); a later run finds every program cached and forks nothing."""
+    the rest in this one; _run then reads them all back. Only programs the disk cache keeps can
+    come back from another process, and a later run finds them cached and forks nothing. Measured
+    by `python benchmarks/estimate_speed.py` (docs/search.md)."""
+    from autotune.memory.code_trace import kept_on_disk
     from autotune.memory.trace_cache import in_parallel
     from autotune.memory.traced import trace_jobs
 
-    jobs = trace_jobs(model, cluster, cfg) if model.implementation == "hf" else []   # only hf is stored
-    if len(jobs) < 2 and cluster.gpu.is_cpu:
-        return
-    here = jobs[:-1]
+    jobs = trace_jobs(model, cluster, cfg) if kept_on_disk(model) else []
+    here, there = jobs[:-1], jobs[-1:]
     if not cluster.gpu.is_cpu:
         from autotune.costmodel import simulate
 
         here.append(lambda: simulate(model, cluster, cfg))
-    in_parallel(here, jobs[-1:])
+    if here and there:
+        in_parallel(here, there)
 
 
 def _run(args, model, cluster, cfg) -> int:

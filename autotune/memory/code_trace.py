@@ -240,6 +240,12 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     return peaks, rec
 
 
+def kept_on_disk(spec: ModelSpec) -> bool:
+    """Whether `spec`'s programs are kept in the disk cache (trace_cache.py): transformers' code,
+    whose versions are in its fingerprint; a user's module can change between runs and is not."""
+    return spec.implementation == "hf"
+
+
 def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
                   host_rng: bool, only_cached: bool = False) -> dict[str, dict[str, int]] | None:
     """Segment peaks by category of a (ckpt + full)-layer `spec` in its own code, its first `ckpt`
@@ -248,7 +254,7 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
     a value in its range of the field it names is replayed from the program's family
     (seq_family.py) where that is exact. `only_cached`: None where it would have to be traced."""
     key = _key(spec, cfg, ckpt, full, fused, host_rng)
-    kept = spec.implementation == "hf"   # a user's module can change between runs: not kept on disk
+    kept = kept_on_disk(spec)
     if key not in _PROGRAMS and kept:
         stored = trace_cache.load(key)
         if stored is not None:
