@@ -124,7 +124,8 @@ class SimulatedStep:
     """tflops_per_gpu over the GPU's dense peak for the precision (PaLM, Chowdhery et al. 2022, App. B)."""
     breakdown_s: dict[str, float] = field(default_factory=dict)
     """Seconds per step of each term (they sum to step_time_s): compute (GEMMs), attention,
-    elementwise, recompute (forward+backward of all micro steps, priced op by op); grad_reduce,
+    elementwise, recompute (forward+backward of all micro steps, priced op by op); under LoRA,
+    adapters (their GEMMs) and, under QLoRA, dequantize; grad_reduce,
     param_gather, stage3_gather (ZeRO communication); overlap (the communication hidden behind
     compute, negative); optimizer; offload; host (end to end only). `terms()` groups them."""
     source: str = "simulated"
@@ -132,10 +133,12 @@ class SimulatedStep:
     def terms(self) -> dict[str, float]:
         """The per-term view (seconds per step): compute, attention, elementwise, recompute,
         communication exposed (collectives less what hides under compute), optimizer (with
-        offload), host."""
+        offload), host. LoRA's adapter GEMMs count as compute, QLoRA's dequantisation (a memory-bound
+        kernel) as elementwise: the terms sum to the step time."""
         b = self.breakdown_s
         comm = sum(b.get(k, 0.0) for k in ("grad_reduce", "param_gather", "stage3_gather", "overlap"))
-        return {"compute": b["compute"], "attention": b["attention"], "elementwise": b["elementwise"],
+        return {"compute": b["compute"] + b.get("adapters", 0.0), "attention": b["attention"],
+                "elementwise": b["elementwise"] + b.get("dequantize", 0.0),
                 "recompute": b["recompute"], "communication exposed": comm,
                 "optimizer": b.get("optimizer", 0.0) + b.get("offload", 0.0), "host": b.get("host", 0.0)}
 
@@ -348,7 +351,7 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     micro = compute_s(model, cfg, cluster.gpu, rt, constants or Constants())
     gathered = model  # what ZeRO-3 gathers: the whole module
     if cfg.method != "full":  # frozen base: its compute here, and only the adapters reduced and stepped
-        micro = lora_compute_s(model, cfg, cluster.gpu, micro)
+        micro = lora_compute_s(model, cfg, cluster.gpu, micro, (constants or Constants()).sustained)
         model, rt = lora_trained(model, cfg, rt)
     fwd_bwd = sum(micro.values())
     # DeepSpeed reduces gradients on every micro step at ZeRO-2/3 and only on the accumulation
@@ -419,9 +422,22 @@ def calibration_errors(constants: Constants | None = None) -> dict[str, float]:
 
 
 # ---- LoRA / QLoRA (issue #12): additive terms, called from simulate ------------------------------
-def lora_compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, micro: dict[str, float]) -> dict[str, float]:
+def _gemm_fwd_bwd_s(m: int, k: int, n: int, key: tuple, precision: str, sustained: float) -> float:
+    """An (m x k) @ (k x n) product's forward GEMM and its two backward ones (input gradient
+    (m x n) @ (n x k), weight gradient (k x m) @ (m x n)), each priced as costops prices a traced
+    GEMM: 2 x its three sizes FLOPs, its three matrices read or written once."""
+    from autotune.costops import Op, gemm_s
+
+    size = dtype_bytes(precision)
+    shapes = (("fwd", m, k, n), ("bwd", m, n, k), ("bwd", k, m, n))
+    return sum(gemm_s(Op("gemm", "mm", phase, 2.0 * a * b * c, (a * b + b * c + a * c) * size, (1, a, b, c)), key, sustained)
+               for phase, a, b, c in shapes)
+
+
+def lora_compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, micro: dict[str, float],
+                   sustained: float) -> dict[str, float]:
     """A micro step's compute with a frozen base. The base's weight GEMMs (layers and LM head) run
-    forward and the input-gradient GEMM, not the weight-gradient one: 2/3 of gemm_time_s's three
+    forward and the input-gradient GEMM, not the weight-gradient one: 2/3 of their three
     (Hu et al. 2021, LoRA, sec. 4.2: no gradients for the frozen weights). Each adapter adds x·A
     (in -> r) and (xA)·B (r -> out), forward and both backward GEMMs. QLoRA dequantises each
     linear weight of the decoder layers per use, forward and input-gradient backward (and the
@@ -432,8 +448,9 @@ def lora_compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, micro: dict
     tokens = cfg.tokens_per_micro_batch
     out = dict(micro)
     out["compute"] = micro["compute"] * 2.0 / 3.0  # costops' weight GEMMs (layers and LM head)
+    key, r = price_key(gpu, cfg.precision), cfg.lora_rank
     out["adapters"] = model.num_layers * sum(
-        gemm_time_s(tokens, k, cfg.lora_rank, gpu, cfg.precision) + gemm_time_s(tokens, cfg.lora_rank, n, gpu, cfg.precision)
+        _gemm_fwd_bwd_s(tokens, k, r, key, cfg.precision, sustained) + _gemm_fwd_bwd_s(tokens, r, n, key, cfg.precision, sustained)
         for k, n in adapter_shapes(model, cfg))
     if cfg.method == "qlora":
         q, _ = quantized_weights(model, cfg)

@@ -90,7 +90,6 @@ class LoraImpl:
 
     def build(self, spec: ModelSpec, *, dtype, attention: str, num_layers: int | None = None):
         """The base's `build`, then `get_peft_model`: only the adapters require grad."""
-        import torch
         from peft import LoraConfig, get_peft_model
         from torch._subclasses.fake_tensor import FakeTensor
 

@@ -185,3 +185,20 @@ def test_runtime_follows_the_trial_deepspeed_config():
         c = cfg(zero_stage=stage)
         z = zero_section(c, L13B)
         assert cm.runtime_for(c, L13B).overlap_comm == bool(z.get("overlap_comm", False))
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_lora_on_gpus_prices_the_adapters_and_its_terms_sum_to_the_step(method):
+    """A frozen base: 2 of its weight GEMMs' 3, plus each adapter's own GEMMs (priced by costops'
+    roofline, forward and both backward ones), plus QLoRA's dequantisation; the per-term view holds
+    them all (adapters under compute, dequantisation under elementwise)."""
+    full = cm.simulate(L13B, A100x8, cfg(zero_stage=0))
+    s = cm.simulate(L13B, A100x8, cfg(zero_stage=0, method=method))
+    b = s.breakdown_s
+    assert b["compute"] == pytest.approx(full.breakdown_s["compute"] * 2 / 3)
+    assert b["adapters"] > 0
+    assert (b.get("dequantize", 0) > 0) == (method == "qlora")
+    assert sum(s.terms().values()) == pytest.approx(s.step_time_s)
+    # each adapter GEMM reads a (tokens x hidden) activation: memory-bound, so at least that traffic
+    tokens, h = 2048, L13B.hidden_size
+    assert b["adapters"] > L13B.num_layers * tokens * h * 2 / cm.hbm_bytes_per_s(A100x8.gpu)
