@@ -1,7 +1,7 @@
 """Throughput cost model: seconds per optimizer step of a model on a cluster under a TrainConfig.
 
 One pure function per time term; `simulate()` adds them up. Every constant says where it comes
-from. The compute of a micro step is priced op by op from the traced program (autotune/costops.py).
+from. The compute of a micro step is priced op by op from the traced program (autotune/costops/).
 One constant is fitted, globally, to the published points in data/calibration.yaml:
 `Constants.sustained` (benchmarks/fit_costmodel.py; docs/costmodel.md). Times are
 seconds, sizes bytes, bandwidths bytes per second inside (GB/s = 10^9 at the edge).
@@ -105,7 +105,7 @@ class Runtime:
     """Tensors an unfused optimizer loops over; None: DeepSpeed's (every parameter tensor at ZeRO-0,
     the two flat partitions, with and without weight decay, at ZeRO >= 1)."""
     implementation: str = "builtin"
-    """The code whose step is traced and priced op by op (autotune/costops.py): "builtin" (autotune's
+    """The code whose step is traced and priced op by op (autotune/costops/): "builtin" (autotune's
     trial model: fused GELU, no dropout) or "hf" (transformers' modeling code as it is)."""
     source: str = "autotune.deepspeed_config.zero_section"
 
@@ -183,7 +183,7 @@ def price_key(gpu: GpuSpec, precision: str) -> tuple:
 
 def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: Constants) -> dict[str, float]:
     """Forward+backward seconds of one micro step, per op class, priced op by op from the traced
-    step of `rt.implementation` (autotune/costops.py): GEMMs (weights and LM head: `compute`),
+    step of `rt.implementation` (autotune/costops/): GEMMs (weights and LM head: `compute`),
     attention kernels, element-wise and reduction kernels (norms, activations, loss, casts, eager
     scores); `recompute` reruns the forward of each checkpointed block in backward."""
     from autotune.costops import micro_step_price

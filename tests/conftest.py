@@ -25,7 +25,7 @@ if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_P
     os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_token_dir, "auth_token")
     atexit.register(shutil.rmtree, _token_dir, ignore_errors=True)
 if not os.environ.get("AUTOTUNE_CACHE_DIR"):
-    # Traced programs are kept on disk between runs (memory/trace_cache.py): a test run starts with an
+    # Traced programs are kept on disk between runs (autotune/trace_cache.py): a test run starts with an
     # empty cache of its own, so that what it measures does not depend on earlier runs, and leaves
     # the user's alone.
     _cache_dir = tempfile.mkdtemp(prefix="autotune-test-cache-")

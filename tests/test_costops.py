@@ -1,4 +1,4 @@
-"""Op-level pricing (autotune/costops.py): the traced op profile against hand counts, the roofline
+"""Op-level pricing (autotune/costops/): the traced op profile against hand counts, the roofline
 per op class by hand, and the cache that lets a search price hundreds of candidates."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from autotune import costmodel as cm
 from autotune import costops as co
+from autotune.costops import trace as optrace
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
@@ -52,8 +53,8 @@ def test_per_block_extrapolation_matches_a_direct_trace():
 
     impl = BuiltinImpl()
     build = lambda n: impl.build(TINY, dtype=torch.bfloat16, attention="sdpa", num_layers=n)  # noqa: E731
-    p = co.op_profile(build, impl.loss, micro_batch=1, seq_len=32, vocab=TINY.vocab_size)
-    direct = co._trace(build, impl.loss, 3, 1, 32, TINY.vocab_size)
+    p = optrace.op_profile(build, impl.loss, micro_batch=1, seq_len=32, vocab=TINY.vocab_size)
+    direct = optrace._trace(build, impl.loss, 3, 1, 32, TINY.vocab_size)
     assert p.ops(3) == Counter(direct)
 
 

@@ -13,7 +13,8 @@ import pytest
 from autotune.hardware import parse_gpus
 from autotune.memory import activations as act
 from autotune.memory import estimate
-from autotune.memory.traced import TRACED_TERMS, _trace_program, compare, trace
+from autotune.memory.traced import TRACED_TERMS, compare, trace
+from autotune.memory.tracer import builtin_program
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 
@@ -82,7 +83,7 @@ def test_traced_activations_are_the_analytic_terms(name, precision, attention, c
 def test_extrapolation_equals_a_direct_trace(name, precision, attention, layers, ckpt):
     spec = dataclasses.replace(resolve_model(name, implementation="builtin"), num_layers=layers)
     cfg = config(precision, attention, ckpt)
-    direct = _trace_program(spec, cfg, ckpt=ckpt, full=layers - ckpt, fused=False, host_rng=True)
+    direct = builtin_program(spec, cfg, ckpt=ckpt, full=layers - ckpt, fused=False, host_rng=True)
     assert trace(spec, CPU, cfg).points == direct  # every segment peak, every category, to the byte
 
 

@@ -72,12 +72,12 @@ def run(args) -> int:
 def _trace_ahead(model, cluster, cfg) -> None:
     """A first estimate of transformers' code traces two small programs (two and three layers, for
     most depths) and, on GPUs, the cost model's op profile. Here they are traced on two cores: the
-    last program in a forked process, which stores it in the trace cache (memory/trace_cache.py),
+    last program in a forked process, which stores it in the trace cache (autotune/trace_cache.py),
     the rest in this one; _run then reads them all back. Only programs the disk cache keeps can
     come back from another process, and a later run finds them cached and forks nothing. Measured
     by `python benchmarks/estimate_speed.py` (docs/search.md)."""
     from autotune.memory.code_trace import kept_on_disk
-    from autotune.memory.trace_cache import in_parallel
+    from autotune.trace_cache import in_parallel
     from autotune.memory.traced import trace_jobs
 
     jobs = trace_jobs(model, cluster, cfg) if kept_on_disk(model) else []

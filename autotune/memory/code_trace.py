@@ -2,10 +2,10 @@
 stand-in), traced through autotune/impl.py's one seam: `impl.build`, `impl.layers`, `impl.loss`,
 `impl.checkpoint_first`.
 
-`trace_program(spec, cfg, ckpt=, full=, ...)` is traced.py's `_trace_program` for any
+`trace_program(spec, cfg, ckpt=, full=, ...)` is tracer.py's `builtin_program` for any
 implementation: the model of `ckpt + full` layers is built on CPU fake tensors in the training
 dtype, a first AdamW step makes the optimizer states, then one step (forward, backward, step) runs
-under `traced._LiveBytes`, which counts every storage until its last reference dies. Module hooks on
+under `tracer.LiveBytes`, which counts every storage until its last reference dies. Module hooks on
 the decoder layers (`impl.layers`) and gradient hooks on their outputs cut the step into the same
 segments traced.py uses (fwd.start, fwd.block<i>, fwd.head, fwd.end, bwd.head, bwd.block<i>,
 bwd.end, opt); each segment's peak is kept by category (parameters, gradients, optimizer states,
@@ -26,11 +26,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import torch
-from torch.utils._pytree import tree_leaves
 
 from autotune.errors import SpecError
-from autotune.memory import trace_cache
+from autotune import trace_cache
 from autotune.models import ModelSpec
 from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, torch_dtype
@@ -73,6 +71,8 @@ def build(spec: ModelSpec, precision: str, attention: str, num_layers: int, cfg:
     (`.to(dtype)` fails on fakes), so the default dtype is set while the model is built. `cfg`:
     the config whose LoRA adapters the module gets (None: the base alone)."""
 
+    import torch
+
     attention = TRACED_AS.get(attention, attention)
     impl = impl_of(spec, cfg)
     spec = _with_layer_types(spec, num_layers)
@@ -98,7 +98,11 @@ def _with_layer_types(spec: ModelSpec, num_layers: int) -> ModelSpec:
     return dataclasses.replace(spec, hf_config={**spec.hf_config, **more})  # validated together
 
 
-def _first_grad_tensor(tree) -> torch.Tensor | None:
+def _first_grad_tensor(tree):
+    """The first tensor in `tree` that requires grad, or None."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
     return next((t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
@@ -108,6 +112,9 @@ def _hooks(impl, model, live, marks: dict) -> None:
     output enter bwd.block<i>, on the first layer's input bwd.end (embedding backward, reductions).
     transformers 5 checkpoints a layer's `forward`, not its `__call__`, so these hooks do not run
     again in the recomputation; `marks["backward"]` guards against implementations that do."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
     layers = impl.layers(model)
     last = len(layers) - 1
 
@@ -185,15 +192,17 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
     each value of `cfg`'s field ("seq_len" or "micro_batch") in one build, and each step's
     (peaks, seq_family.Record) returned: every step starts from the same steady state (optimizer
     states made, gradients freed), which seq_family.fit checks in the records."""
-    from autotune.memory.traced import _adamw, _tracing
+    import torch
+
+    from autotune.memory.tracer import adamw, tracing
 
     marks = {"measure": False, "backward": False, "shared": set()}
-    with _tracing(host_rng) as live, unpacked_sequences():
+    with tracing(host_rng) as live, unpacked_sequences():
         impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full, cfg)
         impl.checkpoint_first(model, ckpt)
         _hooks(impl, model, live, marks)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = _adamw(params, fused)
+        opt = adamw(params, fused)
         for p in params:  # a first step makes the optimizer states: the steady state
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -212,8 +221,11 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
                    shape: tuple[int, int], record: bool = False):
     """One training step of a (micro batch, seq) batch from the steady state, and back to it:
     (segment peaks by category, the step's seq_family.Record where `record`, else None)."""
+    import torch
+
     from autotune.memory.seq_family import Record
-    from autotune.memory.traced import _backward_and_step, _classify, _known, segment_points
+    from autotune.memory.traced import _classify, segment_points
+    from autotune.memory.tracer import backward_and_step, known_storages
 
     if record:
         baseline = sorted(live.live_serials().items())
@@ -225,10 +237,10 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     marks["loss"] = live.track(loss)
     marks["saved"] = live.live_serials()
     live.point("fwd.end")
-    _backward_and_step(live, marks, loss, opt)
+    backward_and_step(live, marks, loss, opt)
     grads = {live.track(p.grad) for p in params}
     del loss
-    known = _known(live, model, opt, grads, batch, marks, shared=marks["shared"])
+    known = known_storages(live, model, opt, grads, batch, marks, shared=marks["shared"])
     points = segment_points(ckpt, full)
     peaks = {name: _classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
     rec = Record(baseline=baseline, log=live.log, samples=live.samples, known=known,
@@ -249,7 +261,7 @@ def kept_on_disk(spec: ModelSpec) -> bool:
 def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
                   host_rng: bool, only_cached: bool = False) -> dict[str, dict[str, int]] | None:
     """Segment peaks by category of a (ckpt + full)-layer `spec` in its own code, its first `ckpt`
-    layers checkpointed (traced.py's `_trace_program` contract), cached. Only the fields that change
+    layers checkpointed (tracer.py's `builtin_program` contract), cached. Only the fields that change
     the program are in the key: not the ZeRO stage, cluster size or grad_accum. Inside `families`,
     a value in its range of the field it names is replayed from the program's family
     (seq_family.py) where that is exact. `only_cached`: None where it would have to be traced."""
@@ -345,21 +357,29 @@ _NUMELS: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {
 
 
 def _numels(spec: ModelSpec, layers: int = 2) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(before the first layer, one layer, after the last) parameter sizes, from a `layers`-layer model."""
+    """(before the first layer, one layer, after the last) parameter sizes, from a `layers`-layer
+    model; kept in the trace cache where the model's programs are (`kept_on_disk`)."""
+    key = spec_key(spec)
+    if key not in _NUMELS:
+        if kept_on_disk(spec):
+            parts = trace_cache.remembered(("numels", key, layers), lambda: _count_numels(spec, layers))
+        else:
+            parts = _count_numels(spec, layers)
+        _NUMELS[key] = tuple(tuple(part) for part in parts)
+    return _NUMELS[key]
+
+
+def _count_numels(spec: ModelSpec, layers: int) -> list[list[int]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    key = spec_key(spec)
-    if key in _NUMELS:
-        return _NUMELS[key]
     with FakeTensorMode():
         impl, model = build(spec, "fp32", default_attention(spec), layers)
         in_layers = {id(p) for layer in impl.layers(model) for p in layer.parameters()}
         named = [(id(p) in in_layers, p.numel()) for p in model.parameters()]
     first = next(i for i, (inside, _) in enumerate(named) if inside)
     end = max(i for i, (inside, _) in enumerate(named) if inside) + 1
-    body = tuple(n for _, n in named[first:end])
-    _NUMELS[key] = tuple(n for _, n in named[:first]), body[: len(body) // layers], tuple(n for _, n in named[end:])
-    return _NUMELS[key]
+    body = [n for _, n in named[first:end]]
+    return [[n for _, n in named[:first]], body[: len(body) // layers], [n for _, n in named[end:]]]
 
 
 def param_numels(spec: ModelSpec, num_layers: int | None = None) -> list[int]:

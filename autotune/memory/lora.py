@@ -56,7 +56,18 @@ def _layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tupl
     """From a 1-layer model on the meta device, built through the seam: (the adapter parameter
     sizes of ONE decoder layer in the optimizer's order, the adapted layers' names, the sizes of that
     layer's linear weights). Adapters live only in decoder layers: peft's all-linear leaves the
-    output layer out, and embeddings are not linear."""
+    output layer out, and embeddings are not linear. Kept in the trace cache where the model's
+    programs are (code_trace.kept_on_disk): a later run reads it without importing torch or peft."""
+    from autotune import trace_cache
+    from autotune.memory import code_trace
+
+    if code_trace.kept_on_disk(spec):
+        key = ("lora layout", code_trace.spec_key(spec), method, rank, targets)
+        return tuple(tuple(part) for part in trace_cache.remembered(key, lambda: _read_layout(spec, method, rank, targets)))
+    return _read_layout(spec, method, rank, targets)
+
+
+def _read_layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
     import torch
 
     from autotune.impl import impl_for

@@ -9,7 +9,7 @@ most two of them growing with it (attention scores are s x s). So each storage's
 polynomial of degree at most two in the sequence length (one in the micro batch), fixed by three
 steps. `fit` takes those three steps of one build (code_trace._run with `vary`), each recorded as the
 order in which storages start and stop being counted and where the peaks are compared
-(traced._LiveBytes.log), and keeps, per storage, the polynomial of its size; `Family.program(v)`
+(tracer.LiveBytes.log), and keeps, per storage, the polynomial of its size; `Family.program(v)`
 replays the step with the sizes at v and returns what a trace at v returns, in microseconds.
 
 It is exact where its conditions hold, and `fit` refuses it (None) where they do not:
@@ -32,7 +32,7 @@ from autotune.memory.traced import CATEGORIES
 
 @dataclass
 class Record:
-    """One measured step as traced._LiveBytes logged it (code_trace._measured_step)."""
+    """One measured step as tracer.LiveBytes logged it (code_trace._measured_step)."""
     baseline: list[tuple[int, int]]         # (serial, bytes) live when the log started
     log: list[tuple[int, int]]              # (serial, +bytes / -bytes)
     samples: list[tuple[int, str, int]]     # (log position, segment, kind)
@@ -64,7 +64,7 @@ class Family:
         totals = live.sum(axis=1)
         out = {}
         for name, at in self.stints.items():
-            row = live[at[int(np.argmax(totals[at]))]]   # the first moment at the maximum, as _LiveBytes keeps it
+            row = live[at[int(np.argmax(totals[at]))]]   # the first moment at the maximum, as LiveBytes keeps it
             out[name] = {c: int(row[i]) for i, c in enumerate(CATEGORIES)}
         return out
 
@@ -83,7 +83,7 @@ class Family:
 
 def _structure(rec: Record):
     """The record with serials renumbered in order of appearance (the baseline first), the size of
-    each, and the stints: the samples that decide each kept point's peak, as _LiveBytes decides it
+    each, and the stints: the samples that decide each kept point's peak, as LiveBytes decides it
     (entering a segment restarts its peak; each op inside it may raise it; a point is one moment)."""
     index: dict[int, int] = {}
     sizes: list[int] = []

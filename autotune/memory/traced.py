@@ -4,8 +4,9 @@ sets it beside `autotune.memory.estimate`. docs/memory.md ("The traced tier") ex
 checks against real CPU runs, the analytic terms and direct traces are in tests/test_traced.py.
 
 In short: CPU fake tensors (FakeTensorMode: shapes, no data, no RAM), two AdamW iterations, the
-second measured by `_LiveBytes`, a TorchDispatchMode that counts each storage until its last
-reference dies (docs/platform.md "Fake tensors"); the peak of each segment of the step (module
+second measured by `tracer.LiveBytes`, a TorchDispatchMode that counts each storage until its last
+reference dies (docs/platform.md "Fake tensors"; the tracer is memory/tracer.py, imported only when
+a program is traced, not read from the trace cache); the peak of each segment of the step (module
 and gradient hooks) with its storages by category; small models traced and every segment peak
 extrapolated to L layers (affine in the checkpointed and full layer counts); ZeRO accounted with
 autotune.memory's model-state and buffer terms for the stage, on top of the traced activations.
@@ -13,25 +14,16 @@ autotune.memory's model-state and buffer terms for the stage, on top of the trac
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import itertools
 import math
 import time
-import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
-
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from autotune.hardware import Cluster
 from autotune.memory import MemoryEstimate, _phases, buffers, builtin, code_trace, model_states
 from autotune.models import ModelSpec
-from autotune.train_config import TrainConfig, torch_dtype
-from autotune.builtin import Transformer
+from autotune.train_config import TrainConfig
 from autotune.units import fmt_bytes
 
 CATEGORIES = ("parameters", "module_buffers", "gradients", "optimizer_states", "batch_and_loss", "rotary_tables",
@@ -54,197 +46,11 @@ PHASE_POINTS = {
 not checkpointed, which the analytic model does not price), and the segment peaks each is the max of."""
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Live storage bytes after every op, and the peak of the current segment with its storages.
-
-    While `log` is a list, every storage that starts or stops being counted is also appended to it,
-    (serial, +bytes) or (serial, -bytes), and `samples` gets (len(log), segment, kind) wherever a peak
-    is compared: kind 1 on entering a segment, 0 after each op inside one, 2 for a point set by
-    `point`. That record lets seq_family.py replay the peaks with other tensor sizes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.storages: dict[int, tuple[int, int, weakref.ref]] = {}  # id -> (serial, nbytes, ref)
-        self.serials = itertools.count()
-        self.segment: str | None = None
-        self.peaks: dict[str, tuple[int, dict[int, int]]] = {}
-        self.log: list[tuple[int, int]] | None = None
-        self.samples: list[tuple[int, str, int]] | None = None
-
-    def track(self, t: torch.Tensor) -> int:
-        st = t.untyped_storage()
-        key = id(st)
-        if key not in self.storages:
-            serial, n = next(self.serials), st.nbytes()
-            self.storages[key] = (serial, n, weakref.ref(st, lambda _, k=key: self._free(k)))
-            self.live += n
-            if self.log is not None:
-                self.log.append((serial, n))
-        return self.storages[key][0]
-
-    def _free(self, key: int) -> None:
-        serial, n, _ = self.storages.pop(key)
-        self.live -= n
-        if self.log is not None:
-            self.log.append((serial, -n))
-
-    def live_serials(self) -> dict[int, int]:
-        return {serial: n for serial, n, _ in self.storages.values()}
-
-    def _sample(self, segment: str, kind: int) -> None:
-        if self.samples is not None:
-            self.samples.append((len(self.log), segment, kind))
-
-    def enter(self, segment: str | None) -> None:
-        self.segment = segment
-        if segment is not None:
-            self.peaks[segment] = (self.live, self.live_serials())
-            self._sample(segment, 1)
-
-    def point(self, name: str) -> None:
-        """The live storages now, as the peak of `name` (a moment, not a segment)."""
-        self.peaks[name] = (self.live, self.live_serials())
-        self._sample(name, 2)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        if self.segment is not None:
-            if self.live > self.peaks[self.segment][0]:
-                self.peaks[self.segment] = (self.live, self.live_serials())
-            self._sample(self.segment, 0)
-        return out
-
-
-@contextlib.contextmanager
-def _tracing(host_rng: bool):
-    """Fake tensors with their live bytes counted. With `host_rng` (CPU clusters, where it is in the
-    measured peak) also torch.get_rng_state(), the real 5056-byte CPU tensor made outside the
-    dispatcher that torch.utils.checkpoint keeps per checkpointed call."""
-    original = torch.get_rng_state
-    with FakeTensorMode(), _LiveBytes() as live:
-        def get_rng_state() -> torch.Tensor:
-            state = original()
-            live.track(state)
-            return state
-        torch.get_rng_state = get_rng_state if host_rng else original
-        try:
-            yield live
-        finally:
-            torch.get_rng_state = original
-
-
-# Fake parameters cannot be cast (`.to(dtype)` fails on fakes), so they are made in the dtype
-# DeepSpeed casts the module to: torch's default dtype while the model is built.
-
-
-def _adamw(params, fused: bool) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, fused=True) if fused else torch.optim.AdamW(params, foreach=False)
-
-
-def _hooks(model: Transformer, live: _LiveBytes, marks: dict) -> None:
-    """Segment boundaries: module hooks in forward, gradient hooks on block outputs in backward."""
-    def on_grad(segment):
-        return lambda grad: live.enter(segment)
-
-    def measuring_forward() -> bool:  # a checkpointed block's recomputation repeats its hooks in backward
-        return marks["measure"] and not marks["backward"]
-
-    def block_pre(i):
-        def hook(_, args):
-            if measuring_forward():
-                live.enter(f"fwd.block{i}")
-                if i == 0:
-                    args[0].register_hook(on_grad("bwd.end"))
-                    marks["rope"] = {live.track(t) for t in tree_leaves(args[1:]) if isinstance(t, torch.Tensor)}
-        return hook
-
-    def block_post(i):
-        def hook(_, args, out):
-            if measuring_forward():
-                out.register_hook(on_grad(f"bwd.block{i}"))
-        return hook
-
-    def model_post(_, args, loss):
-        if marks["measure"]:
-            marks["loss"] = live.track(loss)
-            marks["saved"] = live.live_serials()
-            live.point("fwd.end")
-
-    model.register_forward_pre_hook(lambda *_: live.enter("fwd.start") if marks["measure"] else None)
-    model.register_forward_hook(model_post)
-    model.norm.register_forward_pre_hook(lambda *_: live.enter("fwd.head") if marks["measure"] else None)
-    for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(block_pre(i))
-        block.register_forward_hook(block_post(i))
-
-
 def _classify(snapshot: dict[int, int], known: dict[str, set[int]]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     for serial, n in snapshot.items():
         out[next((c for c, serials in known.items() if serial in serials), "temporaries")] += n
     return out
-
-
-def _trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
-                   host_rng: bool) -> dict[str, dict[str, int]]:
-    """Segment peaks by category of a (ckpt + full)-layer `spec`, its first `ckpt` blocks checkpointed."""
-    marks = {"measure": False, "backward": False}  # measure: the module hooks are set before the warm-up
-    with _tracing(host_rng) as live:
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch_dtype(cfg.precision))
-        try:
-            model = Transformer(replace(spec, num_layers=ckpt + full), attention=cfg.attention, ckpt_layers=ckpt)
-        finally:
-            torch.set_default_dtype(default)
-        _hooks(model, live, marks)
-        opt = _adamw(model.parameters(), fused)
-        # one (b, s+1) batch sliced into inputs and targets, as tests/test_memory_measured.py does
-        for p in model.parameters():  # a first step makes the optimizer states: the steady state
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        batch = torch.randint(0, spec.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
-        marks["measure"] = True
-        loss = model(batch[:, :-1], batch[:, 1:])
-        _backward_and_step(live, marks, loss, opt)
-        grads = {live.track(p.grad) for p in model.parameters()}
-        del loss
-        known = _known(live, model, opt, grads, batch, marks, shared=marks["rope"])
-    return {name: _classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)}
-
-
-def _known(live: _LiveBytes, model, opt, grads: set[int], batch, marks: dict,
-           shared: set[int]) -> dict[str, set[int]]:
-    """Serials of a measured step's storages by category, in the order `_classify` tries them (the
-    stand-in registers no buffers, so its `module_buffers` is empty); activations: what the forward
-    left saved (marks["saved"]) that is none of the others."""
-    known = {
-        "parameters": {live.track(p) for p in model.parameters()},
-        "module_buffers": {live.track(b) for b in model.buffers()},
-        "gradients": grads,
-        "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
-                             if isinstance(t, torch.Tensor)},
-        "batch_and_loss": {live.track(batch), marks["loss"]},
-        "rotary_tables": shared,
-    }
-    known["activations"] = set(marks["saved"]) - set().union(*known.values())
-    return known
-
-
-def _backward_and_step(live: _LiveBytes, marks: dict, loss, opt) -> None:
-    """The measured step after the forward: backward from the loss's segment, then the optimizer's
-    (marks["backward"] tells the module hooks that a recomputation is not the forward)."""
-    marks["backward"] = True
-    live.enter("bwd.head")
-    loss.backward()
-    marks["backward"] = False
-    live.enter("opt")
-    opt.step()
-    live.enter(None)
 
 
 def segment_points(ckpt: int, full: int) -> list[tuple[str, str]]:
@@ -313,28 +119,28 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     elif cfg.zero_stage == 0:
         # in the model's order: single-tensor AdamW's `denom` of one parameter lives on while the
         # next one's is made; two layers hold every pair of neighbours
-        with FakeTensorMode():
-            two = Transformer(replace(spec, num_layers=min(2, spec.num_layers)))
-            sizes, what = [p.numel() for p in two.parameters()], f"each {master} parameter, in the model's order"
+        from autotune.memory.tracer import builtin_param_numels
+
+        sizes, what = builtin_param_numels(spec, min(2, spec.num_layers)), f"each {master} parameter, in the model's order"
     elif cfg.zero_stage in (1, 2):
         sizes, what = [part], f"the flat {master} partition ({part:,} elements)"
     else:
         sizes = [min(part, model_states.STAGE3_SUB_GROUP_SIZE)]
         what = f"one {master} sub-group ({sizes[0]:,} elements)"
-    dtype = torch_dtype(master)
-    with _tracing(host_rng=False) as live:
-        params = [torch.zeros(n, dtype=dtype, requires_grad=True) for n in sizes]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt = _adamw(params, fused)
-        opt.step()  # creates the states
-        before = live.live
-        live.enter("step")
-        opt.step()
-        live.enter(None)
     kind = "fused=True (in place, as FusedAdam)" if fused else "foreach=False"
-    return live.peaks["step"][0] - before, f"torch AdamW {kind} over {what}"
+    return _step_peak(sizes, master, fused, kept=code_trace.kept_on_disk(spec)), f"torch AdamW {kind} over {what}"
 
+
+def _step_peak(sizes: list[int], master: str, fused: bool, kept: bool) -> int:
+    """tracer.step_peak, read from the trace cache where `kept` (it depends on nothing else)."""
+    from autotune import trace_cache
+
+    def run() -> int:
+        from autotune.memory.tracer import step_peak
+
+        return step_peak(sizes, master, fused)
+
+    return trace_cache.remembered(("adamw step", tuple(sizes), master, fused), run) if kept else run()
 
 _STEPS: dict[tuple, tuple[int, str] | None] = {}
 """`_trace_step`'s answers, by what they depend on."""
@@ -479,7 +285,10 @@ def _programs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[tupl
     (or reads it from the cache) and returns its segment peaks by category."""
     ckpt, full = cfg.ckpt_layers, model.num_layers - cfg.ckpt_layers
     opts = dict(fused=not cluster.gpu.is_cpu, host_rng=cluster.gpu.is_cpu)
-    program = _trace_program if builtin(model) else code_trace.trace_program
+    if builtin(model):
+        from autotune.memory.tracer import builtin_program as program
+    else:
+        program = code_trace.trace_program
     return {km: functools.partial(program, model, cfg, ckpt=km[0], full=km[1], **opts) for km in _plan(ckpt, full)}
 
 

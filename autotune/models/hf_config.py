@@ -83,6 +83,13 @@ def default_attention(spec: ModelSpec) -> str:
 
 @cache
 def _class_attentions(model_type: str) -> tuple[str, ...]:
+    from autotune import trace_cache
+
+    # kept on disk: a later run answers without importing transformers (about 2 s)
+    return tuple(trace_cache.remembered(("attentions", model_type), lambda: list(_read_attentions(model_type))))
+
+
+def _read_attentions(model_type: str) -> tuple[str, ...]:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     cls = AutoModelForCausalLM._model_mapping[CONFIG_MAPPING[model_type]]  # noqa: SLF001

@@ -49,7 +49,7 @@ def fingerprint() -> str:
             h.update(f"{dist}=={metadata.version(dist)}\n".encode())
         except metadata.PackageNotFoundError:
             h.update(f"{dist} absent\n".encode())
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parent
     for path in sorted(package.rglob("*.py")):
         h.update(path.relative_to(package).as_posix().encode())
         h.update(path.read_bytes())
@@ -79,6 +79,17 @@ def store(key: tuple, value: dict) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def remembered(key: tuple, compute):
+    """`compute()`'s JSON value, read from the cache under `key` where a run before stored it: what
+    depends only on the fingerprinted code (a Hugging Face class's flags, a module's parameter
+    sizes), so that a later run answers without importing that code."""
+    value = load(key)
+    if value is None:
+        value = compute()
+        store(key, value)
+    return value
 
 
 def in_parallel(here: list, there: list, *, timeout_s: float = 300.0) -> None:

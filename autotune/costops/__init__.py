@@ -1,14 +1,16 @@
 """Op-level compute pricing: trace the step that runs, price each op on a roofline of its class.
 
-`op_profile(build, loss, ...)` runs ONE forward+backward of a few-layer copy of the model on fake
-tensors (FakeTensorMode: shapes, no data) under a TorchDispatchMode that records every kernel-
-launching op: its class, FLOPs (torch.utils.flop_counter's formulas), bytes read and written, and
+`trace.op_profile(build, loss, ...)` runs ONE forward+backward of a few-layer copy of the model
+on fake tensors (FakeTensorMode: shapes, no data) under a TorchDispatchMode that records every
+kernel-launching op: its class, FLOPs (torch.utils.flop_counter's formulas), bytes read and written, and
 the shape a roofline needs. Two copies (1 and 2 blocks) give the ops of one block and of the rest
 (embedding, head, loss); a model of L blocks is the rest + L x one block, as the memory model's
 traced tier extrapolates (autotune/memory/traced.py). `price(profile, gpu, precision)` prices each
 distinct op once and multiplies by its count (seconds per class). Both are cached per
 (model, implementation, precision, attention, micro batch, seq len) and per GPU, so a search
 re-traces only when one of those changes. docs/costmodel.md ("Op-level compute") lists the sources.
+The tracer is autotune/costops/trace.py, which imports torch; this module does not, so a run that finds
+every profile in the trace cache (autotune/trace_cache.py) never loads torch for the cost model.
 """
 
 from __future__ import annotations
@@ -16,34 +18,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 
-import torch
-import torch.utils.flop_counter as fc
-from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
-from autotune.train_config import torch_dtype
-
-aten = torch.ops.aten
-GEMM_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
-"""aten ops a linear layer or a matmul lowers to (nn.Linear -> addmm/mm; q @ k^T -> bmm)."""
-SDPA_FWD = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-            aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention}
-SDPA_BWD = {aten._scaled_dot_product_flash_attention_backward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward,
-            aten._scaled_dot_product_efficient_attention_backward,
-            aten._scaled_dot_product_cudnn_attention_backward}
-NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.detach, aten.lift_fresh, aten._unsafe_view,
-             aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym_numel}
-"""Ops that allocate or describe a tensor without launching a kernel (views are skipped by their
-schema: OpOverload.is_view)."""
 
 
 @dataclass(frozen=True)
@@ -60,75 +39,6 @@ class Op:
     term: str = ""
     """The breakdown term it is reported under when not its class: "attention" for the GEMMs and
     element-wise kernels of eager attention (they touch an s x s score tensor)."""
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes a kernel touches for `t`: its elements, at most its storage (a broadcast (expanded)
-    input is read once per stored element, not once per logical element)."""
-    return min(t.numel(), t.untyped_storage().nbytes() // max(t.element_size(), 1)) * t.element_size()
-
-
-def _gemm_shape(func, args) -> tuple:
-    packet = func._overloadpacket
-    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
-    if a.dim() == 3:
-        return (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
-    return (1, a.shape[0], a.shape[1], b.shape[1])
-
-
-class _Recorder(TorchDispatchMode):
-    """Counts each kernel-launching op of the step (see Op)."""
-
-    def __init__(self, seq_len: int, score_numel: int) -> None:
-        super().__init__()
-        self.ops: Counter[Op] = Counter()
-        self.phase = "fwd"
-        self.seq_len, self.score_numel = seq_len, score_numel
-
-    def _touches_scores(self, tensors: list[torch.Tensor]) -> bool:
-        """An eager attention score tensor: (..., s, s) with micro batch x heads x s x s elements
-        (not a weight or an activation whose hidden size happens to equal s)."""
-        s = self.seq_len
-        return any(t.dim() >= 3 and tuple(t.shape[-2:]) == (s, s) and t.numel() == self.score_numel for t in tensors)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if func.is_view or packet in NO_KERNEL or func.namespace == "prim":
-            return out
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        nbytes = sum(_nbytes(t) for t in tensors)
-        scores = "attention" if self._touches_scores(tensors) else ""
-        if packet in GEMM_OPS:
-            op = Op("gemm", packet.__name__, self.phase, float(fc.flop_registry[packet](*args, **kwargs, out_val=out)),
-                    nbytes, _gemm_shape(func, args), scores)
-        elif packet in SDPA_FWD or packet in SDPA_BWD:
-            op = self._attention(packet, args, kwargs, nbytes)
-        else:
-            op = Op("elementwise", packet.__name__, self.phase, 0.0, nbytes, term=scores)
-        self.ops[op] += 1
-        return out
-
-    def _attention(self, packet, args, kwargs, nbytes: int) -> Op:
-        """FLOPs as torch.utils.flop_counter counts sdpa (full s x s, causal or not; backward = the
-        recomputed scores + four matmuls); the CPU flash op has no registered formula, so the
-        formula is called on the shapes here."""
-        if packet in SDPA_FWD:
-            q, k, v = args[:3]
-            flops = fc.sdpa_flop_count(q.shape, k.shape, v.shape)
-        else:
-            grad, q, k, v = args[:4]
-            flops = fc.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
-        causal = bool(kwargs.get("is_causal", False) or any(a is True for a in args[3:]))
-        b, h, s, d = q.shape
-        return Op("attention", packet.__name__, self.phase, float(flops), nbytes, (b, h, s, k.shape[2], d, causal))
-
-
-Build = Callable[[int], nn.Module]
-"""Builds the model with the given number of blocks (in the target dtype, on the fake mode)."""
-Loss = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-"""The training loss of the model on a (micro batch, seq len + 1) token batch."""
 
 
 @dataclass(frozen=True)
@@ -155,36 +65,6 @@ class OpProfile:
         return out
 
 
-def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len: int, vocab: int,
-           heads: int = 0) -> Counter[Op]:
-    """The ops of one forward+backward on fake tensors, on the branch a real run takes: transformers'
-    masks read the position ids, which fake tensors cannot, and would build a 4-D mask where a real
-    run passes none and runs a causal kernel (memory/code_trace.py `unpacked_sequences`)."""
-    from autotune.memory.code_trace import unpacked_sequences
-
-    with FakeTensorMode(), unpacked_sequences():
-        model = build(num_layers)
-        model.train()  # dropout where the code has it, as in training
-        batch = torch.randint(0, vocab, (micro_batch, seq_len + 1))
-        with _Recorder(seq_len, micro_batch * heads * seq_len * seq_len) as rec:
-            value = loss(model, batch)
-            rec.phase = "bwd"
-            value.backward()
-    return rec.ops
-
-
-def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, vocab: int, heads: int = 0) -> OpProfile:
-    """Trace 1- and 2-block copies and split their ops into one block's and the rest (the
-    difference of the two multisets is one block; blocks run the same ops). `heads`: attention
-    heads, to report eager attention's kernels under attention (0: by class only)."""
-    one, two = (_trace(build, loss, n, micro_batch, seq_len, vocab, heads) for n in (1, 2))
-    layer = two - one
-    rest = one - layer
-    if one - rest != layer:  # a block's op missing from the 1-block trace: not a per-block split
-        raise ValueError("the traced blocks do not run the same ops; cannot extrapolate per block")
-    return OpProfile(layer=tuple(sorted(layer.items(), key=repr)), rest=tuple(sorted(rest.items(), key=repr)))
-
-
 # ---- the code priced: through the model-code seam (autotune/impl.py) -------------------------
 @cache
 def profile_for(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
@@ -194,10 +74,10 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
     autotune's stand-in; hf: transformers' own modeling code; factory: the user's module), built
     and run through the same seam trials and the memory model use. The profile of transformers'
     code and of the stand-in is also kept on disk between runs, beside the memory traces
-    (autotune/memory/trace_cache.py: under a fingerprint of the libraries and of autotune's own
+    (autotune/trace_cache.py: under a fingerprint of the libraries and of autotune's own
     sources); a user's module is not, as its file can change between runs."""
     from autotune.impl import impl_for
-    from autotune.memory import trace_cache
+    from autotune import trace_cache
     from autotune.memory.code_trace import spec_key
 
     kept = implementation in ("hf", "builtin")
@@ -205,12 +85,15 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
     stored = trace_cache.load(key) if kept else None
     if stored is not None:
         return OpProfile.from_json(stored)
+    from autotune.costops.trace import op_profile
+    from autotune.train_config import torch_dtype
+
     impl = impl_for(replace(spec, implementation=implementation))
     dtype = torch_dtype(precision)
     # flash_attention_2 has no CPU kernel to trace: its ops are sdpa's flash path's
     traced_attention = "sdpa" if attention == "flash_attention_2" else attention
 
-    def build(num_layers: int) -> nn.Module:
+    def build(num_layers: int):
         return impl.build(spec, dtype=dtype, attention=traced_attention, num_layers=num_layers)
 
     profile = op_profile(build, impl.loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,

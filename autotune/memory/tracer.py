@@ -1,0 +1,233 @@
+"""The tracer of the traced tier: a training step run on CPU fake tensors (FakeTensorMode: shapes,
+no data, no RAM) under `LiveBytes`, a TorchDispatchMode that counts each storage until its last
+reference dies (docs/platform.md "Fake tensors"). traced.py (the stand-in) and code_trace.py (any
+implementation) run their small programs with it; the extrapolation to L layers and the ZeRO
+accounting on top are traced.py's, which needs no torch where every program is in the trace cache
+(autotune/trace_cache.py): a later `autotune estimate` answers without importing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from dataclasses import replace
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autotune.builtin import Transformer
+from autotune.memory.traced import _classify, segment_points
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig, torch_dtype
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live storage bytes after every op, and the peak of the current segment with its storages.
+
+    While `log` is a list, every storage that starts or stops being counted is also appended to it,
+    (serial, +bytes) or (serial, -bytes), and `samples` gets (len(log), segment, kind) wherever a peak
+    is compared: kind 1 on entering a segment, 0 after each op inside one, 2 for a point set by
+    `point`. That record lets seq_family.py replay the peaks with other tensor sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.storages: dict[int, tuple[int, int, weakref.ref]] = {}  # id -> (serial, nbytes, ref)
+        self.serials = itertools.count()
+        self.segment: str | None = None
+        self.peaks: dict[str, tuple[int, dict[int, int]]] = {}
+        self.log: list[tuple[int, int]] | None = None
+        self.samples: list[tuple[int, str, int]] | None = None
+
+    def track(self, t: torch.Tensor) -> int:
+        st = t.untyped_storage()
+        key = id(st)
+        if key not in self.storages:
+            serial, n = next(self.serials), st.nbytes()
+            self.storages[key] = (serial, n, weakref.ref(st, lambda _, k=key: self._free(k)))
+            self.live += n
+            if self.log is not None:
+                self.log.append((serial, n))
+        return self.storages[key][0]
+
+    def _free(self, key: int) -> None:
+        serial, n, _ = self.storages.pop(key)
+        self.live -= n
+        if self.log is not None:
+            self.log.append((serial, -n))
+
+    def live_serials(self) -> dict[int, int]:
+        return {serial: n for serial, n, _ in self.storages.values()}
+
+    def _sample(self, segment: str, kind: int) -> None:
+        if self.samples is not None:
+            self.samples.append((len(self.log), segment, kind))
+
+    def enter(self, segment: str | None) -> None:
+        self.segment = segment
+        if segment is not None:
+            self.peaks[segment] = (self.live, self.live_serials())
+            self._sample(segment, 1)
+
+    def point(self, name: str) -> None:
+        """The live storages now, as the peak of `name` (a moment, not a segment)."""
+        self.peaks[name] = (self.live, self.live_serials())
+        self._sample(name, 2)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        if self.segment is not None:
+            if self.live > self.peaks[self.segment][0]:
+                self.peaks[self.segment] = (self.live, self.live_serials())
+            self._sample(self.segment, 0)
+        return out
+
+
+@contextlib.contextmanager
+def tracing(host_rng: bool):
+    """Fake tensors with their live bytes counted. With `host_rng` (CPU clusters, where it is in the
+    measured peak) also torch.get_rng_state(), the real 5056-byte CPU tensor made outside the
+    dispatcher that torch.utils.checkpoint keeps per checkpointed call."""
+    original = torch.get_rng_state
+    with FakeTensorMode(), LiveBytes() as live:
+        def get_rng_state() -> torch.Tensor:
+            state = original()
+            live.track(state)
+            return state
+        torch.get_rng_state = get_rng_state if host_rng else original
+        try:
+            yield live
+        finally:
+            torch.get_rng_state = original
+
+
+# Fake parameters cannot be cast (`.to(dtype)` fails on fakes), so they are made in the dtype
+# DeepSpeed casts the module to: torch's default dtype while the model is built.
+
+
+def adamw(params, fused: bool) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, fused=True) if fused else torch.optim.AdamW(params, foreach=False)
+
+
+def _hooks(model: Transformer, live: LiveBytes, marks: dict) -> None:
+    """Segment boundaries: module hooks in forward, gradient hooks on block outputs in backward."""
+    def on_grad(segment):
+        return lambda grad: live.enter(segment)
+
+    def measuring_forward() -> bool:  # a checkpointed block's recomputation repeats its hooks in backward
+        return marks["measure"] and not marks["backward"]
+
+    def block_pre(i):
+        def hook(_, args):
+            if measuring_forward():
+                live.enter(f"fwd.block{i}")
+                if i == 0:
+                    args[0].register_hook(on_grad("bwd.end"))
+                    marks["rope"] = {live.track(t) for t in tree_leaves(args[1:]) if isinstance(t, torch.Tensor)}
+        return hook
+
+    def block_post(i):
+        def hook(_, args, out):
+            if measuring_forward():
+                out.register_hook(on_grad(f"bwd.block{i}"))
+        return hook
+
+    def model_post(_, args, loss):
+        if marks["measure"]:
+            marks["loss"] = live.track(loss)
+            marks["saved"] = live.live_serials()
+            live.point("fwd.end")
+
+    model.register_forward_pre_hook(lambda *_: live.enter("fwd.start") if marks["measure"] else None)
+    model.register_forward_hook(model_post)
+    model.norm.register_forward_pre_hook(lambda *_: live.enter("fwd.head") if marks["measure"] else None)
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(block_pre(i))
+        block.register_forward_hook(block_post(i))
+
+
+def builtin_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
+                   host_rng: bool) -> dict[str, dict[str, int]]:
+    """Segment peaks by category of a (ckpt + full)-layer `spec`, its first `ckpt` blocks checkpointed."""
+    marks = {"measure": False, "backward": False}  # measure: the module hooks are set before the warm-up
+    with tracing(host_rng) as live:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch_dtype(cfg.precision))
+        try:
+            model = Transformer(replace(spec, num_layers=ckpt + full), attention=cfg.attention, ckpt_layers=ckpt)
+        finally:
+            torch.set_default_dtype(default)
+        _hooks(model, live, marks)
+        opt = adamw(model.parameters(), fused)
+        # one (b, s+1) batch sliced into inputs and targets, as tests/test_memory_measured.py does
+        for p in model.parameters():  # a first step makes the optimizer states: the steady state
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        batch = torch.randint(0, spec.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
+        marks["measure"] = True
+        loss = model(batch[:, :-1], batch[:, 1:])
+        backward_and_step(live, marks, loss, opt)
+        grads = {live.track(p.grad) for p in model.parameters()}
+        del loss
+        known = known_storages(live, model, opt, grads, batch, marks, shared=marks["rope"])
+    return {name: _classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)}
+
+
+def known_storages(live: LiveBytes, model, opt, grads: set[int], batch, marks: dict,
+           shared: set[int]) -> dict[str, set[int]]:
+    """Serials of a measured step's storages by category, in the order `_classify` tries them (the
+    stand-in registers no buffers, so its `module_buffers` is empty); activations: what the forward
+    left saved (marks["saved"]) that is none of the others."""
+    known = {
+        "parameters": {live.track(p) for p in model.parameters()},
+        "module_buffers": {live.track(b) for b in model.buffers()},
+        "gradients": grads,
+        "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
+                             if isinstance(t, torch.Tensor)},
+        "batch_and_loss": {live.track(batch), marks["loss"]},
+        "rotary_tables": shared,
+    }
+    known["activations"] = set(marks["saved"]) - set().union(*known.values())
+    return known
+
+
+def backward_and_step(live: LiveBytes, marks: dict, loss, opt) -> None:
+    """The measured step after the forward: backward from the loss's segment, then the optimizer's
+    (marks["backward"] tells the module hooks that a recomputation is not the forward)."""
+    marks["backward"] = True
+    live.enter("bwd.head")
+    loss.backward()
+    marks["backward"] = False
+    live.enter("opt")
+    opt.step()
+    live.enter(None)
+
+
+def builtin_param_numels(spec: ModelSpec, num_layers: int) -> list[int]:
+    """Element counts of the stand-in's parameters, in the model's order, for `num_layers` layers."""
+    with FakeTensorMode():
+        return [p.numel() for p in Transformer(replace(spec, num_layers=num_layers)).parameters()]
+
+
+def step_peak(sizes: list[int], master: str, fused: bool) -> int:
+    """Peak bytes of a second torch AdamW step over parameters of `sizes` elements in `master`'s
+    dtype, above what the first left live (the states): the update's temporaries."""
+    dtype = torch_dtype(master)
+    with tracing(host_rng=False) as live:
+        params = [torch.zeros(n, dtype=dtype, requires_grad=True) for n in sizes]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = adamw(params, fused)
+        opt.step()  # creates the states
+        before = live.live
+        live.enter("step")
+        opt.step()
+        live.enter(None)
+    return live.peaks["step"][0] - before
