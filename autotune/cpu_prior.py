@@ -174,20 +174,31 @@ def rank_threads(cluster: Cluster) -> int:
     return cpu_threads_per_rank(cluster.gpus_per_node)
 
 
+PROBE_TIMINGS = 2
+"""Timings of each micro batch's forward+backward in `probe_model`, the fastest kept. More do not
+rank better here: on the GPT-2 landscape, with gloo priced at a fixed 0.45 ms per call and 1 GB/s so
+that only the model probes vary, six priors with 2 timings and six with 4, made in turns, ranked at
+Spearman 0.910-0.952 (mean 0.933) and 0.909-0.945 (mean 0.926) (`python benchmarks/cpu_prior.py
+--probe-noise 6 --landscape cpu_landscape_gpt2`; this shared 2-core machine, 2026-12-02). Made in
+batches rather than in turns, one batch of each read 0.94 against 0.89 and another 0.93 against
+0.95: what moves the prior is this machine's drift over minutes, which more timings of one probe
+do not average out. The thread's CPU clock in place of the wall clock did no better either."""
+
+
 @cache
 def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str, attention: str,
                 threads: int, lora: tuple | None = None) -> tuple[float, float]:
-    """(forward+backward of the whole model, forward of one decoder layer) in seconds, the faster
-    of two timings each, after a warm-up at micro batch 1 (first calls pay allocator and kernel
-    selection). The model is the trial's own, built through autotune.impl (Hugging Face, builtin or
+    """(forward+backward of the whole model, forward of one decoder layer) in seconds, the fastest
+    of PROBE_TIMINGS timings each, after a warm-up at micro batch 1 (first calls pay allocator and
+    kernel selection). The model is the trial's own, built through autotune.impl (Hugging Face, builtin or
     factory code); a layer's forward is the mean over the layers, timed by forward hooks inside the
     same forward+backward (every code's layers take different arguments, so none is called alone).
     With one timing, two candidates 15% apart on the Llama landscape swapped in 3 of 5 searches;
     with two, in 3 of 10. `lora`: (method, rank, targets, dropout) of a LoRA config, timed on the
     real peft module (frozen base: no weight gradients; adapters' small GEMMs), None for full.
 
-    Each micro batch is timed on its own, twice in a row, as a trial repeats one shape. Timing a
-    search's micro batches in turns (1, 2, 4, 1, 2, 4) against the machine's drift was tried and
+    Each micro batch is timed on its own, PROBE_TIMINGS times in a row, as a trial repeats one
+    shape. Timing a search's micro batches in turns (1, 2, 4, 1, 2, 4) against the machine's drift was tried and
     measured worse: over four runs the Llama landscape's rank correlation fell from 0.95-0.985 to
     0.85-0.95 and the first pick missed the best by 27% in all four (the likely cause, unverified:
     each change of shape meets a cold allocator that a trial's repeated steps do not)."""
@@ -224,11 +235,11 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
 
         try:
             run(1)
-            a, b = run(micro_batch), run(micro_batch)
+            timed = [run(micro_batch) for _ in range(PROBE_TIMINGS)]
         finally:
             for h in hooks:
                 h.remove()
-        return min(a[0], b[0]), min(a[1], b[1])
+        return min(t[0] for t in timed), min(t[1] for t in timed)
     finally:
         torch.set_num_threads(before)
 

@@ -4,6 +4,7 @@
     python benchmarks/cpu_prior.py --no-trials  # only the recorded landscapes (~15 s)
     python benchmarks/cpu_prior.py --only-same-run [--every 3]   # only 3. (~8 min)
     python benchmarks/cpu_prior.py --only-same-run --landscape cpu_landscape_gpt2   # one landscape
+    python benchmarks/cpu_prior.py --probe-noise 6 --landscape cpu_landscape_gpt2   # only 4. (~6 min)
 
 1. DeepSpeed's own time per step (cpu_prior.DEEPSPEED_MICRO_S, DEEPSPEED_S_PER_PARAM): real trials
    of two Llamas (197K and 15.1M parameters, seq 64; neither landscape's model) on 2 CPU ranks at
@@ -14,6 +15,9 @@
    lets through is within 2% of the best, and the step time it expects against the measured one.
 3. The prior against a sample of each landscape trained again in the same run (`same_run`), with
    the prior, the throughput measured now and the recorded one of each config.
+4. With `--probe-noise N`: the spread the model probes' own timing noise gives the prior's rank
+   correlation, N priors made one after another with gloo priced at a fixed figure, with
+   cpu_prior.PROBE_TIMINGS timings per probe and with 4, in turns.
 """
 
 from __future__ import annotations
@@ -146,6 +150,32 @@ def same_run(path: Path, every: int) -> None:
         print(f"  {c.short():<24} {e:7.2f} {n:7.2f} {t:9.2f}")
 
 
+def probe_noise(path: Path, n: int, more: int = 4) -> None:
+    """Spearman of priors made one after another (the model probes timed anew each time) against
+    the recorded landscape, gloo priced at a fixed 0.45 ms per call and 1 GB/s so that only the
+    model probes vary: `n` with cpu_prior.PROBE_TIMINGS timings per probe and `n` with `more`, in
+    turns, so that the machine's drift meets both alike."""
+    ls = cpu_landscape(path, path.stem)
+    ran = [c for c in ls.configs if ls.run(c).samples_per_s]
+    measured = [ls.run(c).samples_per_s for c in ran]
+    gloo, kept = cp.probe_gloo, cp.PROBE_TIMINGS
+    cp.probe_gloo = lambda world: (0.45e-3, 1.0e9, "fixed for this check")
+    rhos: dict[int, list[float]] = {kept: [], more: []}
+    try:
+        for _ in range(n):
+            for timings in rhos:
+                cp.PROBE_TIMINGS = timings
+                cp.probe_model.cache_clear()
+                prior = cp.cpu_prior(ls.model, ls.cluster)
+                rhos[timings].append(spearman([prior(c) for c in ran], measured))
+    finally:
+        cp.probe_gloo, cp.PROBE_TIMINGS = gloo, kept
+        cp.probe_model.cache_clear()
+    for timings, rs in rhos.items():
+        print(f"{path.stem}, {timings} timings per probe, {n} priors: Spearman "
+              f"{' '.join(f'{r:.3f}' for r in rs)} (mean {statistics.mean(rs):.3f}, min {min(rs):.3f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-trials", action="store_true", help="skip the DeepSpeed measurement (real trials)")
@@ -153,8 +183,14 @@ def main() -> None:
     p.add_argument("--every", type=int, default=3, help="train every N-th landscape config again (same-run check)")
     p.add_argument("--only-same-run", action="store_true", help="only the same-run check")
     p.add_argument("--landscape", default="cpu_landscape*", help="which recorded landscapes (a glob of their stem)")
+    p.add_argument("--probe-noise", type=int, default=0, metavar="N",
+                   help="only: N priors per probe setting, the spread of their rank correlation")
     args = p.parse_args()
     landscapes = sorted(DATA.glob(f"{args.landscape}.csv"))
+    if args.probe_noise:
+        for path in landscapes:
+            probe_noise(path, args.probe_noise)
+        return
     if not args.no_trials and not args.only_same_run:
         for model in (TINY, MID):
             deepspeed_overhead(model, args.repeats)

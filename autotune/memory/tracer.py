@@ -1,9 +1,9 @@
 """The tracer of the traced tier: a training step run on CPU fake tensors (FakeTensorMode: shapes,
 no data, no RAM) under `LiveBytes`, a TorchDispatchMode that counts each storage until its last
-reference dies (docs/platform.md "Fake tensors"). traced.py (the stand-in) and code_trace.py (any
-implementation) run their small programs with it; the extrapolation to L layers and the ZeRO
-accounting on top are traced.py's, which needs no torch where every program is in the trace cache
-(autotune/trace_cache.py): a later `autotune estimate` answers without importing it.
+reference dies (docs/platform.md "Fake tensors"). `builtin_program` (the stand-in) and
+code_trace.py (any implementation) run their small programs with it; the extrapolation to L layers
+and the ZeRO accounting on top are traced.py's, which needs no torch where every program is in the
+trace cache (autotune/trace_cache.py): a later `autotune estimate` answers without importing this.
 """
 
 from __future__ import annotations
