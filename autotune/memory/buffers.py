@@ -8,6 +8,7 @@ from functools import cache
 from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
 from autotune.memory.activations import dtype_bytes
+from autotune.memory.model_states import offload_accumulates_on_host
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 
@@ -142,8 +143,8 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     reduces only at the accumulation boundary, so until then every parameter's .grad is whole
     (measured: transformers' GPT-2 and the stand-in, ZeRO-1 fp32 micro batch 3 grad_accum 2 on 2
     CPU ranks, forward peak 2.1 MB, P/2 x 4 B, above the partition's pricing)."""
-    if cfg.grad_accum == 1 or cfg.zero_stage == 3:
-        return 0
+    if cfg.grad_accum == 1 or cfg.zero_stage == 3 or offload_accumulates_on_host(cfg):
+        return 0   # ZeRO-Offload's host buffers carry them (model_states.offload_buffers)
     pb = dtype_bytes(cfg.precision)
     return pb * (spec.num_params if cfg.zero_stage <= 1 else partition_elements(spec, cluster, cfg))
 
