@@ -15,6 +15,11 @@ Where: $AUTOTUNE_CACHE_DIR, else $XDG_CACHE_HOME/autotune, else ~/.cache/autotun
 per program, written to a temporary name and renamed, so a crash or a concurrent run never leaves
 half a file. An unreadable entry is traced again; a cache that cannot be written is skipped.
 
+Beside the programs, `remembered` keeps the few other facts an estimate of such code reads from
+torch or transformers (the class's attention kernels, the module's parameter sizes, the optimizer
+step's traced peak, LoRA's adapter layout), so that a later `autotune estimate` imports neither
+(tests/test_memory_hf.py runs one with those imports refused).
+
 `in_parallel` runs traces in a forked process that hands them over through this cache: how a first
 `autotune estimate` of transformers' code traces on two cores (cli/estimate.py).
 """

@@ -2,15 +2,15 @@
 
 `trace.op_profile(build, loss, ...)` runs ONE forward+backward of a few-layer copy of the model
 on fake tensors (FakeTensorMode: shapes, no data) under a TorchDispatchMode that records every
-kernel-launching op: its class, FLOPs (torch.utils.flop_counter's formulas), bytes read and written, and
-the shape a roofline needs. Two copies (1 and 2 blocks) give the ops of one block and of the rest
+kernel-launching op: its class, FLOPs (torch.utils.flop_counter's formulas), bytes read and
+written, and the shape a roofline needs. Two copies (1 and 2 blocks) give the ops of one block and of the rest
 (embedding, head, loss); a model of L blocks is the rest + L x one block, as the memory model's
 traced tier extrapolates (autotune/memory/traced.py). `price(profile, gpu, precision)` prices each
 distinct op once and multiplies by its count (seconds per class). Both are cached per
 (model, implementation, precision, attention, micro batch, seq len) and per GPU, so a search
 re-traces only when one of those changes. docs/costmodel.md ("Op-level compute") lists the sources.
-The tracer is autotune/costops/trace.py, which imports torch; this module does not, so a run that finds
-every profile in the trace cache (autotune/trace_cache.py) never loads torch for the cost model.
+The tracer is autotune/costops/trace.py, which imports torch; this module does not, so a run
+that finds every profile in the trace cache (autotune/trace_cache.py) never loads torch for it.
 """
 
 from __future__ import annotations
