@@ -115,7 +115,8 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
         keep = persistent_params(model, threshold)
     static = model_states.states(model, cluster, cfg, threshold, buckets["reduce_bucket_size"], keep)
     gathered = {"zero3_gathered_params": model_states.zero3_gathered(model, cluster, cfg, threshold, keep)}
-    carried = {"accumulated_gradients": buffers.accumulated_gradients(model, cluster, cfg)}
+    carried = {"accumulated_gradients": buffers.accumulated_gradients(model, cluster, cfg),
+               "carried_reduce_bucket": buffers.carried_reduce_bucket(model, cfg)}
     saved = act.activation_bytes(model, ckpt_layers=cfg.ckpt_layers, attention=cfg.attention, **kw)
     grads = {"gradients": buffers.backward_gradients(model, cluster, cfg)}
     phases = {
