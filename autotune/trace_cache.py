@@ -86,10 +86,13 @@ def store(key: tuple, value: dict) -> None:
         pass
 
 
-def remembered(key: tuple, compute):
+def remembered(key: tuple, compute, keep: bool = True):
     """`compute()`'s JSON value, read from the cache under `key` where a run before stored it: what
     depends only on the fingerprinted code (a Hugging Face class's flags, a module's parameter
-    sizes), so that a later run answers without importing that code."""
+    sizes), so that a later run answers without importing that code. `keep` False (code the
+    fingerprint does not cover: code_trace.kept_on_disk): computed every time, nothing stored."""
+    if not keep:
+        return compute()
     value = load(key)
     if value is None:
         value = compute()

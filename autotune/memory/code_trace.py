@@ -361,10 +361,8 @@ def _numels(spec: ModelSpec, layers: int = 2) -> tuple[tuple[int, ...], tuple[in
     model; kept in the trace cache where the model's programs are (`kept_on_disk`)."""
     key = spec_key(spec)
     if key not in _NUMELS:
-        if kept_on_disk(spec):
-            parts = trace_cache.remembered(("numels", key, layers), lambda: _count_numels(spec, layers))
-        else:
-            parts = _count_numels(spec, layers)
+        parts = trace_cache.remembered(("numels", key, layers), lambda: _count_numels(spec, layers),
+                                       keep=kept_on_disk(spec))
         _NUMELS[key] = tuple(tuple(part) for part in parts)
     return _NUMELS[key]
 

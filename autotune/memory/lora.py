@@ -61,10 +61,10 @@ def _layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tupl
     from autotune import trace_cache
     from autotune.memory import code_trace
 
-    if code_trace.kept_on_disk(spec):
-        key = ("lora layout", code_trace.spec_key(spec), method, rank, targets)
-        return tuple(tuple(part) for part in trace_cache.remembered(key, lambda: _read_layout(spec, method, rank, targets)))
-    return _read_layout(spec, method, rank, targets)
+    key = ("lora layout", code_trace.spec_key(spec), method, rank, targets)
+    layout = trace_cache.remembered(key, lambda: _read_layout(spec, method, rank, targets),
+                                    keep=code_trace.kept_on_disk(spec))
+    return tuple(tuple(part) for part in layout)
 
 
 def _read_layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:

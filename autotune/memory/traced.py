@@ -140,7 +140,8 @@ def _step_peak(sizes: list[int], master: str, fused: bool, kept: bool) -> int:
 
         return step_peak(sizes, master, fused)
 
-    return trace_cache.remembered(("adamw step", tuple(sizes), master, fused), run) if kept else run()
+    return trace_cache.remembered(("adamw step", tuple(sizes), master, fused), run, keep=kept)
+
 
 _STEPS: dict[tuple, tuple[int, str] | None] = {}
 """`_trace_step`'s answers, by what they depend on."""
