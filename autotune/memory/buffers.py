@@ -50,6 +50,35 @@ def partition_elements(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     return _whole_parameter_partition(spec, cluster.world_size)
 
 
+def offload_fp32_partition(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+    """ZeRO-Offload at stage 2 with 16-bit weights and fp32 gradient accumulation: the reduction writes
+    into a compact fp32 partition on the device (stage_1_and_2.py _use_compact_grad_partition_buffer,
+    _build_compact_grad_partition_buffer: torch.zeros(partition_size, gradient_accumulation_dtype) on
+    the accelerator; the offloaded step copies from it, async_inplace_copy_grad_to_fp32_buffer_from_gpu).
+    It is the partition the flat buffer is split into (padded to 2 x ranks), not the whole-parameter
+    one, made at the first reduction and kept through the step, and across micro steps where
+    grad_accum > 1. Bytes; 0 for every other configuration. Measured: transformers' GPT-2 (1.12M
+    parameters), ZeRO-2 bf16 offload with fp32 accumulation on 2 CPU ranks, micro batch 1, k 2,
+    grad_accum 1 and 2, with and without overlap_comm: the step holds 2,241,956 B above the
+    estimate without it (560,512 fp32 elements: 2,242,048 B); the second micro step's forward holds
+    it in place of the 16-bit partition; the end of backward holds it and the embedding gradient's
+    fp32 reduction (4 V h; `backward_end_extra`)."""
+    if not (cfg.offload_optimizer and cfg.zero_stage == 2 and cfg.grad_accum_dtype == "fp32"
+            and dtype_bytes(cfg.precision) != 4):
+        return 0
+    if cfg.method != "full":
+        return 4 * (spec.num_params // cluster.world_size)
+    align = 2 * cluster.world_size
+    return 4 * (-(-spec.num_params // align) * align // cluster.world_size)
+
+
+def reduced_partition_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+    """Stage 2's reduced-gradient partition during and at the end of backward: the compact fp32 one
+    under offload with fp32 accumulation (`offload_fp32_partition`), else the whole-parameter
+    partition in the accumulation dtype."""
+    return offload_fp32_partition(spec, cluster, cfg) or partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+
+
 @cache
 def _whole_parameter_partition(spec: ModelSpec, ranks: int) -> int:
     from autotune.memory.code_trace import param_numels
@@ -145,6 +174,10 @@ def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
         # fp32 partitions; bf16's end of backward measured 13,084,192 B, 10% above the estimate
         # without it (its peak is the step's, so the total was right).
         out["accumulated_partition"] = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+    if offload_fp32_partition(spec, cluster, cfg):
+        # the input embedding's gradient, the last one backward makes, reduced into an fp32 copy
+        # that is still live when backward ends (measured: +1,048,576 B = 4 V h on GPT-2, above)
+        out["reduced_fp32_embedding"] = 4 * spec.vocab_size * spec.hidden_size
     return out
 
 
@@ -156,6 +189,8 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     CPU ranks, forward peak 2.1 MB, P/2 x 4 B, above the partition's pricing)."""
     if cfg.grad_accum == 1 or cfg.zero_stage == 3 or offload_accumulates_on_host(cfg):
         return 0   # ZeRO-Offload's host buffers carry them (model_states.offload_buffers)
+    if offload_fp32_partition(spec, cluster, cfg):
+        return offload_fp32_partition(spec, cluster, cfg)
     pb = dtype_bytes(cfg.precision)
     return pb * (spec.num_params if cfg.zero_stage <= 1 else partition_elements(spec, cluster, cfg))
 
@@ -184,7 +219,7 @@ def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     if cfg.zero_stage <= 1:
         return dtype_bytes(cfg.precision) * spec.num_params
     if cfg.zero_stage == 2:
-        return partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+        return reduced_partition_bytes(spec, cluster, cfg)
     return 0
 
 
@@ -215,7 +250,7 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
         return pb * (head + layers_done * spec.layer_params)
     if cfg.zero_stage == 2:
-        return partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
+        return reduced_partition_bytes(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
     return 0
 
 
@@ -229,7 +264,16 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
     pb = dtype_bytes(cfg.precision)
     vh = pb * spec.vocab_size * spec.hidden_size
     out = {"head_gradient": 2 * vh if cfg.zero_stage == 3 else vh}
-    if cfg.zero_stage == 2:
+    if cfg.zero_stage == 2 and offload_fp32_partition(spec, cluster, cfg):
+        # the compact fp32 partition, made here at the first micro step (later ones carry it:
+        # `accumulated_gradients`), and the 16-bit staging beside it on the rank that owns the head
+        # (measured: transformers' tiny-llama, micro batch 3, grad_accum 1: rank 1's peak is here,
+        # 1,195,532 B above the phase without the staging partition; rank 0's is the loss's)
+        compact = offload_fp32_partition(spec, cluster, cfg) if cfg.grad_accum == 1 else 0
+        out["gradient_partition"] = compact + dtype_bytes(cfg.precision) * partition_elements(spec, cluster, cfg)
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)
+        out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
+    elif cfg.zero_stage == 2:
         part = partition_elements(spec, cluster, cfg)
         out["gradient_partition"] = partition_grad_bytes(cfg) * part
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)

@@ -208,13 +208,16 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     Measured on CPU (2 ranks): stage 0 fp32 4P + 8*largest; bf16 2P + 4P + 8*largest; stages 1-3
     12 bytes per partition element.
     """
+    from autotune.memory.buffers import offload_fp32_partition
+
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
     pb = dtype_bytes(cfg.precision)
+    compact = offload_fp32_partition(spec, cluster, cfg)   # offload + fp32 accumulation: on the device
     if cfg.offload_optimizer and not cluster.gpu.is_cpu:
         # gradients are copied partition by partition to pinned CPU memory, the step runs there
         # (on CPU ranks the step is the same torch AdamW as without offload, on the same memory:
         # measured, Optimizer.step#AdamW.step's sqrt and div over the fp32 partition)
-        return {"gradients": int(pb * p / n) if z in (1, 2) else 0, "optimizer_temporaries": 0}
+        return {"gradients": compact or (int(pb * p / n) if z in (1, 2) else 0), "optimizer_temporaries": 0}
     if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32":
         # BF16_Optimizer (memory/buffers.py bf16_optimizer): its fp32 gradients are a state. At the
         # step, 2 x 4P/N for the update's temporaries and 4P/N more were measured in two runs of three
@@ -239,8 +242,8 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     if z in (1, 2) and pb != 4 and temps < pb * p / n:
         # the 16-bit partition and its fp32 copy coexist before the update; that is the peak
         # only when the update itself makes less than the 16-bit partition (fused optimizers)
-        return {"gradients": fp32_partition + int(pb * p / n), "optimizer_temporaries": 0}
-    return {"gradients": fp32_partition, "optimizer_temporaries": temps}
+        return {"gradients": compact + fp32_partition + int(pb * p / n), "optimizer_temporaries": 0}
+    return {"gradients": compact + fp32_partition, "optimizer_temporaries": temps}
 
 
 def zero3_held(spec: ModelSpec, cfg: TrainConfig, persistence_threshold: int, persistent: int | None = None) -> int:
