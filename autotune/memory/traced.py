@@ -233,6 +233,11 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
         out.update(activations=b * full, checkpointed_inputs=a * ckpt,
                    logits_and_loss=cats["activations"] - b * full - a * ckpt)
         out["logits_transient" if point in ("fwd.head", "bwd.head") else "layer_transient"] = transient
+        if point == "bwd.head" and not in_grad:
+            # the LM head's weight gradient as autograd makes it, before DeepSpeed's hook reduces it
+            # (stage 2) or copies and reduce-scatters it (stage 3): live beside the logits' gradient
+            # at the trace's own peak of the loss's backward where it is there
+            out["head_gradient"] = cats["gradients"]
     elif phase.startswith("backward (recompute"):
         out.update(checkpointed_inputs=cats["activations"], recomputed_layer=transient)
     elif phase == "backward (end)":
