@@ -193,6 +193,11 @@ ON_HF = {
     # hook takes it (traced._stage_terms, head_gradient); where the logits are small that moment is the
     # peak: 2.54% under without it
     "z3-head-gradient-small-logits": dict(zero_stage=3, precision="fp32", micro_batch=1, seq_len=64, ckpt_layers=2),
+    # stage 1 with overlap_comm reduces during backward: partition and two buckets beside the saved
+    # activations, the embedding's transient beside them (buffers.stage1_reduces_in_backward); 2.21% under
+    # without it
+    "z1-overlap-small-bucket-gpt2": dict(zero_stage=1, precision="fp32", overlap_comm=True, reduce_bucket_size=50_000,
+                                         micro_batch=2, seq_len=32, ckpt_layers=1, model="tiny-gpt2"),
 }
 
 

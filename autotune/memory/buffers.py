@@ -27,6 +27,32 @@ def bf16_optimizer(cfg: TrainConfig) -> bool:
             and not cfg.offload_optimizer)
 
 
+def stage1_reduces_in_backward(spec: ModelSpec, cfg: TrainConfig) -> bool:
+    """ZeRO-1 with overlap_comm reduces during backward, as stage 2 does (stage_1_and_2.py
+    process_gradients: `partition_gradients or overlap_comm`), on the accumulation boundary's micro
+    step: each gradient is copied into the reduce bucket and its .grad becomes a view of the bucket
+    (reduce_independent_p_g_buckets_and_remove_grads), the reduced partition is allocated at the
+    first reduction, and a gradient larger than the bucket bypasses it and stays whole (stage 1
+    never clears .grad). So whole gradients are held only for those (`whole_gradient_bytes`), and
+    the partition and the two buckets exist while backward runs. Measured on transformers' GPT-2
+    and Llama (2 CPU ranks, fp32, buckets 16,384 to 3e5 elements, grad_accum 1-2); full fine-tuning
+    only (LoRA's adapters were measured within 1% without this). Not where one bucket holds every
+    gradient (reduce_bucket_size >= P): it never fills, so nothing is reduced before the boundary's
+    epilogue, and the whole gradients are priced as without overlap_comm (measured on the stand-in,
+    tests/test_knobs.py: 3.9% and 5.0% under priced this way)."""
+    return (cfg.zero_stage == 1 and cfg.overlap_comm and not bf16_optimizer(cfg) and cfg.method == "full"
+            and bucket_sizes(spec, cfg)["reduce_bucket_size"] < spec.num_params)
+
+
+def whole_gradient_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
+    """Under `stage1_reduces_in_backward`: the gradients larger than the reduce bucket, which
+    bypass it and stay whole in .grad until the step (stage_1_and_2.py extra_large_param_to_reduce)."""
+    from autotune.memory.code_trace import param_numels
+
+    bucket = bucket_sizes(spec, cfg)["reduce_bucket_size"]
+    return dtype_bytes(cfg.precision) * sum(n for n in param_numels(spec) if n > bucket)
+
+
 def partition_grad_bytes(cfg: TrainConfig) -> int:
     """Bytes per element of the reduced gradient partition: the accumulation dtype (fp32 when
     grad_accum_dtype says so; stage_1_and_2.py get_flat_partition(dtype=gradient_accumulation_dtype),
@@ -148,6 +174,8 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     if cfg.zero_stage == 1:
         if bf16_optimizer(cfg):
             return 0
+        if stage1_reduces_in_backward(spec, cfg):   # the partition is a gradient there (backward_gradients)
+            return reduce_bucket_bytes(spec, cfg)
         return partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
     if cfg.zero_stage == 2:
         return reduce_bucket_bytes(spec, cfg)
@@ -161,8 +189,10 @@ def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
     the reduction runs during backward and the two add up."""
     comm = backward_buffers(spec, cluster, cfg)
     emb = embedding_gradient_transient(spec, cluster, cfg)
-    if cfg.zero_stage <= 1:
+    if cfg.zero_stage <= 1 and not stage1_reduces_in_backward(spec, cfg):
         return {"comm_buffers": comm} if comm >= emb else {"embedding_gradient": emb}
+    if cfg.zero_stage == 1:
+        return {"comm_buffers": comm, "embedding_gradient": emb}
     out = {"comm_buffers": comm, "embedding_gradient": emb}
     if cfg.zero_stage == 2 and cfg.grad_accum > 1 and not cfg.offload_optimizer:
         # With grad_accum > 1 stage 2's epilogue keeps the gradients accumulated so far
@@ -216,6 +246,8 @@ def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     too, until the step (stage_1_and_2.py, partition_gradients=False); the reduced partition is
     filled beside them at the end (see `backward_end_extra`). Stage 2: the reduced partition.
     """
+    if stage1_reduces_in_backward(spec, cfg):
+        return whole_gradient_bytes(spec, cfg) + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
     if cfg.zero_stage <= 1:
         return dtype_bytes(cfg.precision) * spec.num_params
     if cfg.zero_stage == 2:
@@ -248,7 +280,12 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
     pb = dtype_bytes(cfg.precision)
     if cfg.zero_stage <= 1:
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
-        return pb * (head + layers_done * spec.layer_params)
+        done = pb * (head + layers_done * spec.layer_params)
+        if stage1_reduces_in_backward(spec, cfg):
+            buckets = reduce_bucket_bytes(spec, cfg) if cfg.grad_accum == 1 else 0   # else carried
+            return (min(done, whole_gradient_bytes(spec, cfg)) + buckets
+                    + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg))
+        return done
     if cfg.zero_stage == 2:
         return reduced_partition_bytes(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
     return 0
@@ -264,6 +301,12 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
     pb = dtype_bytes(cfg.precision)
     vh = pb * spec.vocab_size * spec.hidden_size
     out = {"head_gradient": 2 * vh if cfg.zero_stage == 3 else vh}
+    if stage1_reduces_in_backward(spec, cfg):
+        # the partition from the first reduction on, priced from the head's gradient on (where the
+        # bucket is larger than it, the first reduction comes a few layers later: priced as here);
+        # the buckets, unless carried from the micro steps before (carried_reduce_bucket)
+        out["gradient_partition"] = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg) if cfg.grad_accum == 1 else 0
     if cfg.zero_stage == 2 and offload_fp32_partition(spec, cluster, cfg):
         # the compact fp32 partition, made here at the first micro step (later ones carry it:
         # `accumulated_gradients`), and the 16-bit staging beside it on the rank that owns the head

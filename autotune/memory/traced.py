@@ -197,14 +197,17 @@ class TracedEstimate:
 
 
 def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit: dict[str, Affine],
-                 analytic: dict[str, dict[str, int]], cfg: TrainConfig, full: int, held: int) -> dict[str, int]:
+                 analytic: dict[str, dict[str, int]], cfg: TrainConfig, full: int, held: int,
+                 reduces: bool) -> dict[str, int]:
     """One phase at one segment peak: traced terms (estimate()'s names where one fits) + the analytic
     model's states, gradients and buffers for the stage.
 
     Gradients in backward: stages 0 and 1 keep them in param.grad while backward runs, as the traced
     program does (DeepSpeed 0.19 stage_1_and_2.py process_gradients reduces during backward only
     with partition_gradients, i.e. stage 2, or overlap_comm, off by default), so the analytic
-    end-of-backward gradients are scaled by the fraction the trace holds at that point, and the
+    end-of-backward gradients are scaled by the fraction the trace holds at that point (with
+    overlap_comm, `reduces`: those larger than the bucket, beside the partition and the buckets,
+    buffers.stage1_reduces_in_backward), and the
     embedding gradient's transient is the traced one; with grad_accum > 1 the gradients exist from
     the start and the analytic terms stand. Stage 2 holds the analytic partition from the first
     reduction on (stage_1_and_2.py copy_grads_in_partition allocates it whole), and through the
@@ -214,9 +217,9 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
     cats, ckpt, in_grad = points[point], cfg.ckpt_layers, cfg.zero_stage <= 1
     layers = phase == "backward (layers)"  # the end of backward's states, in the middle of it
     source = analytic["backward (end)" if layers else phase]
-    # at stages 0-1 the layers' backward is before the reduction; stage 2 reduces during it
+    # at stages 0-1 the layers' backward is before the reduction; stage 2 (`reduces`) during it
     dropped = TRACED_TERMS | ({"embedding_gradient"} if in_grad or layers else set()) | (
-        {"comm_buffers"} if layers and cfg.zero_stage != 2 else set())
+        {"comm_buffers"} if layers and not reduces else set())
     out = {k: v for k, v in source.items() if k not in dropped}
     if layers:
         out["unreduced_gradient"] = held
@@ -316,6 +319,7 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
     points = {p: {c: f[0] + f[1] * ckpt + f[2] * full for c, f in cats.items()} for p, cats in fits.items()}
     analytic = _phases(model, cluster, cfg)
     held = buffers.held_extra_large_gradient(model, cfg)
+    reduces = cfg.zero_stage == 2 or buffers.stage1_reduces_in_backward(model, cfg)   # during backward
     step_key = (code_trace.spec_key(model), model.num_layers, model.num_params, cluster.world_size,
                 cluster.gpu.is_cpu, cfg.zero_stage, cfg.offload_optimizer, cfg.optimizer, cfg.method,
                 cfg.lora_rank, cfg.lora_targets, cfg.bf16_master_weights_and_grads)
@@ -329,16 +333,16 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
             continue
         raw[phase] = max((points[p] for p in present), key=lambda c: sum(c.values()))
         # the stage changes which point is highest (stage 3 holds no growing gradients): chosen after
-        options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full, held) for p in present]
+        options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full, held, reduces) for p in present]
         phases[phase] = max(options, key=lambda t: sum(t.values()))
     layer_points = [p for p in PHASE_POINTS["forward"] if p in points and p != "fwd.head"]
     if "forward (prefetch)" in analytic and layer_points:
         # ZeRO-3's head bucket is live through the layers before the head: their highest point + the bucket
-        before_head = max((_stage_terms("forward", p, points, fits[p], analytic, cfg, full, held)
+        before_head = max((_stage_terms("forward", p, points, fits[p], analytic, cfg, full, held, reduces)
                            for p in layer_points), key=lambda t: sum(t.values()))
         before_head = {**before_head, "prefetch_bucket": analytic["forward (prefetch)"]["prefetch_bucket"]}
         phases = {"forward": phases.pop("forward"), "forward (prefetch)": before_head, **phases}
-    if cfg.zero_stage == 2 and "backward (head)" in analytic:
+    if reduces and "backward (head)" in analytic:
         phases = _with_head_phase(phases, analytic["backward (head)"], points["fwd.end"], fits["fwd.end"], ckpt, full)
     step_bytes = step[0] if step else analytic["optimizer"].get("optimizer_temporaries", 0)
     phases["optimizer"] = {**phases["optimizer"], "optimizer_temporaries": step_bytes}
