@@ -186,6 +186,21 @@ def test_code_that_cannot_step_is_a_clear_error():
     assert estimate(spec, parse_gpus("2xA100"), TrainConfig(precision="bf16", seq_len=32)).fits
 
 
+def test_a_sequence_past_the_position_table_is_one_clear_line(capfd):
+    """MPT's ALiBi table is max_seq_len long: a longer sequence cannot step, and the estimate says so
+    in one line with the reason, without torch's own traceback of the failed fake op on stderr."""
+    from transformers import AutoConfig
+
+    from autotune.memory import estimate
+
+    conf = AutoConfig.for_model("mpt", d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=300)
+    spec = hf_config.spec_from_config(conf, name="test-mpt", source="test")
+    with pytest.raises(SpecError, match="longer than the config's max_seq_len 64"):
+        estimate(spec, parse_gpus("2xA100"), TrainConfig(seq_len=128, attention="eager"))
+    assert "failed while attempting to run meta" not in capfd.readouterr().err
+    assert estimate(spec, parse_gpus("2xA100"), TrainConfig(seq_len=64, attention="eager")).fits
+
+
 def test_factory_errors_say_what_is_allowed():
     with pytest.raises(SpecError, match="--model-factory"):
         resolve_model("tiny-llama", implementation="factory")

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import torch
 import torch.utils.flop_counter as fc
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -106,8 +105,9 @@ def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len:
     masks read the position ids, which fake tensors cannot, and would build a 4-D mask where a real
     run passes none and runs a causal kernel (memory/code_trace.py `unpacked_sequences`)."""
     from autotune.memory.code_trace import unpacked_sequences
+    from autotune.memory.tracer import fake_mode
 
-    with FakeTensorMode(), unpacked_sequences():
+    with fake_mode(), unpacked_sequences():
         model = build(num_layers)
         model.train()  # dropout where the code has it, as in training
         batch = torch.randint(0, vocab, (micro_batch, seq_len + 1))

@@ -287,7 +287,9 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
             raise SpecError(f"model {spec.name}: its code cannot run a training step (traced on CPU fake "
                             f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
                             f"{cfg.micro_batch}, seq {cfg.seq_len} "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                            + (f"; the sequence is longer than the config's max_seq_len {spec.max_seq_len}"
+                               if cfg.seq_len > spec.max_seq_len else "")) from e
         _PROGRAMS[key] = program
         if kept:
             trace_cache.store(key, program)
@@ -368,9 +370,9 @@ def _numels(spec: ModelSpec, layers: int = 2) -> tuple[tuple[int, ...], tuple[in
 
 
 def _count_numels(spec: ModelSpec, layers: int) -> list[list[int]]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from autotune.memory.tracer import fake_mode
 
-    with FakeTensorMode():
+    with fake_mode():
         impl, model = build(spec, "fp32", default_attention(spec), layers)
         in_layers = {id(p) for layer in impl.layers(model) for p in layer.parameters()}
         named = [(id(p) in in_layers, p.numel()) for p in model.parameters()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import weakref
 from dataclasses import replace
 
@@ -90,12 +91,27 @@ class LiveBytes(TorchDispatchMode):
 
 
 @contextlib.contextmanager
+def fake_mode():
+    """FakeTensorMode, with torch's own log of an op that fails on fake tensors held back: the
+    exception reaches the caller, which says in one line why the code cannot be traced
+    (code_trace.trace_program), and torch would print its whole traceback to stderr first."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode() as mode:
+            yield mode
+    finally:
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
 def tracing(host_rng: bool):
     """Fake tensors with their live bytes counted. With `host_rng` (CPU clusters, where it is in the
     measured peak) also torch.get_rng_state(), the real 5056-byte CPU tensor made outside the
     dispatcher that torch.utils.checkpoint keeps per checkpointed call."""
     original = torch.get_rng_state
-    with FakeTensorMode(), LiveBytes() as live:
+    with fake_mode(), LiveBytes() as live:
         def get_rng_state() -> torch.Tensor:
             state = original()
             live.track(state)
@@ -212,7 +228,7 @@ def backward_and_step(live: LiveBytes, marks: dict, loss, opt) -> None:
 
 def builtin_param_numels(spec: ModelSpec, num_layers: int) -> list[int]:
     """Element counts of the stand-in's parameters, in the model's order, for `num_layers` layers."""
-    with FakeTensorMode():
+    with fake_mode():
         return [p.numel() for p in Transformer(replace(spec, num_layers=num_layers)).parameters()]
 
 
