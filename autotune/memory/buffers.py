@@ -44,6 +44,20 @@ def stage1_reduces_in_backward(spec: ModelSpec, cfg: TrainConfig) -> bool:
             and bucket_sizes(spec, cfg)["reduce_bucket_size"] < spec.num_params)
 
 
+def stage1_grad_bytes(cfg: TrainConfig) -> int:
+    """Bytes per element of the whole gradients stages 0-1 hold: the model's, but at stage 1 in 16
+    bits with fp32 accumulation through the ZeRO optimizer (with offload; without it the
+    BF16_Optimizer, `bf16_optimizer`) fp32: each gradient is converted to a fp32 `grad_accum` as it
+    arrives and the 16-bit one dropped (stage_1_and_2.py use_grad_accum_attribute,
+    _fill_param_grad_accum_attribute), kept across micro steps. Measured: transformers' GPT-2, ZeRO-1
+    bf16 offload with fp32 accumulation on 2 CPU ranks: the end of backward 4.2 MB above the estimate
+    that held them in bf16 (P x 2 B = 2.24 MB of it)."""
+    if (cfg.zero_stage == 1 and cfg.grad_accum_dtype == "fp32" and dtype_bytes(cfg.precision) != 4
+            and not bf16_optimizer(cfg)):
+        return 4
+    return dtype_bytes(cfg.precision)
+
+
 def whole_gradient_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
     """Under `stage1_reduces_in_backward`: the gradients larger than the reduce bucket, which
     bypass it and stay whole in .grad until the step (stage_1_and_2.py extra_large_param_to_reduce)."""
@@ -222,7 +236,9 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     if offload_fp32_partition(spec, cluster, cfg):
         return offload_fp32_partition(spec, cluster, cfg)
     pb = dtype_bytes(cfg.precision)
-    return pb * (spec.num_params if cfg.zero_stage <= 1 else partition_elements(spec, cluster, cfg))
+    if cfg.zero_stage <= 1:
+        return stage1_grad_bytes(cfg) * spec.num_params
+    return pb * partition_elements(spec, cluster, cfg)
 
 
 def carried_reduce_bucket(spec: ModelSpec, cfg: TrainConfig) -> int:
@@ -249,7 +265,7 @@ def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     if stage1_reduces_in_backward(spec, cfg):
         return whole_gradient_bytes(spec, cfg) + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
     if cfg.zero_stage <= 1:
-        return dtype_bytes(cfg.precision) * spec.num_params
+        return stage1_grad_bytes(cfg) * spec.num_params
     if cfg.zero_stage == 2:
         return reduced_partition_bytes(spec, cluster, cfg)
     return 0
@@ -280,7 +296,7 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
     pb = dtype_bytes(cfg.precision)
     if cfg.zero_stage <= 1:
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
-        done = pb * (head + layers_done * spec.layer_params)
+        done = stage1_grad_bytes(cfg) * (head + layers_done * spec.layer_params)
         if stage1_reduces_in_backward(spec, cfg):
             buckets = reduce_bucket_bytes(spec, cfg) if cfg.grad_accum == 1 else 0   # else carried
             return (min(done, whole_gradient_bytes(spec, cfg)) + buckets
