@@ -123,7 +123,7 @@ def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
         c = st.record_of(t).config
         if t.user_attrs.get("pruned_by") == "dominated":
             assert c.ckpt_layers > ran[(c.zero_stage, c.micro_batch)]
-            assert f"trial " in t.user_attrs["reason"] and "fewer checkpointed layers" in t.user_attrs["reason"]
+            assert "trial " in t.user_attrs["reason"] and "fewer checkpointed layers" in t.user_attrs["reason"]
         if t.user_attrs.get("pruned_by") == "memory" and (c.zero_stage, c.micro_batch) in ran:
             assert c.ckpt_layers < ran[(c.zero_stage, c.micro_batch)]
     counts = _by_status(s.study)

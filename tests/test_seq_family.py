@@ -12,7 +12,7 @@ from autotune.memory import code_trace, estimate, limits
 from autotune.train_config import TrainConfig
 
 from conftest import quick
-from test_memory_hf import CONFIGS, CPU, spec
+from test_memory_hf import CONFIGS, spec
 
 CASES = [  # family, precision, attention, ckpt, method, field, values
     ("llama", "bf16", "sdpa", 1, "full", "seq_len", (16, 48, 128)),

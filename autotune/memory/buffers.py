@@ -292,8 +292,8 @@ def embedding_gradient_transient(spec: ModelSpec, cluster: Cluster, cfg: TrainCo
 def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layers_done: int) -> int:
     """Gradients held once the LM head and `layers_done` blocks have run backward: those blocks'
     and the head's at stages 0-1 (full gradients are kept), the partition and the reduce bucket
-    at stage 2, nothing beyond the persistent buffers at stage 3."""
-    pb = dtype_bytes(cfg.precision)
+    at stage 2, nothing beyond the persistent buffers at stage 3. Stage 1 with overlap_comm reduces
+    as it goes (`stage1_reduces_in_backward`): the whole-kept ones, the partition and the buckets."""
     if cfg.zero_stage <= 1:
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
         done = stage1_grad_bytes(cfg) * (head + layers_done * spec.layer_params)
