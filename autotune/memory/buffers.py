@@ -108,8 +108,14 @@ def offload_fp32_partition(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) 
         return 0
     if cfg.method != "full":
         return 4 * (spec.num_params // cluster.world_size)
-    align = 2 * cluster.world_size
-    return 4 * (-(-spec.num_params // align) * align // cluster.world_size)
+    return 4 * _padded_partition(spec.num_params, cluster.world_size)
+
+
+def _padded_partition(elements: int, ranks: int) -> int:
+    """Each rank's share of the flat buffer, padded to a multiple of 2 x ranks
+    (nccl_start_alignment_factor)."""
+    align = 2 * ranks
+    return -(-elements // align) * align // ranks
 
 
 def reduced_partition_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
@@ -126,8 +132,7 @@ def _whole_parameter_partition(spec: ModelSpec, ranks: int) -> int:
     numels = param_numels(spec)   # the optimizer's order: the module's parameters, a tied one once
     if sum(numels) != spec.num_params:   # not the module's own parameters (LoRA's adapter view)
         return spec.num_params // ranks
-    align = 2 * ranks
-    part = -(-sum(numels) // align) * align // ranks
+    part = _padded_partition(sum(numels), ranks)
     most = 0
     for r in range(ranks):
         start, end, at, total = r * part, (r + 1) * part, 0, 0
@@ -233,8 +238,9 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     CPU ranks, forward peak 2.1 MB, P/2 x 4 B, above the partition's pricing)."""
     if cfg.grad_accum == 1 or cfg.zero_stage == 3 or offload_accumulates_on_host(cfg):
         return 0   # ZeRO-Offload's host buffers carry them (model_states.offload_buffers)
-    if offload_fp32_partition(spec, cluster, cfg):
-        return offload_fp32_partition(spec, cluster, cfg)
+    compact = offload_fp32_partition(spec, cluster, cfg)
+    if compact:
+        return compact
     pb = dtype_bytes(cfg.precision)
     if cfg.zero_stage <= 1:
         return stage1_grad_bytes(cfg) * spec.num_params
