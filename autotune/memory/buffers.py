@@ -60,11 +60,12 @@ def stage1_grad_bytes(cfg: TrainConfig) -> int:
 
 def whole_gradient_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
     """Under `stage1_reduces_in_backward`: the gradients larger than the reduce bucket, which
-    bypass it and stay whole in .grad until the step (stage_1_and_2.py extra_large_param_to_reduce)."""
+    bypass it and stay whole in .grad until the step (stage_1_and_2.py extra_large_param_to_reduce),
+    in the dtype stage 1 holds whole gradients in (`stage1_grad_bytes`)."""
     from autotune.memory.code_trace import param_numels
 
     bucket = bucket_sizes(spec, cfg)["reduce_bucket_size"]
-    return dtype_bytes(cfg.precision) * sum(n for n in param_numels(spec) if n > bucket)
+    return stage1_grad_bytes(cfg) * sum(n for n in param_numels(spec) if n > bucket)
 
 
 def partition_grad_bytes(cfg: TrainConfig) -> int:
