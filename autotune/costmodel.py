@@ -194,6 +194,26 @@ def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: 
             "recompute": cfg.ckpt_layers * p.layer_forward}
 
 
+ROUTED_FLOPS_FRACTION = 0.75
+"""Below this fraction of 6N + attention (`ModelSpec.flops_per_token`), the FLOPs a token runs in the
+traced step are taken as the model FLOPs of MFU: a mixture of experts runs only the experts it is
+routed to, so 6N over every expert's parameters would count FLOPs no kernel runs (a DeepSeek-V3
+read an MFU of 148%). A dense model's traced FLOPs are 6N less the embedding lookup's, within a few
+percent of it, and keep the formula."""
+
+
+def model_flops_per_token(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: Constants) -> float:
+    """Model FLOPs per token for MFU (PaLM's convention, recompute not counted): 6N + attention, or
+    what the traced step runs where that is far less (ROUTED_FLOPS_FRACTION)."""
+    from autotune.costops import micro_step_price
+
+    formula = model.flops_per_token(cfg.seq_len)
+    p = micro_step_price(model, rt.implementation, cfg.precision, cfg.attention, cfg.micro_batch, cfg.seq_len,
+                         price_key(gpu, cfg.precision), c.sustained)
+    traced = p.flops / cfg.tokens_per_micro_batch
+    return traced if traced < ROUTED_FLOPS_FRACTION * formula else formula
+
+
 # ---- communication ---------------------------------------------------------------------------
 def link_bytes_per_s(cluster: Cluster) -> float:
     """Bus bandwidth of a ring collective per GPU. In a node, NVLink (or PCIe). Across nodes the
@@ -377,7 +397,8 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
         parts["host"] = ga * HOST_STEP_S  # a batch is fetched per micro step
     step_s = sum(parts.values())
     tok_s = cfg.tokens_per_micro_batch * ga / step_s
-    flops = gathered.flops_per_token(cfg.seq_len) * tok_s
+    flops = (model_flops_per_token(gathered, cfg, cluster.gpu, rt, constants or Constants()) if cfg.method == "full"
+             else gathered.flops_per_token(cfg.seq_len)) * tok_s
     if cfg.method != "full":  # frozen weights: 4N, not 6N (no weight gradients), plus the adapters' 6
         flops += (6.0 * model.num_params - 2.0 * gathered.num_params) * tok_s
     return SimulatedStep(step_time_s=step_s, samples_per_s=cfg.micro_batch * ga * cluster.world_size / step_s,

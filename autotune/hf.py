@@ -11,25 +11,9 @@ from __future__ import annotations
 
 from autotune.errors import SpecError
 from autotune.models import ModelSpec
-from autotune.models.hf_config import config_object
+from autotune.models.hf_config import config_object, decoder_layers
 
 # ---- the code a trial runs ----------------------------------------------------------------------
-
-
-def decoder_layers(model) -> list:
-    """The decoder layers in order: the longest ModuleList of GradientCheckpointingLayer."""
-    from torch import nn
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    best: list = []
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > len(best) \
-                and all(isinstance(c, GradientCheckpointingLayer) for c in m):
-            best = list(m)
-    if not best:
-        raise SpecError(f"{type(model).__name__}: no ModuleList of GradientCheckpointingLayer found; "
-                        f"transformers cannot checkpoint its layers one by one")
-    return best
 
 
 def checkpoint_first_layers(model, k: int) -> None:

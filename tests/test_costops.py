@@ -153,3 +153,36 @@ def test_eager_attention_kernels_are_reported_under_attention():
     assert {op.name for op in tagged} >= {"bmm", "_softmax"}
     assert all(op.shape[0] > 1 for op in tagged if op.cls == "gemm")  # batched: per (sequence, head)
     assert not [op for op, _ in p.layer if op.cls == "gemm" and op.name in ("mm", "addmm") and op.term]
+
+
+def test_a_stack_of_mixed_layers_is_priced_as_its_whole_program():
+    """Blocks that differ (2 dense, then MoE) do not split from 1- and 2-block copies: the profile is
+    the blockless program plus the mean block, which at the model's depth is its whole program op for
+    op; and the MFU counts the experts a token runs, not all of them."""
+    from transformers import AutoConfig
+
+    from autotune.hardware import parse_gpus
+    from autotune.impl import impl_for
+    from autotune.models import hf_config as hf
+    from autotune.costmodel import price_key, simulate
+    from autotune.train_config import TrainConfig
+
+    d = dict(model_type="deepseek_v3", num_hidden_layers=5, first_k_dense_replace=2, hidden_size=64,
+             num_attention_heads=4, num_key_value_heads=4, intermediate_size=256, vocab_size=512,
+             max_position_embeddings=128, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+             n_group=1, topk_group=1)
+    spec = hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name="test-mixed", source="test")
+    impl = impl_for(spec)
+    build = lambda n: impl.build(spec, dtype=torch.bfloat16, attention="sdpa", num_layers=n)  # noqa: E731
+    assert not spec.uniform_blocks
+    p = optrace.op_profile(build, impl.loss, micro_batch=1, seq_len=32, vocab=spec.vocab_size, depth=5,
+                           uniform=False)
+    direct = optrace._trace(build, impl.loss, 5, 1, 32, spec.vocab_size)
+    assert {op: n for op, n in p.ops(5).items() if abs(n) > 1e-9} == pytest.approx(dict(direct))
+    cfg = TrainConfig(precision="bf16", micro_batch=4, seq_len=64)
+    step = simulate(spec, parse_gpus("8xA100"), cfg)
+    runs = co.micro_step_price(spec, "hf", "bf16", "sdpa", 4, 64, price_key(parse_gpus("8xA100").gpu, "bf16")).flops
+    per_token = step.tflops_per_gpu * 1e12 / step.tokens_per_s_per_gpu
+    assert per_token == pytest.approx(runs / cfg.tokens_per_micro_batch)
+    assert per_token < 0.75 * spec.flops_per_token(64)  # 6N counts all 8 experts, a token runs 2

@@ -271,3 +271,68 @@ def test_trainer_runs_the_exported_json(tmp_path):
     assert out["steps"] == 2 and out["engine"] == "DeepSpeedEngine" and out["zero3"]
     assert out["flags"] == [True, True, False, False]
     assert all(abs(loss - 7.62) < 0.3 for loss in out["losses"])   # ~ln(2048): random init, as the trials
+
+
+@pytest.mark.parametrize("model_type,shape,said", [
+    # a multimodal model: its language model is one part of it
+    ("gemma3", dict(text_config=dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=16, intermediate_size=128, vocab_size=512)),
+     "multimodal model whose language model is its 'gemma3_text' part"),
+    # the class's own constructor refuses the config (an AssertionError of transformers)
+    ("reformer", dict(is_decoder=False), "cannot build model_type 'reformer' from this config (AssertionError"),
+    # a config class's validation (huggingface_hub's StrictDataclassClassValidationError, not a ValueError)
+    ("qwen2", dict(num_hidden_layers=2, layer_types=["full_attention"] * 3), "cannot read it"),
+    # a state-space model: no attention heads to price
+    ("mamba", dict(num_hidden_layers=2, hidden_size=64, vocab_size=512), "names no num_attention_heads"),
+])
+def test_a_config_autotune_cannot_price_is_one_clear_line(tmp_path, capsys, model_type, shape, said):
+    """Configs from across transformers' model types that once ended in a traceback (exit 1): each is
+    now `error: ...` with exit code 2 and what to do, found by estimating every AutoModelForCausalLM
+    type's default config."""
+    from transformers import AutoConfig
+
+    from autotune.cli import main
+
+    d = AutoConfig.for_model(model_type).to_dict()
+    d.update(shape)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert main(["estimate", "--model", str(tmp_path), "--gpus", "1xA100"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_parameter_the_loss_does_not_reach_is_traced_without_a_gradient():
+    """A trained parameter the forward never uses gets no gradient (an encoder-decoder's cross-attention
+    in its decoder-only causal LM): the trace once failed on its missing .grad. The step is the real
+    one but for that parameter's two AdamW states: the trace's first step gives every trained
+    parameter its states, as DeepSpeed's flat partition does; torch's AdamW makes none for a
+    parameter that never had a gradient."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from cpu_step import measure_cpu
+    from autotune.memory.traced import trace
+    from autotune.models import from_shape
+
+    spec = dataclasses.replace(
+        from_shape("test-unused", "gpt2", num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=128,
+                   vocab_size=300, max_seq_len=128),
+        implementation="factory", factory="tiny_factory:make_with_an_unused_layer")
+    cfg = TrainConfig(micro_batch=2, seq_len=32)
+    got, real = trace(spec, parse_gpus("1xcpu@8GiB"), cfg).raw_peaks, measure_cpu(spec, cfg)
+    states = 2 * (64 * 64 + 64) * 2  # exp_avg and exp_avg_sq of the unused bf16 Linear(64, 64)
+    for phase in ("forward", "backward", "optimizer"):
+        # the trace also counts the unused parameter's 8-byte step count, which torch's AdamW lacks too
+        assert -8 <= real[phase] + states - got[phase] <= 128, (phase, got, real)
+
+
+def test_a_causal_lm_whose_num_hidden_layers_is_another_stack_is_refused():
+    """BART's causal LM is its decoder, but its config's num_hidden_layers is the encoder's depth:
+    autotune sizes a model by that number, so it says so instead of tracing the wrong depth."""
+    from transformers import AutoConfig
+
+    conf = AutoConfig.for_model("bart", d_model=64, decoder_layers=3, encoder_layers=2, decoder_attention_heads=4,
+                                encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, vocab_size=300,
+                                max_position_embeddings=128)
+    with pytest.raises(SpecError, match="num_hidden_layers 2 is not the 3 decoder layers"):
+        hf_config.spec_from_config(conf, name="test-bart", source="test")

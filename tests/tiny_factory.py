@@ -63,3 +63,11 @@ def make(spec, attention: str = "sdpa") -> nn.Module:
     if attention != "sdpa":
         raise ValueError(f"TinyLM has sdpa attention only, not {attention}")
     return TinyLM(spec)
+
+
+def make_with_an_unused_layer(spec, attention: str = "sdpa") -> nn.Module:
+    """TinyLM with a trained parameter its forward never uses (as an encoder-decoder's cross-attention
+    is in its decoder-only causal LM): it gets no gradient."""
+    model = make(spec, attention)
+    model.unused = Linear(spec.hidden_size, spec.hidden_size)
+    return model

@@ -92,6 +92,7 @@ def _trace_ahead(model, cluster, cfg) -> None:
 
 def _run(args, model, cluster, cfg) -> int:
     from autotune.memory import estimate
+    from autotune.memory.traced import mixed_blocks_note
     from autotune.train_config import risks
     from autotune.units import GiB, fmt_bytes
 
@@ -102,6 +103,8 @@ def _run(args, model, cluster, cfg) -> int:
         out["simulated"] = _simulated(model, cluster, cfg)
         out.update(_limits(args, model, cluster, cfg))
         out["risks"] = risks(cfg)
+        if mixed_blocks_note(model):
+            out["memory_note"] = mixed_blocks_note(model)
         if cluster.note:
             out["note"] = cluster.note
         if args.trace:
@@ -126,8 +129,9 @@ def _run(args, model, cluster, cfg) -> int:
         print(f"host RAM per node (estimated): {fmt_bytes(est.host_bytes)}{cap}")
     print(f"verdict: {est.verdict()}")
     _print_simulated(model, cluster, cfg)
-    for text in risks(cfg):
-        print(f"WARNING: {text}")
+    for text in [*risks(cfg), mixed_blocks_note(model)]:
+        if text:
+            print(f"WARNING: {text}")
     for k, v in _limits(args, model, cluster, cfg).items():
         other = f"micro batch {cfg.micro_batch}" if k == "max_seq_len" else f"seq len {cfg.seq_len}"
         what = k.removeprefix("max_").replace("_", " ")

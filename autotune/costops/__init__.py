@@ -68,7 +68,7 @@ class OpProfile:
 # ---- the code priced: through the model-code seam (autotune/impl.py) -------------------------
 @cache
 def profile_for(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
-                seq_len: int) -> OpProfile:
+                seq_len: int, depth: int = 0) -> OpProfile:
     """The cached op profile of one (model, implementation, precision, attention, micro batch, seq
     len). `implementation`: whose code is priced, as ModelSpec.implementation names it (builtin:
     autotune's stand-in; hf: transformers' own modeling code; factory: the user's module), built
@@ -81,7 +81,7 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
     from autotune.memory.code_trace import spec_key
 
     kept = implementation in ("hf", "builtin")
-    key = ("op_profile", spec_key(spec), implementation, precision, attention, micro_batch, seq_len)
+    key = ("op_profile", spec_key(spec), implementation, precision, attention, micro_batch, seq_len, depth)
     stored = trace_cache.load(key) if kept else None
     if stored is not None:
         return OpProfile.from_json(stored)
@@ -97,7 +97,7 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
         return impl.build(spec, dtype=dtype, attention=traced_attention, num_layers=num_layers)
 
     profile = op_profile(build, impl.loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,
-                         heads=spec.num_heads)
+                         heads=spec.num_heads, depth=depth, uniform=spec.uniform_blocks)
     if kept:
         trace_cache.store(key, profile.to_json())
     return profile
@@ -238,6 +238,8 @@ class ComputePrice:
     layer_forward: float
     """One block's forward: what a checkpointed block reruns in backward."""
     kernels: int
+    flops: float = 0.0
+    """FLOPs the step's GEMMs and attention kernels run, forward and backward (no recompute)."""
 
 
 @cache
@@ -250,12 +252,14 @@ def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.
     fwd = sum(n * OP_PRICE[op.cls](op, key, sustained) for op, n in profile.layer if op.phase == "fwd")
     kernels = sum(ops.values())
     return ComputePrice(gemm=per["gemm"], attention=per["attention"], elementwise=per["elementwise"],
-                        layer_forward=fwd, kernels=kernels)
+                        layer_forward=fwd, kernels=kernels, flops=sum(n * op.flops for op, n in ops.items()))
 
 
 def micro_step_price(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
                      seq_len: int, key: tuple, sustained: float = 1.0) -> ComputePrice:
     """Forward+backward of one micro step of `spec` on the GPU `key` (gpu_key), op by op (cached)."""
-    # the profile is per block: its cache key leaves the depth out
-    profile = profile_for(replace(spec, num_layers=1), implementation, precision, attention, micro_batch, seq_len)
+    # the profile is per block: its cache key leaves the depth out, but for the whole-depth trace of a
+    # model whose blocks differ (trace.op_profile), which needs it
+    profile = profile_for(replace(spec, num_layers=1), implementation, precision, attention, micro_batch, seq_len,
+                          spec.num_layers)
     return price(profile, spec.num_layers, key, sustained)

@@ -118,13 +118,29 @@ def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len:
     return rec.ops
 
 
-def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, vocab: int, heads: int = 0) -> OpProfile:
+def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, vocab: int, heads: int = 0,
+               depth: int = 0, uniform: bool = True) -> OpProfile:
     """Trace 1- and 2-block copies and split their ops into one block's and the rest (the
     difference of the two multisets is one block; blocks run the same ops). `heads`: attention
-    heads, to report eager attention's kernels under attention (0: by class only)."""
-    one, two = (_trace(build, loss, n, micro_batch, seq_len, vocab, heads) for n in (1, 2))
-    layer = two - one
-    rest = one - layer
-    if one - rest != layer:  # a block's op missing from the 1-block trace: not a per-block split
-        raise ValueError("the traced blocks do not run the same ops; cannot extrapolate per block")
-    return OpProfile(layer=tuple(sorted(layer.items(), key=repr)), rest=tuple(sorted(rest.items(), key=repr)))
+    heads, to report eager attention's kernels under attention (0: by class only).
+
+    Where the blocks differ (not `uniform`: ModelSpec.uniform_blocks, DeepSeek's dense first blocks
+    before its MoE ones, Jamba's attention among Mamba blocks; or where the two copies do not
+    split), the model is traced at its whole `depth` and with no block: `rest` is the blockless
+    program, `layer` the mean block (fractional counts), so that `ops(depth)` is the whole model's
+    program op for op and a checkpointed block reruns a mean block's forward."""
+    if uniform:
+        one, two = (_trace(build, loss, n, micro_batch, seq_len, vocab, heads) for n in (1, 2))
+        layer = two - one
+        rest = one - layer
+        if one - rest == layer:
+            return OpProfile(layer=tuple(sorted(layer.items(), key=repr)),
+                             rest=tuple(sorted(rest.items(), key=repr)))
+    if depth < 1:
+        raise ValueError("the traced blocks do not run the same ops and the model's depth is not given")
+    whole, none = (_trace(build, loss, n, micro_batch, seq_len, vocab, heads) for n in (depth, 0))
+    if none - whole:  # an op of the blockless program the whole one does not run: no split either
+        raise ValueError("the traced blocks do not run the same ops, and the blockless program is not "
+                         "part of the whole one; cannot extrapolate per block")
+    mean = {op: (whole[op] - none[op]) / depth for op in whole if whole[op] > none[op]}
+    return OpProfile(layer=tuple(sorted(mean.items(), key=repr)), rest=tuple(sorted(none.items(), key=repr)))

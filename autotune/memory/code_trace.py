@@ -238,7 +238,9 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     marks["saved"] = live.live_serials()
     live.point("fwd.end")
     backward_and_step(live, marks, loss, opt)
-    grads = {live.track(p.grad) for p in params}
+    # A parameter the loss does not reach has no gradient (BART's decoder-only causal LM, an
+    # encoder-decoder's unused pooler): nothing of it is live
+    grads = {live.track(p.grad) for p in params if p.grad is not None}
     del loss
     known = known_storages(live, model, opt, grads, batch, marks, shared=marks["shared"])
     points = segment_points(ckpt, full)
@@ -280,10 +282,11 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
     if key not in _PROGRAMS:
         try:
             program = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
-        except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError) as e:
+        except Exception as e:  # noqa: BLE001 - the model's code may raise anything (KeyError, ImportError, ...)
             # The model's own code refused the step (measured: transformers' Mixtral experts run
-            # torch._grouped_mm, which takes bf16 only on CPU, so fp32 fails there as in a real run).
-            # What it says is the user's answer, not a traceback of the tracer.
+            # torch._grouped_mm, which takes bf16 only on CPU, so fp32 fails there as in a real run;
+            # a module converting its own dtype in __init__ cannot on fake tensors, torch's
+            # "Couldn't swap"). What it says is the user's answer, not a traceback of the tracer.
             raise SpecError(f"model {spec.name}: its code cannot run a training step (traced on CPU fake "
                             f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
                             f"{cfg.micro_batch}, seq {cfg.seq_len} "

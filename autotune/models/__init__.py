@@ -67,6 +67,10 @@ class ModelSpec:
     param_count: int = 0
     """Exact parameter count of the model built on the meta device, where it was built (Hugging Face
     configs); 0: the shape's count (`shape_params`), which tests check equal to it for the presets."""
+    uniform_blocks: bool = True
+    """Every decoder layer is the same module (class and parameter shapes), so the memory model may
+    extrapolate from a few of them; False for stacks that mix kinds (DeepSeek's dense first layers
+    before its MoE ones, Jamba's attention among Mamba layers), read from the meta-device model."""
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:

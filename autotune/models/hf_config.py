@@ -111,7 +111,10 @@ def config_object(spec: ModelSpec, num_layers: int | None = None):
         config = copy.deepcopy(config)
         config.num_hidden_layers = num_layers  # attribute_map routes it (gpt2: n_layer, mpt: n_layers)
         if isinstance(getattr(config, "layer_types", None), list):  # per-layer lists must match
-            config.layer_types = config.layer_types[:num_layers]
+            try:
+                config.layer_types = config.layer_types[:num_layers]
+            except AttributeError:  # a property derived from num_hidden_layers (Bamba, Jamba): follows it
+                pass
     return config
 
 
@@ -133,8 +136,10 @@ def load_config(text: str):
             raise SpecError(f"model config {file} does not exist")
         try:
             return AutoConfig.from_pretrained(str(file))
-        except (OSError, ValueError, KeyError) as e:
-            raise SpecError(f"model config {file}: transformers {_version()} cannot read it: {e}") from None
+        except Exception as e:  # noqa: BLE001 - whatever the config class's own validation raises
+            # (ValueError, KeyError, huggingface_hub's StrictDataclassClassValidationError, ...)
+            raise SpecError(f"model config {file}: transformers {_version()} cannot read it: "
+                            f"{' '.join(str(e).split())}") from None
     from huggingface_hub import constants
     from transformers.utils import cached_file
 
@@ -161,20 +166,69 @@ def meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
+def decoder_layers(model) -> list:
+    """The decoder layers in order: the longest ModuleList of GradientCheckpointingLayer."""
+    from torch import nn
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    best: list = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best) \
+                and all(isinstance(c, GradientCheckpointingLayer) for c in m):
+            best = list(m)
+    if not best:
+        raise SpecError(f"{type(model).__name__}: no ModuleList of GradientCheckpointingLayer found; "
+                        f"transformers cannot checkpoint its layers one by one")
+    return best
+
+
+def _blocks(model) -> list:
+    """The decoder layers, [] where none is found (the trace says why)."""
+    try:
+        return decoder_layers(model)
+    except SpecError:
+        return []
+
+
+def _block_kind(block) -> tuple:
+    """What a layer's memory depends on besides the batch: its class and parameter shapes."""
+    return type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+
+
 def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
     """ModelSpec of an AutoModelForCausalLM config; `param_count` from the meta-device model."""
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = meta_model(config)
-    except ValueError as e:  # AutoModelForCausalLM has no class for this config
+    if type(config) not in AutoModelForCausalLM._model_mapping:  # noqa: SLF001
         names = sorted(c.model_type for c in AutoModelForCausalLM._model_mapping.keys())  # noqa: SLF001
         raise SpecError(f"model {name}: AutoModelForCausalLM cannot build model_type "
-                        f"{config.model_type!r} ({e}); known: {', '.join(names)}") from None
+                        f"{config.model_type!r}; known: {', '.join(names)}")
+    try:
+        model = meta_model(config)
+    except Exception as e:  # noqa: BLE001 - the class's own constructor refusing this config, whatever it raises
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise SpecError(f"model {name}: transformers {_version()} cannot build model_type {config.model_type!r} "
+                        f"from this config ({type(e).__name__}: {first})") from None
     count = sum(p.numel() for p in model.parameters())  # parameters() counts a tied matrix once
+    blocks = _blocks(model)
+    uniform = len({_block_kind(b) for b in blocks}) <= 1
+    if blocks and len(blocks) != getattr(config, "num_hidden_layers", len(blocks)):
+        # BART's causal LM: its decoder, while num_hidden_layers is the encoder's depth
+        raise SpecError(f"model {name}: its config's num_hidden_layers {config.num_hidden_layers} is not the "
+                        f"{len(blocks)} decoder layers its causal LM ({type(model).__name__}) builds; autotune "
+                        "sizes and traces a model by num_hidden_layers")
+    text = config.get_text_config()
+    if text is not config:  # a multimodal model: the language model's config is one of its parts
+        raise SpecError(f"model {name}: model_type {config.model_type!r} is a multimodal model whose language "
+                        f"model is its {text.model_type!r} part; autotune prices a language model's own code: "
+                        f"give that part's config (its text_config, model_type {text.model_type!r})")
     g = lambda *keys, default=None: next(  # noqa: E731
         (getattr(config, k) for k in keys if getattr(config, k, None) is not None), default)
     h, heads = g("hidden_size"), g("num_attention_heads")
+    if h is None or heads is None:  # a state-space or recurrent model (Mamba, RWKV): not a transformer's shape
+        raise SpecError(f"model {name}: its config ({config.model_type}) names no "
+                        f"{'hidden_size' if h is None else 'num_attention_heads'}; autotune prices transformers "
+                        "whose config gives hidden_size, num_attention_heads and num_hidden_layers")
     family = _FAMILY_OF.get(config.model_type)
     if family is None:  # nearest family for the analytic formulas; the count above is exact anyway
         family = "llama" if g("hidden_act", "activation_function", default="") in ("silu", "swish") else "gpt_neox"
@@ -202,7 +256,7 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
     d = json.loads(json.dumps(d, default=str))
     try:
         return ModelSpec(name=name, family=family, source=source, implementation="hf", hf_config=d,
-                         param_count=count, **shape)
+                         param_count=count, uniform_blocks=uniform, **shape)
     except TypeError as e:
         raise SpecError(f"model {name}: {e}") from None
 
