@@ -12,7 +12,9 @@ Traced code (hf, factory: memory/code_trace.py) is bilinear in b and affine in k
 k = 0 is off that line by what a checkpointed run adds once (measured, GPT-2 eager: one b x s x s
 mask more from k = 1 on), so its k = 0 column is priced apart and k >= 1 is fitted on k = 1, 2;
 `backward (layers)`, the backward of the blocks that are not checkpointed, exists only for k < L.
-tests/test_memory_hf.py checks that grid against traces at the exact micro batch and k.
+tests/test_memory_hf.py checks that grid against traces at the exact micro batch and k. A stack of
+mixed layers (ModelSpec.uniform_blocks False: DeepSeek's dense layers, then MoE) is not affine in k,
+as checkpointing a dense layer saves other bytes than an MoE one: each k is priced, bilinear in b.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,
     """total_bytes (tensor peak + overhead) for every (micro_batch, ckpt_layers) pair:
     an array of shape (len(micro_batches), len(ckpt_layers))."""
     layers = model.num_layers
+    if not model.uniform_blocks:  # a mixed stack is not affine in k: each k is priced, bilinear in b only
+        b = np.asarray(micro_batches, dtype=np.float64)
+        peak = np.zeros((b.shape[0], len(ckpt_layers)))
+        for j, kv in enumerate(np.asarray(ckpt_layers).tolist()):
+            f = [estimate(model, cluster, dataclasses.replace(base, micro_batch=m, ckpt_layers=int(kv))).phases
+                 for m in (1, 2)]
+            for name in set(f[0]) | set(f[1]):
+                one, two = f[0].get(name, 0), f[1].get(name, 0)
+                peak[:, j] = np.maximum(peak[:, j], one + (two - one) * (b - 1))
+        return _with_overhead(peak, cluster)
     ks = sorted({0, min(1, layers), min(2, layers)})
     pts = {(b, k): estimate(model, cluster, dataclasses.replace(base, micro_batch=b, ckpt_layers=k)).phases
            for b in (1, 2) for k in ks}
@@ -62,6 +74,10 @@ def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,
         if name == "backward (layers)":
             total = np.where(k < layers, total, 0)
         peak = np.maximum(peak, total)
+    return _with_overhead(peak, cluster)
+
+
+def _with_overhead(peak: np.ndarray, cluster: Cluster) -> np.ndarray:
     fixed = sum(v for n, v in overhead_terms(cluster, 0).items() if n != "allocator_fragmentation")
     frac = overhead_terms(cluster, 10**12).get("allocator_fragmentation", 0) / 10**12
     return np.floor(peak) + np.floor(frac * peak) + fixed
