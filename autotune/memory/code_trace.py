@@ -238,8 +238,8 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     marks["saved"] = live.live_serials()
     live.point("fwd.end")
     backward_and_step(live, marks, loss, opt)
-    # A parameter the loss does not reach has no gradient (BART's decoder-only causal LM, an
-    # encoder-decoder's unused pooler): nothing of it is live
+    # A parameter the loss does not reach has no gradient (a module a user's model builds but does not
+    # call; cross-attention in a decoder run without its encoder): no gradient of it is live
     grads = {live.track(p.grad) for p in params if p.grad is not None}
     del loss
     known = known_storages(live, model, opt, grads, batch, marks, shared=marks["shared"])

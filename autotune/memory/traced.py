@@ -312,7 +312,8 @@ def _programs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[tupl
         from autotune.memory.tracer import builtin_program as program
     else:
         program = code_trace.trace_program
-    return {km: functools.partial(program, model, cfg, ckpt=km[0], full=km[1], **opts) for km in _plan(ckpt, full, model.uniform_blocks)}
+    return {km: functools.partial(program, model, cfg, ckpt=km[0], full=km[1], **opts)
+            for km in _plan(ckpt, full, model.uniform_blocks)}
 
 
 def mixed_blocks_note(model: ModelSpec) -> str:

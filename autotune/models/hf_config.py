@@ -203,6 +203,11 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
         names = sorted(c.model_type for c in AutoModelForCausalLM._model_mapping.keys())  # noqa: SLF001
         raise SpecError(f"model {name}: AutoModelForCausalLM cannot build model_type "
                         f"{config.model_type!r}; known: {', '.join(names)}")
+    text = config.get_text_config()
+    if text is not config:  # a multimodal model: the language model's config is one of its parts
+        raise SpecError(f"model {name}: model_type {config.model_type!r} is a multimodal model whose language "
+                        f"model is its {text.model_type!r} part; autotune prices a language model's own code: "
+                        f"give that part's config (its text_config, model_type {text.model_type!r})")
     try:
         model = meta_model(config)
     except Exception as e:  # noqa: BLE001 - the class's own constructor refusing this config, whatever it raises
@@ -217,11 +222,6 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
         raise SpecError(f"model {name}: its config's num_hidden_layers {config.num_hidden_layers} is not the "
                         f"{len(blocks)} decoder layers its causal LM ({type(model).__name__}) builds; autotune "
                         "sizes and traces a model by num_hidden_layers")
-    text = config.get_text_config()
-    if text is not config:  # a multimodal model: the language model's config is one of its parts
-        raise SpecError(f"model {name}: model_type {config.model_type!r} is a multimodal model whose language "
-                        f"model is its {text.model_type!r} part; autotune prices a language model's own code: "
-                        f"give that part's config (its text_config, model_type {text.model_type!r})")
     g = lambda *keys, default=None: next(  # noqa: E731
         (getattr(config, k) for k in keys if getattr(config, k, None) is not None), default)
     h, heads = g("hidden_size"), g("num_attention_heads")
