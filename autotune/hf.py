@@ -44,10 +44,11 @@ class HfImpl:
         # A training run: no KV cache (transformers turns it off itself under checkpointing).
         config.use_cache = False
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
-        if num_layers and len(decoder_layers(model)) != num_layers:  # (0: the blockless program of costops)
+        built = len(decoder_layers(model)) if num_layers else 0  # (0: the blockless program of costops)
+        if built != (num_layers or 0):
             # Nemotron-H: the depth is the length of its per-layer list, which num_hidden_layers does not set
             raise SpecError(f"{type(model).__name__}: num_hidden_layers {num_layers} built "
-                            f"{len(decoder_layers(model))} decoder layers; autotune traces a model of fewer layers "
+                            f"{built} decoder layers; autotune traces a model of fewer layers "
                             "than it has by setting num_hidden_layers, which this config does not follow")
         return model.train()  # from_config's model is in eval mode: the config's dropout is real here
 

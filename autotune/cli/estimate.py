@@ -103,8 +103,9 @@ def _run(args, model, cluster, cfg) -> int:
         out["simulated"] = _simulated(model, cluster, cfg)
         out.update(_limits(args, model, cluster, cfg))
         out["risks"] = risks(cfg)
-        if mixed_blocks_note(model):
-            out["memory_note"] = mixed_blocks_note(model)
+        note = mixed_blocks_note(model)
+        if note:
+            out["memory_note"] = note
         if cluster.note:
             out["note"] = cluster.note
         if args.trace:
