@@ -47,6 +47,12 @@ FAMILIES = {
     "gpt_bigcode": dict(n_layer=3, n_embd=64, n_head=4, n_positions=256),
     "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     "granite": dict(num_key_value_heads=2), "cohere": dict(num_key_value_heads=2),
+    # stacks of mixed layers (ModelSpec.uniform_blocks False): a dense layer, then MoE ones
+    "deepseek_v3": dict(first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
+                        n_group=1, topk_group=1),
+    "qwen2_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96, mlp_only_layers=[0]),
 }
 CASES = (("fp32", "sdpa", 0), ("bf16", "eager", 1))
 

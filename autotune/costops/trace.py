@@ -36,6 +36,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return min(t.numel(), t.untyped_storage().nbytes() // max(t.element_size(), 1)) * t.element_size()
 
 
+def _grouped_gemm(args, out) -> tuple[float, tuple]:
+    """FLOPs and (groups, m, k, n) of torch._grouped_mm, the GEMM of transformers' MoE experts: (S, K)
+    x (E, K, N) -> (S, N), each row through its group's (expert's) weight; (M, S) x (S, N) -> (E, M,
+    N), the weight gradient, each group summing its own rows; or (E, M, K) x (E, K, N), batched
+    (torch's `_grouped_mm` documentation). The groups' sizes are data (offs, the routing), so the
+    tile shape assumes an even split; the FLOPs do not depend on it."""
+    a, b = args[0], args[1]
+    if a.dim() == 2 and b.dim() == 3:
+        (rows, k), groups, n = a.shape, b.shape[0], b.shape[2]
+        return 2.0 * rows * k * n, (groups, max(1, rows // groups), k, n)
+    if a.dim() == 2 and b.dim() == 2:
+        (m, rows), groups, n = a.shape, out.shape[0], b.shape[1]
+        return 2.0 * m * rows * n, (groups, m, max(1, rows // groups), n)
+    m, k, n = out.shape[-2] if out.dim() == 3 else out.shape[0], a.shape[-1], out.shape[-1]
+    groups = out.numel() // (m * n)
+    return 2.0 * groups * m * k * n, (groups, m, k, n)
+
+
 def _gemm_shape(func, args) -> tuple:
     packet = func._overloadpacket
     a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
@@ -71,6 +89,9 @@ class _Recorder(TorchDispatchMode):
         if packet in GEMM_OPS:
             op = Op("gemm", packet.__name__, self.phase, float(fc.flop_registry[packet](*args, **kwargs, out_val=out)),
                     nbytes, _gemm_shape(func, args), scores)
+        elif packet is aten._grouped_mm:
+            flops, shape = _grouped_gemm(args, out)
+            op = Op("gemm", packet.__name__, self.phase, flops, nbytes, shape, scores)
         elif packet in SDPA_FWD or packet in SDPA_BWD:
             op = self._attention(packet, args, kwargs, nbytes)
         else:

@@ -283,10 +283,9 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
         try:
             program = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
         except Exception as e:  # noqa: BLE001 - the model's code may raise anything (KeyError, ImportError, ...)
-            # The model's own code refused the step (measured: transformers' Mixtral experts run
-            # torch._grouped_mm, which takes bf16 only on CPU, so fp32 fails there as in a real run;
-            # a module converting its own dtype in __init__ cannot on fake tensors, torch's
-            # "Couldn't swap"). What it says is the user's answer, not a traceback of the tracer.
+            # The model's own code refused the step (measured: a sequence past MPT's ALiBi table; a
+            # module converting its own dtype in __init__ cannot on fake tensors, torch's "Couldn't
+            # swap"). What it says is the user's answer, not a traceback of the tracer.
             raise SpecError(f"model {spec.name}: its code cannot run a training step (traced on CPU fake "
                             f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
                             f"{cfg.micro_batch}, seq {cfg.seq_len} "

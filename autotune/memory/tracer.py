@@ -90,6 +90,22 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+class _GroupedMmAnyDtype(TorchDispatchMode):
+    """torch._grouped_mm (transformers' MoE experts) on fake tensors of any dtype. Its meta function
+    takes bf16 only, while its CPU kernel runs fp32 too (measured: transformers' Mixtral steps in
+    fp32 on CPU, and failed on fake tensors with "Expected inputs of BF16 type"), so the shape is
+    taken from a bf16 call and the result is made in the inputs' dtype. Sits between FakeTensorMode
+    and the counting modes above it, which see the one op and its output only."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._overloadpacket is torch.ops.aten._grouped_mm and args[0].dtype != torch.bfloat16:
+            cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                    for a in args]
+            return func(*cast, **kwargs).to(args[0].dtype)
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def fake_mode():
     """FakeTensorMode, with torch's own log of an op that fails on fake tensors held back: the
@@ -99,7 +115,7 @@ def fake_mode():
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
-        with FakeTensorMode() as mode:
+        with FakeTensorMode() as mode, _GroupedMmAnyDtype():
             yield mode
     finally:
         log.setLevel(level)
