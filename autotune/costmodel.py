@@ -202,15 +202,15 @@ read an MFU of 148%). A dense model's traced FLOPs are 6N less the embedding loo
 percent of it, and keep the formula."""
 
 
-def model_flops_per_token(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: Constants) -> float:
+def model_flops_per_token(model: ModelSpec, cfg: TrainConfig, implementation: str) -> float:
     """Model FLOPs per token for MFU (PaLM's convention, recompute not counted): 6N + attention, or
-    what the traced step runs where that is far less (ROUTED_FLOPS_FRACTION)."""
-    from autotune.costops import micro_step_price
+    what `implementation`'s traced step runs where that is far less (ROUTED_FLOPS_FRACTION). The
+    simulated step's MFU and a measured trial's (trial/launch.py) both use it."""
+    from autotune.costops import step_flops
 
     formula = model.flops_per_token(cfg.seq_len)
-    p = micro_step_price(model, rt.implementation, cfg.precision, cfg.attention, cfg.micro_batch, cfg.seq_len,
-                         price_key(gpu, cfg.precision), c.sustained)
-    traced = p.flops / cfg.tokens_per_micro_batch
+    traced = step_flops(model, implementation, cfg.precision, cfg.attention, cfg.micro_batch,
+                        cfg.seq_len) / cfg.tokens_per_micro_batch
     return traced if traced < ROUTED_FLOPS_FRACTION * formula else formula
 
 
@@ -397,7 +397,7 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
         parts["host"] = ga * HOST_STEP_S  # a batch is fetched per micro step
     step_s = sum(parts.values())
     tok_s = cfg.tokens_per_micro_batch * ga / step_s
-    flops = (model_flops_per_token(gathered, cfg, cluster.gpu, rt, constants or Constants()) if cfg.method == "full"
+    flops = (model_flops_per_token(gathered, cfg, rt.implementation) if cfg.method == "full"
              else gathered.flops_per_token(cfg.seq_len)) * tok_s
     if cfg.method != "full":  # frozen weights: 4N, not 6N (no weight gradients), plus the adapters' 6
         flops += (6.0 * model.num_params - 2.0 * gathered.num_params) * tok_s

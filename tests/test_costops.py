@@ -164,7 +164,7 @@ def test_a_stack_of_mixed_layers_is_priced_as_its_whole_program():
     from autotune.hardware import parse_gpus
     from autotune.impl import impl_for
     from autotune.models import hf_config as hf
-    from autotune.costmodel import price_key, simulate
+    from autotune.costmodel import simulate
     from autotune.train_config import TrainConfig
 
     d = dict(model_type="deepseek_v3", num_hidden_layers=5, first_k_dense_replace=2, hidden_size=64,
@@ -182,7 +182,7 @@ def test_a_stack_of_mixed_layers_is_priced_as_its_whole_program():
     assert {op: n for op, n in p.ops(5).items() if abs(n) > 1e-9} == pytest.approx(dict(direct))
     cfg = TrainConfig(precision="bf16", micro_batch=4, seq_len=64)
     step = simulate(spec, parse_gpus("8xA100"), cfg)
-    runs = co.micro_step_price(spec, "hf", "bf16", "sdpa", 4, 64, price_key(parse_gpus("8xA100").gpu, "bf16")).flops
+    runs = co.step_flops(spec, "hf", "bf16", "sdpa", 4, 64)
     per_token = step.tflops_per_gpu * 1e12 / step.tokens_per_s_per_gpu
     assert per_token == pytest.approx(runs / cfg.tokens_per_micro_batch)
     assert per_token < 0.75 * spec.flops_per_token(64)  # 6N counts all 8 experts, a token runs 2

@@ -238,8 +238,6 @@ class ComputePrice:
     layer_forward: float
     """One block's forward: what a checkpointed block reruns in backward."""
     kernels: int
-    flops: float = 0.0
-    """FLOPs the step's GEMMs and attention kernels run, forward and backward (no recompute)."""
 
 
 @cache
@@ -252,14 +250,27 @@ def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.
     fwd = sum(n * OP_PRICE[op.cls](op, key, sustained) for op, n in profile.layer if op.phase == "fwd")
     kernels = sum(ops.values())
     return ComputePrice(gemm=per["gemm"], attention=per["attention"], elementwise=per["elementwise"],
-                        layer_forward=fwd, kernels=kernels, flops=sum(n * op.flops for op, n in ops.items()))
+                        layer_forward=fwd, kernels=kernels)
+
+
+def _profile(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
+             seq_len: int) -> OpProfile:
+    # the profile is per block: its cache key leaves the depth out, but for the whole-depth trace of a
+    # model whose blocks differ (trace.op_profile), which needs it
+    return profile_for(replace(spec, num_layers=1), implementation, precision, attention, micro_batch, seq_len,
+                       spec.num_layers)
 
 
 def micro_step_price(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
                      seq_len: int, key: tuple, sustained: float = 1.0) -> ComputePrice:
     """Forward+backward of one micro step of `spec` on the GPU `key` (gpu_key), op by op (cached)."""
-    # the profile is per block: its cache key leaves the depth out, but for the whole-depth trace of a
-    # model whose blocks differ (trace.op_profile), which needs it
-    profile = profile_for(replace(spec, num_layers=1), implementation, precision, attention, micro_batch, seq_len,
-                          spec.num_layers)
+    profile = _profile(spec, implementation, precision, attention, micro_batch, seq_len)
     return price(profile, spec.num_layers, key, sustained)
+
+
+def step_flops(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
+               seq_len: int) -> float:
+    """FLOPs one micro step's GEMMs and attention kernels run, forward and backward, as traced (no
+    recompute; element-wise ops count none): what the code runs, whatever the GPU."""
+    profile = _profile(spec, implementation, precision, attention, micro_batch, seq_len)
+    return sum(n * op.flops for op, n in profile.ops(spec.num_layers).items())

@@ -379,8 +379,15 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
         res.step_time_spread_s = max(times) - min(times)
         res.samples_per_s = cfg.micro_batch * cfg.grad_accum * world / res.step_time_s
         res.tokens_per_s = res.samples_per_s * cfg.seq_len
-        res.tflops = req.model.flops_per_token(cfg.seq_len) * res.tokens_per_s / world / TFLOPS
         peak = req.cluster.gpu.peak_flops(cfg.precision)
+        # on GPUs the model FLOPs of MFU, as the simulated step counts them (an MoE's routed experts,
+        # from its traced step); CPU ranks have no MFU and skip that trace on the search's hot path
+        per_token = req.model.flops_per_token(cfg.seq_len)
+        if peak and cfg.method == "full":
+            from autotune.costmodel import model_flops_per_token
+
+            per_token = model_flops_per_token(req.model, cfg, req.model.implementation)
+        res.tflops = per_token * res.tokens_per_s / world / TFLOPS
         res.mfu = res.tflops * TFLOPS / peak if peak else None
         res.overhead_s = res.wall_s - sum(times)
     if ranks and all(d.peak_bytes is not None for d in ranks):
