@@ -203,7 +203,12 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
         names = sorted(c.model_type for c in AutoModelForCausalLM._model_mapping.keys())  # noqa: SLF001
         raise SpecError(f"model {name}: AutoModelForCausalLM cannot build model_type "
                         f"{config.model_type!r}; known: {', '.join(names)}")
-    text = config.get_text_config()
+    try:
+        text = config.get_text_config()
+    except ValueError as e:  # several text parts (MusicGen's text encoder and decoder): which is ambiguous
+        raise SpecError(f"model {name}: model_type {config.model_type!r} has several text parts and transformers "
+                        f"cannot say which is its language model ({' '.join(str(e).split())[:160]}); autotune "
+                        "prices a language model's own code: give that part's config") from None
     if text is not config:  # a multimodal model: the language model's config is one of its parts
         raise SpecError(f"model {name}: model_type {config.model_type!r} is a multimodal model whose language "
                         f"model is its {text.model_type!r} part; autotune prices a language model's own code: "
