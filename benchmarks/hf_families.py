@@ -53,6 +53,10 @@ FAMILIES = {
                         n_group=1, topk_group=1),
     "qwen2_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       shared_expert_intermediate_size=96, mlp_only_layers=[0]),
+    # per-layer lists beside layer_types (transformers 5's mlp_layer_types): dense, then sparse
+    "exaone_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=16,
+                       layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
 CASES = (("fp32", "sdpa", 0), ("bf16", "eager", 1))
 

@@ -352,3 +352,30 @@ def test_a_causal_lm_whose_num_hidden_layers_is_another_stack_is_refused():
                                 max_position_embeddings=128)
     with pytest.raises(SpecError, match="num_hidden_layers 2 is not the 3 decoder layers"):
         hf_config.spec_from_config(conf, name="test-bart", source="test")
+
+
+def test_every_per_layer_list_of_a_config_follows_the_depth_traced():
+    """transformers 5 configs list more than `layer_types` per layer: `mlp_layer_types` (dense or
+    sparse: EXAONE-MoE, DeepSeek-V3.2, Kimi-Linear and more). Only layer_types followed the programs'
+    depths, so the trace of one layer more than the config refused the model with transformers'
+    validation error ("num_hidden_layers (4) must be equal to the number of mlp_layer_types (3)").
+    Each list now follows, continued as a deeper model of the config has it, and the step is the real one."""
+    from transformers import AutoConfig
+
+    from cpu_step import measure_cpu
+    from autotune.memory.traced import trace
+
+    assert hf_config.continued(["dense", "sparse", "sparse"], 5) == ["dense"] + ["sparse"] * 4
+    assert hf_config.continued(["full", "sliding"] * 2, 5) == ["full", "sliding", "full", "sliding", "full"]
+    assert hf_config.continued(["a", "b", "c"], 2) == ["a", "b"]
+    conf = AutoConfig.for_model(
+        "exaone_moe", num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    spec = hf_config.spec_from_config(conf, name="test-exaone-moe", source="test")
+    assert not spec.uniform_blocks
+    cfg = TrainConfig(micro_batch=2, seq_len=48, precision="bf16", attention="eager", ckpt_layers=1)
+    got, real = trace(spec, parse_gpus("1xcpu@8GiB"), cfg).raw_peaks, measure_cpu(spec, cfg)
+    for phase in ("forward", "backward", "optimizer"):
+        assert 0 <= real[phase] - got[phase] <= 128, (phase, got, real)

@@ -30,7 +30,7 @@ import json
 from autotune.errors import SpecError
 from autotune import trace_cache
 from autotune.models import ModelSpec
-from autotune.models.hf_config import default_attention
+from autotune.models.hf_config import continued, default_attention, per_layer_lists
 from autotune.train_config import TrainConfig, torch_dtype
 
 _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
@@ -86,16 +86,19 @@ def build(spec: ModelSpec, precision: str, attention: str, num_layers: int, cfg:
 
 
 def _with_layer_types(spec: ModelSpec, num_layers: int) -> ModelSpec:
-    """A config that lists a type per layer (Qwen2, Gemma 2/3: `layer_types`) must list as many as
-    are built; the programs traced may have more layers than a small config. The list is continued
-    in its own pattern (Gemma2's full, sliding, full, ...), as a deeper model of the same config
-    has it. The extrapolation prices every layer like the traced ones: kinds that differ only in
-    their mask's contents (sliding and full attention) keep the same tensors."""
-    types = (spec.hf_config or {}).get("layer_types")
-    if not isinstance(types, list) or not types or len(types) >= num_layers:
+    """A config that lists something per layer (`layer_types`, `mlp_layer_types`: hf_config.
+    per_layer_lists) must list as many as are built; the programs traced may have more layers than
+    a small config (one more than a mixed stack, for the per-layer split). Each list is continued as a
+    deeper model of the same config has it (hf_config.continued). The extrapolation prices every layer
+    like the traced ones: kinds that differ only in their mask's contents (sliding and full
+    attention) keep the same tensors."""
+    d = spec.hf_config or {}
+    depth = d.get("num_hidden_layers", spec.num_layers)
+    keys = per_layer_lists(d, depth) if isinstance(depth, int) and depth < num_layers else []
+    if not keys:
         return spec
-    more = {"layer_types": [types[i % len(types)] for i in range(num_layers)], "num_hidden_layers": num_layers}
-    return dataclasses.replace(spec, hf_config={**spec.hf_config, **more})  # validated together
+    more = {k: continued(d[k], num_layers) for k in keys}
+    return dataclasses.replace(spec, hf_config={**d, **more, "num_hidden_layers": num_layers})  # validated together
 
 
 def _first_grad_tensor(tree):

@@ -109,13 +109,32 @@ def config_object(spec: ModelSpec, num_layers: int | None = None):
     config = CONFIG_MAPPING[mtype].from_dict(d)
     if num_layers is not None and num_layers != config.num_hidden_layers:
         config = copy.deepcopy(config)
+        lists = per_layer_lists(config.to_dict(), config.num_hidden_layers)
         config.num_hidden_layers = num_layers  # attribute_map routes it (gpt2: n_layer, mpt: n_layers)
-        if isinstance(getattr(config, "layer_types", None), list):  # per-layer lists must match
+        for key in lists:  # per-layer lists must match
             try:
-                config.layer_types = config.layer_types[:num_layers]
+                setattr(config, key, getattr(config, key)[:num_layers])
             except AttributeError:  # a property derived from num_hidden_layers (Bamba, Jamba): follows it
                 pass
     return config
+
+
+def per_layer_lists(d: dict, depth: int) -> list[str]:
+    """The keys of a config dict that list one entry per decoder layer: `layer_types` (Qwen2, Gemma
+    2/3: sliding or full attention), `mlp_layer_types` (DeepSeek-style dense or sparse, transformers
+    5), `num_attention_heads_per_layer` (Laguna): lists of `depth` entries under a key naming layers."""
+    return [k for k, v in d.items() if "layer" in k and isinstance(v, list) and len(v) == depth]
+
+
+def continued(values: list, n: int) -> list:
+    """A per-layer list taken to `n` entries as a deeper model of the same config has it: repeating
+    its shortest period where it has one (Gemma 2's full, sliding, full, ...), else its last entry
+    (dense first layers, then sparse ones to the end: DeepSeek's `first_k_dense_replace`)."""
+    period = next((p for p in range(1, len(values)) if all(values[i] == values[i - p] for i in range(p, len(values)))),
+                  None)
+    if period is None:
+        return values[:n] + [values[-1]] * (n - len(values))
+    return [values[i % period] for i in range(n)]
 
 
 def _version() -> str:
