@@ -470,7 +470,7 @@ def lora_compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, micro: dict
     out = dict(micro)
     out["compute"] = micro["compute"] * 2.0 / 3.0  # costops' weight GEMMs (layers and LM head)
     key, r = price_key(gpu, cfg.precision), cfg.lora_rank
-    out["adapters"] = model.num_layers * sum(
+    out["adapters"] = sum(
         _gemm_fwd_bwd_s(tokens, k, r, key, cfg.precision, sustained) + _gemm_fwd_bwd_s(tokens, r, n, key, cfg.precision, sustained)
         for k, n in adapter_shapes(model, cfg))
     if cfg.method == "qlora":

@@ -70,16 +70,17 @@ def lora_config_path(ds_path: Path) -> Path:
 
 def lora_config_json(model: ModelSpec, cfg: TrainConfig) -> str:
     """The LoraConfig the trials ran (autotune/lora.py), as JSON: `peft.LoraConfig(**json.load(f))`
-    accepts it. The attention targets are named from the model's own decoder layer (meta device)."""
+    accepts it. The attention targets are named from the model's own decoder layers (meta device)."""
     import torch
 
     from autotune.impl import impl_for
     from autotune.lora import lora_config_dict, target_modules
 
     base = impl_for(model)
+    depth = 1 if model.uniform_blocks else None   # a stack of mixed layers: all of them
     with torch.device("meta"):
-        layer = base.layers(base.build(model, dtype=torch.bfloat16, attention=default_attention(model), num_layers=1))[0]
-    return json.dumps(lora_config_dict(cfg, target_modules(cfg, layer)), indent=2) + "\n"
+        layers = base.layers(base.build(model, dtype=torch.bfloat16, attention=default_attention(model), num_layers=depth))
+    return json.dumps(lora_config_dict(cfg, target_modules(cfg, layers)), indent=2) + "\n"
 
 
 def _lora_lines(cfg: TrainConfig, path: Path) -> list[str]:

@@ -32,21 +32,28 @@ def _linear(module) -> bool:
     return type(module).__name__ in LINEAR_TYPES
 
 
-def attention_targets(layer) -> list[str]:
-    """Names (relative to a decoder layer) of the linear layers inside its attention block: the
-    child module whose name says attn/attention, every linear layer under it."""
-    for name, child in layer.named_children():
-        if "attn" in name.lower() or "attention" in name.lower():
-            found = [f"{name}.{n}" for n, m in child.named_modules() if n and _linear(m)]
-            if found:
-                return found
-    raise SpecError(f"{type(layer).__name__}: no attention block with linear layers found (a child named "
-                    f"*attn* or *attention*); use --lora-targets all-linear")
+def attention_targets(layers) -> list[str]:
+    """Names (relative to a decoder layer) of the linear layers inside the attention blocks of the
+    decoder `layers`: in each layer the child module whose name says attn/attention, every linear
+    layer under it; over all of them, as a hybrid stack has attention in some layers only (Jamba's
+    Mamba layers have none, and its first layer is one of them)."""
+    found: list[str] = []
+    for layer in layers:
+        for name, child in layer.named_children():
+            if "attn" in name.lower() or "attention" in name.lower():
+                names = [f"{name}.{n}" for n, m in child.named_modules() if n and _linear(m)]
+                if names:
+                    found += [n for n in names if n not in found]
+                    break
+    if not found:
+        raise SpecError(f"{type(layers[0]).__name__}: no attention block with linear layers found (a child named "
+                        f"*attn* or *attention*); use --lora-targets all-linear")
+    return found
 
 
-def target_modules(cfg, layer) -> list[str] | str:
-    """peft's target_modules for `cfg.lora_targets` on this decoder layer's code."""
-    return "all-linear" if cfg.lora_targets == "all-linear" else attention_targets(layer)
+def target_modules(cfg, layers) -> list[str] | str:
+    """peft's target_modules for `cfg.lora_targets` on the code of these decoder layers."""
+    return "all-linear" if cfg.lora_targets == "all-linear" else attention_targets(layers)
 
 
 def lora_config_dict(cfg, targets) -> dict:
@@ -61,7 +68,8 @@ def _fake_moves():
     parameter cannot be moved in place (torch swaps fakes' tensors, which a weak reference
     forbids: '_apply(): Couldn't swap Linear.weight'). The adapters are already made on the CPU in
     the training dtype (the default dtype while the model is built), so those moves are no-ops:
-    skip them when nothing would change."""
+    skip them when nothing would change. A change of dtype (peft's adapter of a parameter kept in
+    fp32, DeepSeek's router weight) replaces the new adapter's tensors, which nothing refers to yet."""
     import torch
 
     original = torch.nn.Module.to
@@ -72,7 +80,16 @@ def _fake_moves():
         if all((device is None or t.device == device)
                and (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
             return self
-        return original(self, *args, **kwargs)
+        if device is not None and any(t.device != device for t in tensors):
+            return original(self, *args, **kwargs)
+        for module in self.modules():
+            for name, p in module._parameters.items():  # noqa: SLF001 - what Module._apply replaces
+                if p is not None and p.is_floating_point():
+                    module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), p.requires_grad)  # noqa: SLF001
+            for name, b in module._buffers.items():  # noqa: SLF001
+                if b is not None and b.is_floating_point():
+                    module._buffers[name] = b.to(dtype)  # noqa: SLF001
+        return self
 
     torch.nn.Module.to = to
     try:
@@ -98,7 +115,7 @@ class LoraImpl:
         if self.cfg.method == "qlora" and not (isinstance(probe, FakeTensor) or probe.device.type == "meta"):
             raise SpecError("method qlora loads the frozen base in 4-bit NF4 through bitsandbytes (CUDA only); "
                             "this build runs 16-bit LoRA code only: QLoRA is estimated and simulated")
-        config = LoraConfig(**lora_config_dict(self.cfg, target_modules(self.cfg, self.base.layers(model)[0])))
+        config = LoraConfig(**lora_config_dict(self.cfg, target_modules(self.cfg, self.base.layers(model))))
         moves = _fake_moves() if isinstance(probe, FakeTensor) else contextlib.nullcontext()
         with moves:
             model = get_peft_model(model, config, autocast_adapter_dtype=False)

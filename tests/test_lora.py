@@ -83,6 +83,56 @@ def test_seam_trains_only_the_adapters_and_counts_them():
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == mlora.adapter_params(s, cfg)
 
 
+MIXED_STACKS = {
+    # one dense layer, then MoE layers whose experts are grouped parameters, not nn.Linear
+    "deepseek_v3": dict(num_hidden_layers=4, first_k_dense_replace=1, hidden_size=128, num_attention_heads=4,
+                        num_key_value_heads=4, intermediate_size=1024, vocab_size=512, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_group=1, topk_group=1),
+    # Mamba layers (no attention), attention every other layer from the second on
+    "jamba": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=512, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MIXED_STACKS))
+@pytest.mark.parametrize("targets", ["attention", "all-linear"])
+def test_a_stack_of_mixed_layers_has_its_adapters_and_quantised_weights_counted_layer_by_layer(model_type, targets):
+    """The adapters and QLoRA's 4-bit weights were read off the first decoder layer and multiplied
+    by the depth: a DeepSeek-V3 had 4.6 times its quantised weights (its dense first layer's MLP for
+    every MoE layer), Jamba 1.5 times its all-linear adapters, and its attention adapters were
+    refused (its first layer is a Mamba one). They are the peft module's own counts now."""
+    import torch
+    from transformers import AutoConfig
+
+    from autotune.lora import LINEAR_TYPES
+    from autotune.models import hf_config
+
+    s = hf_config.spec_from_config(AutoConfig.for_model(model_type, **MIXED_STACKS[model_type]),
+                                   name=f"test-{model_type}", source="test")
+    assert not s.uniform_blocks
+    # peft's all-linear wraps the MoE experts' grouped parameters too, which it refuses with dropout
+    cfg = TrainConfig(method="lora", lora_rank=4, lora_targets=targets, lora_dropout=0.0)
+    impl = impl_for(s, cfg)
+    with torch.device("meta"):
+        model = impl.build(s, dtype=torch.bfloat16, attention="eager")
+    assert mlora.adapter_params(s, cfg) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    linear = [m.weight.numel() for layer in impl.layers(model) for n, m in layer.named_modules()
+              if type(m).__name__ in LINEAR_TYPES and ".lora_" not in f".{n}" and not hasattr(m, "base_layer")]
+    assert mlora.quantized_weights(s, cfg) == (sum(linear), max(linear))
+    shapes = mlora.adapter_shapes(s, cfg)
+    assert 4 * sum(i + o for i, o in shapes) == mlora.adapter_params(s, cfg)
+    # on fake tensors too: peft casts the adapter of DeepSeek's fp32 router weight to fp32, a move
+    # that fake parameters cannot make in place ("_apply(): Couldn't swap Linear.weight")
+    from autotune.memory import code_trace
+    from autotune.memory.tracer import fake_mode
+
+    with fake_mode():
+        _, fake = code_trace.build(s, "bf16", "sdpa", s.num_layers, cfg)
+    assert sum(p.numel() for p in fake.parameters() if p.requires_grad) == mlora.adapter_params(s, cfg)
+
+
 def test_lora_static_memory_is_far_below_full_fine_tuning_for_13b():
     s = resolve_model("13b", implementation="hf", factory=None)
     gpus = parse_gpus("4xA100")

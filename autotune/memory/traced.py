@@ -125,8 +125,7 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
         trained = sum(adapter_numels(spec, cfg))
     part = math.ceil(trained / cluster.world_size)
     if cfg.zero_stage == 0 and cfg.method != "full":
-        every = adapter_numels(spec, cfg)  # two layers hold every pair of neighbours
-        sizes = every[: 2 * len(every) // spec.num_layers]
+        sizes = adapter_numels(spec, cfg, layers=2)  # two layers hold every pair of neighbours
         what = f"each {master} adapter, in the module's order"
     elif cfg.zero_stage == 0 and not builtin(spec):
         sizes, what = code_trace.param_numels(spec, min(2, spec.num_layers)), f"each {master} parameter, in the module's order"
