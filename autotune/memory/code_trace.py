@@ -150,6 +150,7 @@ def _hooks(impl, model, live, marks: dict) -> None:
             if t is not None:
                 t.register_hook(on_grad(f"bwd.block{i}"))
             if i == last:
+                live.point("fwd.layers")  # what every layer left saved, before the head runs
                 live.enter("fwd.head")
         return hook
 
@@ -246,7 +247,7 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     grads = {live.track(p.grad) for p in params if p.grad is not None}
     del loss
     known = known_storages(live, model, opt, grads, batch, marks, shared=marks["shared"])
-    points = segment_points(ckpt, full)
+    points = segment_points(ckpt, full) + [("fwd.layers", "fwd.layers")]
     peaks = {name: _classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
     rec = Record(baseline=baseline, log=live.log, samples=live.samples, known=known,
                  points=points) if record else None

@@ -279,7 +279,7 @@ def _end_of_backward(out: dict[str, int], transient: int) -> dict[str, int]:
 
 
 def _with_head_phase(phases: dict, head: dict[str, int], end: dict[str, int], fit: dict[str, Affine], ckpt: int,
-                     full: int) -> dict:
+                     full: int, layers: dict[str, int] | None, uniform: bool) -> dict:
     """`phases` with 'backward (head)' after 'backward (loss)', at ZeRO-2: the moment the LM head's
     weight gradient exists and every layer's activations are still saved, where stage 2's first
     reduction allocates the gradient partition and the reduce bucket, a second partition where one
@@ -289,10 +289,16 @@ def _with_head_phase(phases: dict, head: dict[str, int], end: dict[str, int], fi
     (benchmarks/knobs_on_hf.py). The analytic phase's states and buffers, with the trace's
     activations: the layers' part of what the forward left saved (fwd.end's fit without the
     logits and loss). Stages 0-1 hold the head's gradient in param.grad, as the trace does, and
-    stage 3's estimate was exact without it (benchmarks/memory_accuracy.py)."""
+    stage 3's estimate was exact without it (benchmarks/memory_accuracy.py).
+    The layers' part is the trace's `fwd.layers` point (`layers`: live after the last layer's
+    forward, before the head's), equal to the uniform stack's a k + b m; a mixed stack's slopes come
+    from one layer more of another kind (Jamba's attention after its Mamba layers) and read that
+    moment 2.7 times too high, 58% over its measured ZeRO-2 peak."""
     _, a, b = fit["activations"]
+    saved = layers["activations"] if layers is not None else a * ckpt + b * full
+    ckpt_part = a * ckpt if uniform else 0   # a mixed stack's whole program has no per-layer split
     terms = {k: v for k, v in head.items() if k not in TRACED_TERMS}
-    terms.update(activations=b * full, checkpointed_inputs=a * ckpt, rotary_tables=end["rotary_tables"],
+    terms.update(activations=saved - ckpt_part, checkpointed_inputs=ckpt_part, rotary_tables=end["rotary_tables"],
                  batch_and_loss=end["batch_and_loss"], module_buffers=end.get("module_buffers", 0))
     out = {}
     for name, t in phases.items():
@@ -366,7 +372,8 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
         before_head = {**before_head, "prefetch_bucket": analytic["forward (prefetch)"]["prefetch_bucket"]}
         phases = {"forward": phases.pop("forward"), "forward (prefetch)": before_head, **phases}
     if reduces and "backward (head)" in analytic:
-        phases = _with_head_phase(phases, analytic["backward (head)"], points["fwd.end"], fits["fwd.end"], ckpt, full)
+        phases = _with_head_phase(phases, analytic["backward (head)"], points["fwd.end"], fits["fwd.end"], ckpt, full,
+                                  points.get("fwd.layers"), model.uniform_blocks)
     step_bytes = step[0] if step else analytic["optimizer"].get("optimizer_temporaries", 0)
     phases["optimizer"] = {**phases["optimizer"], "optimizer_temporaries": step_bytes}
     phases["optimizer"] = {k: v for k, v in phases["optimizer"].items() if v}
