@@ -53,6 +53,21 @@ FAMILIES = {
                         n_group=1, topk_group=1),
     "qwen2_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       shared_expert_intermediate_size=96, mlp_only_layers=[0]),
+    "deepseek_v2": dict(first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, moe_intermediate_size=48, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24),
+    # a hybrid: Mamba layers, attention every other layer, MoE every other layer
+    "jamba": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8),
+    "bamba": dict(num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+                  mamba_chunk_size=16),
+    "granitemoehybrid": dict(num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
+                             num_experts_per_tok=2, shared_intermediate_size=96, mamba_n_heads=4, mamba_d_head=32,
+                             mamba_d_state=16, mamba_chunk_size=16),
+    "qwen3_next": dict(num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "linear_attention", "full_attention"],
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=48),
+    "lfm2": dict(num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"]),
     # per-layer lists beside layer_types (transformers 5's mlp_layer_types): dense, then sparse
     "exaone_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                        mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=16,
@@ -108,6 +123,8 @@ def deepspeed(types: list[str]) -> None:
             shape = {**COMMON, **FAMILIES[fam], **wider}
             if "head_dim" in shape:
                 shape["head_dim"] = 24
+            if "mamba_d_head" in shape:  # the Mamba heads span expand x hidden
+                shape["mamba_d_head"] = 2 * wider["hidden_size"] // shape["mamba_n_heads"]
             spec = hf.spec_from_config(AutoConfig.for_model(fam, **shape), name=f"bench-{fam}",
                                        source="benchmarks/hf_families.py")
             cfg = TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=80)
