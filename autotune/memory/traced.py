@@ -211,7 +211,7 @@ class TracedEstimate:
 
 def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit: dict[str, Affine],
                  analytic: dict[str, dict[str, int]], cfg: TrainConfig, full: int, held: int,
-                 reduces: bool) -> dict[str, int]:
+                 reduces: bool, uniform: bool = True) -> dict[str, int]:
     """One phase at one segment peak: traced terms (estimate()'s names where one fits) + the analytic
     model's states, gradients and buffers for the stage.
 
@@ -226,6 +226,9 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
     reduction on (stage_1_and_2.py copy_grads_in_partition allocates it whole), and through the
     layers' backward its reduce bucket and `held`, the one gradient too large for the bucket that
     waits for the next (buffers.held_extra_large_gradient); stage 3's partition is static.
+    A mixed stack (not `uniform`) has no per-layer slopes to split its activations by (they come from
+    one layer more of another kind: a Qwen3-Next's read -2.8 MB of checkpointed inputs): its layers'
+    part is the trace's `fwd.layers` point, all of it under `activations`.
     """
     cats, ckpt, in_grad = points[point], cfg.ckpt_layers, cfg.zero_stage <= 1
     layers = phase == "backward (layers)"  # the end of backward's states, in the middle of it
@@ -246,8 +249,9 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
     transient = cats["temporaries"]
     if phase in ("forward", "backward (loss)"):
         _, a, b = fit["activations"]
-        out.update(activations=b * full, checkpointed_inputs=a * ckpt,
-                   logits_and_loss=cats["activations"] - b * full - a * ckpt)
+        saved, inputs = (b * full, a * ckpt) if uniform or "fwd.layers" not in points else (
+            points["fwd.layers"]["activations"], 0)
+        out.update(activations=saved, checkpointed_inputs=inputs, logits_and_loss=cats["activations"] - saved - inputs)
         out["logits_transient" if point in ("fwd.head", "bwd.head") else "layer_transient"] = transient
         if point == "bwd.head" and not in_grad:
             # the LM head's weight gradient as autograd makes it, before DeepSpeed's hook reduces it
@@ -362,12 +366,14 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
             continue
         raw[phase] = max((points[p] for p in present), key=lambda c: sum(c.values()))
         # the stage changes which point is highest (stage 3 holds no growing gradients): chosen after
-        options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full, held, reduces) for p in present]
+        options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full, held, reduces, model.uniform_blocks)
+                   for p in present]
         phases[phase] = max(options, key=lambda t: sum(t.values()))
     layer_points = [p for p in PHASE_POINTS["forward"] if p in points and p != "fwd.head"]
     if "forward (prefetch)" in analytic and layer_points:
         # ZeRO-3's head bucket is live through the layers before the head: their highest point + the bucket
-        before_head = max((_stage_terms("forward", p, points, fits[p], analytic, cfg, full, held, reduces)
+        before_head = max((_stage_terms("forward", p, points, fits[p], analytic, cfg, full, held, reduces,
+                                        model.uniform_blocks)
                            for p in layer_points), key=lambda t: sum(t.values()))
         before_head = {**before_head, "prefetch_bucket": analytic["forward (prefetch)"]["prefetch_bucket"]}
         phases = {"forward": phases.pop("forward"), "forward (prefetch)": before_head, **phases}
