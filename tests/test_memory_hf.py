@@ -385,3 +385,22 @@ def test_gradients_the_real_engine_adds_in_place_are_counted_once():
         got, real = trace(s, CPU, cfg).raw_peaks, measure_cpu(s, cfg)
         for phase in ("forward", "backward", "optimizer"):
             assert 0 <= real[phase] - got[phase] <= 128, (seq, phase, got, real)
+
+
+def test_a_mixed_stack_has_each_of_its_parameters_sized():
+    """DeepSpeed's partitions, ZeRO-3's persistent parameters and ZeRO-2's held gradient are priced
+    from the module's parameter sizes. They were one layer's (read from a 2-layer model) times the
+    depth: a Jamba's summed to 55% of its parameters and missed its experts' tensor, the largest
+    gradient ZeRO-2 holds. A mixed stack's are now every layer's, and a uniform one's still sum to
+    its count."""
+    from transformers import AutoConfig
+
+    from autotune.models import hf_config as hf
+
+    d = dict(HYBRID)
+    s = hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name="test-hybrid", source="test")
+    experts = d["num_experts"] * 2 * d["intermediate_size"] * d["hidden_size"]   # gate and up, stacked
+    for model in (s, spec("llama")):
+        sizes = code_trace.param_numels(model)
+        assert sum(sizes) == model.num_params
+    assert max(code_trace.layer_numels(s)) == experts

@@ -364,41 +364,52 @@ def _family(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool
 _NUMELS: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
 
 
-def _numels(spec: ModelSpec, layers: int = 2) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(before the first layer, one layer, after the last) parameter sizes, from a `layers`-layer
-    model; kept in the trace cache where the model's programs are (`kept_on_disk`)."""
+def _numels(spec: ModelSpec, layers: int = 2) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """(before the first layer, each layer's, after the last) parameter sizes: a uniform stack's one
+    layer from a `layers`-layer model (it stands for every layer), a mixed stack's every layer from
+    the whole model (read from its first two, a Jamba's sizes summed to 55% of its parameters and
+    missed its experts, the largest gradient ZeRO-2 holds). Kept in the trace cache where the model's
+    programs are (`kept_on_disk`)."""
     key = spec_key(spec)
     if key not in _NUMELS:
-        parts = trace_cache.remembered(("numels", key, layers), lambda: _count_numels(spec, layers),
-                                       keep=kept_on_disk(spec))
-        _NUMELS[key] = tuple(tuple(part) for part in parts)
+        depth = layers if spec.uniform_blocks else spec.num_layers
+        pre, per, post = trace_cache.remembered(("numels", key, depth), lambda: _count_numels(spec, depth),
+                                                keep=kept_on_disk(spec))
+        per = per[:1] if spec.uniform_blocks else per
+        _NUMELS[key] = (tuple(pre), tuple(map(tuple, per)), tuple(post))
     return _NUMELS[key]
 
 
-def _count_numels(spec: ModelSpec, layers: int) -> list[list[int]]:
-    from autotune.memory.tracer import fake_mode
+def _count_numels(spec: ModelSpec, layers: int) -> list:
+    import torch
 
-    with fake_mode():
+    with torch.device("meta"):
         impl, model = build(spec, "fp32", default_attention(spec), layers)
-        in_layers = {id(p) for layer in impl.layers(model) for p in layer.parameters()}
-        named = [(id(p) in in_layers, p.numel()) for p in model.parameters()]
-    first = next(i for i, (inside, _) in enumerate(named) if inside)
-    end = max(i for i, (inside, _) in enumerate(named) if inside) + 1
-    body = [n for _, n in named[first:end]]
-    return [[n for _, n in named[:first]], body[: len(body) // layers], [n for _, n in named[end:]]]
+    where: dict[int, int] = {}
+    for i, layer in enumerate(impl.layers(model)):
+        for p in layer.parameters():
+            where.setdefault(id(p), i)   # a block shared by layers (Zamba2's) is its first layer's
+    named = [(where.get(id(p)), p.numel()) for p in model.parameters()]
+    first = next(i for i, (layer, _) in enumerate(named) if layer is not None)
+    end = max(i for i, (layer, _) in enumerate(named) if layer is not None) + 1
+    per = [[n for layer, n in named[first:end] if layer == i] for i in range(layers)]
+    return [[n for _, n in named[:first]], per, [n for _, n in named[end:]]]
 
 
 def param_numels(spec: ModelSpec, num_layers: int | None = None) -> list[int]:
     """Element counts of the module's parameters in the order an optimizer visits them, for
-    `num_layers` layers (spec's by default): what comes before the first layer, each layer's
-    (read from a 2-layer model), what comes after."""
-    pre, layer, post = _numels(spec)
-    return [*pre, *(layer * (spec.num_layers if num_layers is None else num_layers)), *post]
+    `num_layers` layers (spec's by default; a mixed stack's first ones): what comes before the first
+    layer, each layer's, what comes after."""
+    pre, per, post = _numels(spec)
+    n = spec.num_layers if num_layers is None else num_layers
+    layers = per * n if len(per) == 1 else per[:n]
+    return [*pre, *(x for layer in layers for x in layer), *post]
 
 
 def layer_numels(spec: ModelSpec) -> tuple[int, ...]:
-    """Element counts of one decoder layer's parameters, in the module's order."""
-    return _numels(spec)[1]
+    """Element counts of the decoder layers' parameters: one layer's for a uniform stack, every
+    layer's for a mixed one."""
+    return tuple(x for layer in _numels(spec)[1] for x in layer)
 
 
 def persistent_params(spec: ModelSpec, threshold: int) -> int:
