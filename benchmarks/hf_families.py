@@ -2,6 +2,7 @@
 
     python benchmarks/hf_families.py [MODEL_TYPE ...]
     python benchmarks/hf_families.py --deepspeed [MODEL_TYPE ...]   # real DeepSpeed, 2 CPU ranks (~1 min)
+    python benchmarks/hf_families.py --deepspeed --lora [MODEL_TYPE ...]   # the same with peft's LoRA
     python benchmarks/hf_families.py --replay [MODEL_TYPE ...]      # one build for many lengths (~2 min)
 
 For each transformers model_type below, a 3-layer config of a shape no test uses (hidden 64, 4
@@ -103,7 +104,14 @@ def main(types: list[str]) -> None:
     print(f"\n{exact} of {total} traced steps within 128 B of the real step")
 
 
-def deepspeed(types: list[str]) -> None:
+LORA_CASES = ((0, "fp32", 0, 2, dict(method="lora", lora_rank=8, lora_targets="all-linear", lora_dropout=0.0)),
+              (2, "bf16", 1, 3, dict(method="lora", lora_rank=8)),
+              (3, "fp32", 0, 2, dict(method="lora", lora_rank=8)))
+"""--deepspeed --lora: peft's adapters on the same models (all-linear without dropout, which peft
+refuses on MoE experts' grouped parameters; attention targets, rank 8)."""
+
+
+def deepspeed(types: list[str], lora: bool = False) -> None:
     import tempfile
 
     from transformers import AutoConfig
@@ -115,11 +123,11 @@ def deepspeed(types: list[str]) -> None:
 
     cluster = parse_gpus("2xcpu")
     wider = dict(hidden_size=96, intermediate_size=256, vocab_size=700)
-    cases = [(fam, z, p, k, mb) for fam in types
-             for z, p, k, mb in ((0, "fp32", 0, 2), (2, "bf16", 1, 3), (3, "bf16", 2, 2))]
+    shapes = LORA_CASES if lora else ((0, "fp32", 0, 2, {}), (2, "bf16", 1, 3, {}), (3, "bf16", 2, 2, {}))
+    cases = [(fam, z, p, k, mb, extra) for fam in types for z, p, k, mb, extra in shapes]
     with tempfile.TemporaryDirectory() as tmp:
         reqs = []
-        for fam, z, p, k, mb in cases:
+        for fam, z, p, k, mb, extra in cases:
             shape = {**COMMON, **FAMILIES[fam], **wider}
             if "head_dim" in shape:
                 shape["head_dim"] = 24
@@ -127,17 +135,17 @@ def deepspeed(types: list[str]) -> None:
                 shape["mamba_d_head"] = 2 * wider["hidden_size"] // shape["mamba_n_heads"]
             spec = hf.spec_from_config(AutoConfig.for_model(fam, **shape), name=f"bench-{fam}",
                                        source="benchmarks/hf_families.py")
-            cfg = TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=80)
+            cfg = TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=80, **extra)
             reqs.append(TrialRequest(model=spec, cluster=cluster, config=cfg, out_dir=Path(tmp, f"{fam}-{z}"),
                                      steps=2, warmup_steps=1, timeout_s=300))
         errors = []
-        for (fam, z, p, k, mb), req, res in zip(cases, reqs, run_trials(reqs)):
+        for (fam, z, p, k, mb, _), req, res in zip(cases, reqs, run_trials(reqs)):
             if res.status != "ok":
-                print(f"{fam:12s} z{z} {p} k={k} mb {mb}: {res.status} {res.reason}")
+                print(f"{fam:12s} {req.config.short()}: {res.status} {res.reason}")
                 continue
             est = estimate(req.model, cluster, req.config).tensor_peak_bytes
             errors.append(abs(est / res.peak_bytes - 1))
-            print(f"{fam:12s} z{z} {p} k={k} mb {mb}: measured {res.peak_bytes:,} B, estimate {est:,} B "
+            print(f"{fam:12s} {req.config.short()}: measured {res.peak_bytes:,} B, estimate {est:,} B "
                   f"({100 * (est / res.peak_bytes - 1):+.2f}%)")
     if errors:
         print(f"\nworst |error| {100 * max(errors):.2f}% over {len(errors)} DeepSpeed runs")
@@ -183,7 +191,8 @@ def replay(types: list[str]) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["--deepspeed"]:
-        deepspeed(args[1:] or ["phi", "qwen3", "gemma3_text"])
+        lora = args[1:2] == ["--lora"]
+        deepspeed(args[1 + lora:] or ["phi", "qwen3", "gemma3_text"], lora)
     elif args[:1] == ["--replay"]:
         replay(args[1:] or list(FAMILIES))
     else:
