@@ -24,8 +24,8 @@ def measure_cpu(s, cfg) -> dict[str, int]:
     """The traced program on real CPU tensors (the model through the seam: impl.build, impl.loss;
     AdamW foreach=False; one process), measured as a trial is (memprof.CpuCurve): the second step's
     phase peaks and the bytes alive after its forward, relative to the live bytes before the model
-    is built."""
-    impl = impl_for(s)
+    is built. LoRA (`cfg.method`): peft's adapters through the seam, only they stepped."""
+    impl = impl_for(s, cfg if cfg.method != "full" else None)
     dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
     gc.collect()
     gc.disable()  # a collection inside the window would free unrelated tensors and lower the count
@@ -35,7 +35,7 @@ def measure_cpu(s, cfg) -> dict[str, int]:
         with default_dtype(dtype):
             model = impl.build(s, dtype=dtype, attention=cfg.attention)
         impl.checkpoint_first(model, cfg.ckpt_layers)
-        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
         batch = torch.randint(0, s.vocab_size, (cfg.micro_batch, cfg.seq_len + 1))
         impl.loss(model, batch).backward()  # the first step makes the optimizer states
         opt.step()

@@ -128,7 +128,8 @@ def _phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, d
                             **{k: v for k, v in saved.items() if k != "logits_and_loss"},
                             **buffers.head_gradient_bytes(model, cluster, cfg)},
         "backward (end)": {**static, **gathered, **grads, **buffers.backward_end_extra(model, cluster, cfg)},
-        "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused)},
+        "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused),
+                      **model_states.zero3_step_parameters(model, cluster, cfg)},
     }
     prefetch = model_states.zero3_prefetch(model, cluster, cfg, threshold, keep,
                                            on_demand=model.vocab_size * model.hidden_size if builtin(model) else 0)

@@ -190,6 +190,58 @@ def unpacked_sequences():
         masking_utils.find_packed_sequence_indices = original
 
 
+def zero3_linear(cfg: TrainConfig) -> bool:
+    """Whether the step runs DeepSpeed's ZeRO-3 linear (`zero3_linear_function`): under zero.Init,
+    with frozen weights to tell it apart from torch's (LoRA/QLoRA)."""
+    return cfg.zero_stage == 3 and cfg.method != "full"
+
+
+@contextlib.contextmanager
+def zero3_linear_function(on: bool):
+    """torch.nn.functional.linear as DeepSpeed's zero.Init leaves it for the rest of the process
+    (partition_parameters.py `_enable_mem_efficient_linear`, zero/linear.py
+    LinearFunctionForZeroStage3): an autograd function that saves its input, weight and bias for
+    every linear layer. torch's own saves a frozen layer's input for nothing (no weight gradient),
+    so LoRA's frozen base keeps its inputs under ZeRO-3 only."""
+    if not on:
+        yield
+        return
+    import torch
+
+    class Zero3Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(input, weight, bias=None):
+            if input.dim() == 2 and bias is not None:
+                return torch.addmm(bias, input, weight.t())
+            output = input.matmul(weight.t())
+            if bias is not None:
+                output += bias
+            return output
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            input, weight, bias = ctx.saved_tensors
+            grad_input = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad_output.matmul(weight)
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(input.reshape(-1, input.shape[-1]))
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad_output.sum(list(range(grad_output.dim() - 1)))
+            return grad_input, grad_weight, grad_bias
+
+    original = torch.nn.functional.linear
+    torch.nn.functional.linear = lambda input, weight, bias=None: Zero3Linear.apply(input, weight, bias)
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = original
+
+
 def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, host_rng: bool,
          vary: tuple[str, tuple[int, ...]] | None = None):
     """One program: its segment peaks by category. With `vary` = (field, values), one measured step at
@@ -201,7 +253,7 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
     from autotune.memory.tracer import adamw, tracing
 
     marks = {"measure": False, "backward": False, "shared": set()}
-    with tracing(host_rng) as live, unpacked_sequences():
+    with tracing(host_rng) as live, unpacked_sequences(), zero3_linear_function(zero3_linear(cfg)):
         impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full, cfg)
         impl.checkpoint_first(model, ckpt)
         _hooks(impl, model, live, marks)
@@ -304,7 +356,7 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
 
 def _key(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool) -> tuple:
     return (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng,
-            cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout)
+            cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout) + (("zero3 linear",) if zero3_linear(cfg) else ())
 
 
 _VARY: tuple[str, tuple[int, int, int]] | None = None

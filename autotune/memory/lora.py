@@ -143,10 +143,12 @@ def adapter_view(spec: ModelSpec, cfg: TrainConfig) -> ModelSpec:
     return replace(spec, param_count=adapter_params(spec, cfg))
 
 
-def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, stepping: bool = False) -> dict[str, int]:
     """Parameter bytes on one GPU: the frozen base (16-bit, or NF4 for QLoRA) and the adapters.
     ZeRO-3 partitions both and keeps the small ones (< stage3_param_persistence_threshold
-    elements) whole on every rank; below stage 3 every rank holds all of them."""
+    elements) whole on every rank, but while the optimizer is `stepping` (model_states.
+    zero3_step_parameters: LoRA's adapters are often all small enough); below stage 3 every rank
+    holds all of them."""
     pb, n = dtype_bytes(cfg.precision), cluster.world_size
     adapters = adapter_params(spec, cfg)
     base = spec.num_params * pb
@@ -158,15 +160,25 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict
         from autotune.memory.code_trace import persistent_params
 
         threshold = bucket_sizes(spec, cfg)["stage3_param_persistence_threshold"]
-        keep_base = persistent_params(spec, threshold)
-        keep_adapters = sum(x for x in adapter_numels(spec, cfg) if x < threshold)
+        keep_base = 0 if stepping else persistent_params(spec, threshold)
+        keep_adapters = 0 if stepping else sum(x for x in adapter_numels(spec, cfg) if x < threshold)
         out["frozen_parameters"] = int(base / n + pb * keep_base)
         out["adapter_parameters"] = int(pb * (adapters / n + keep_adapters))
-        out["_gathered"] = int(base - pb * keep_base + pb * (adapters - keep_adapters)) if n > 1 else 0
+        # held gathered from forward to backward: every module the backward runs through. Without
+        # checkpointing nothing runs backward through a frozen input embedding (its output needs no
+        # gradient), so DeepSpeed's reuse trace releases it after its forward
+        # (partitioned_param_coordinator.py __params_to_release)
+        released = 0 if cfg.ckpt_layers or spec.tied_embeddings else pb * input_embedding_params(spec)
+        out["_gathered"] = int(base - pb * keep_base + pb * (adapters - keep_adapters) - released) if n > 1 else 0
     else:
         out["frozen_parameters"] = int(base)
         out["adapter_parameters"] = pb * adapters
     return out
+
+
+def input_embedding_params(spec: ModelSpec) -> int:
+    """The input embeddings' parameters: tokens, and learned positions where the model has them."""
+    return spec.vocab_size * spec.hidden_size + (spec.max_seq_len * spec.hidden_size if spec.position == "learned" else 0)
 
 
 FROZEN_DROPPED = ("embedding_gradient", "head_gradient")
@@ -183,11 +195,12 @@ def lora_phases(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, full_phases
     phases = full_phases(view, cluster, plain)
     held = held_parameters(spec, cluster, cfg)
     gathered = held.pop("_gathered", 0)
+    stepping = {k: v for k, v in held_parameters(spec, cluster, cfg, stepping=True).items() if k != "_gathered"}
     dequant = dtype_bytes(cfg.precision) * quantized_weights(spec, cfg)[1] if cfg.method == "qlora" else 0
     out = {}
     for name, terms in phases.items():
         t = {k: v for k, v in terms.items() if k not in FROZEN_DROPPED and k != "parameters"}
-        t = {**held, **t}
+        t = {**(stepping if name == "optimizer" else held), **t}
         if "zero3_gathered_params" in terms:
             t["zero3_gathered_params"] = gathered
         if dequant and name != "optimizer":
