@@ -192,8 +192,9 @@ def unpacked_sequences():
 
 def zero3_linear(cfg: TrainConfig) -> bool:
     """Whether the step runs DeepSpeed's ZeRO-3 linear (`zero3_linear_function`): under zero.Init,
-    with frozen weights to tell it apart from torch's (LoRA/QLoRA)."""
-    return cfg.zero_stage == 3 and cfg.method != "full"
+    with frozen weights to tell it apart from torch's (LoRA). QLoRA's 4-bit layers call
+    bitsandbytes' matmul, not torch.nn.functional.linear, and keep the 16-bit LoRA trace."""
+    return cfg.zero_stage == 3 and cfg.method == "lora"
 
 
 @contextlib.contextmanager
