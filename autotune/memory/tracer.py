@@ -37,7 +37,10 @@ class LiveBytes(TorchDispatchMode):
     Gradient accumulation, as the real engine does it. Where two gradients reach one tensor, the
     autograd engine adds the second into the first in place when it holds the only reference to the
     first and its storage, and that tensor is dense and not a Tensor subclass (InputBuffer's
-    `accumulate`, torch/csrc/autograd/input_buffer.cpp); a FakeTensor is a subclass, so on fake
+    `accumulate`, torch/csrc/autograd/input_buffer.cpp). A view shares its base's storage, so it is
+    added out of place (a tied embedding's gradient from the LM head, the transpose of a GEMM's
+    output: measured, GPT-2's real step holds both gradients beside their sum). A FakeTensor is a
+    subclass, so on fake
     tensors it always allocates the sum. While `accumulating` (set by `accumulation_hooks`: after a
     node has made its gradients, until the next node runs) such an `add`'s sample is held back to
     the next event: if the first gradient died with the add, nothing else held it and the real
@@ -112,7 +115,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._settle()
         held = (self.accumulating and func is torch.ops.aten.add.Tensor and self.segment is not None
-                and isinstance(args[0], torch.Tensor) and is_non_overlapping_and_dense_or_false(args[0]))
+                and isinstance(args[0], torch.Tensor) and args[0]._base is None
+                and is_non_overlapping_and_dense_or_false(args[0]))
         if held:  # the moment an in-place add would have: both gradients, no sum
             in_place = (self.live, self.live_serials(), len(self.log) if self.log is not None else 0)
         out = func(*args, **(kwargs or {}))
