@@ -40,10 +40,9 @@ class LiveBytes(TorchDispatchMode):
     `accumulate`, torch/csrc/autograd/input_buffer.cpp). A view shares its base's storage, so it is
     added out of place (a tied embedding's gradient from the LM head, the transpose of a GEMM's
     output: measured, GPT-2's real step holds both gradients beside their sum). A FakeTensor is a
-    subclass, so on fake
-    tensors it always allocates the sum. While `accumulating` (set by `accumulation_hooks`: after a
-    node has made its gradients, until the next node runs) such an `add`'s sample is held back to
-    the next event: if the first gradient died with the add, nothing else held it and the real
+    subclass, so on fake tensors it always allocates the sum. While `accumulating` (set by
+    `accumulation_hooks`: after a node has made its gradients, until the next node runs) such an
+    `add`'s sample is held back to the next event: if the first gradient died with the add, nothing else held it and the real
     engine added in place, so the sample is the moment before the sum was made; else after. Jamba's
     Mamba scan adds one (batch, channels, seq, state) gradient per token into its discretised A and
     B: counted out of place, a 2-rank DeepSpeed run of it read 4-9% over."""
