@@ -122,8 +122,6 @@ def test_a_stack_of_mixed_layers_has_its_adapters_and_quantised_weights_counted_
     linear = [m.weight.numel() for layer in impl.layers(model) for n, m in layer.named_modules()
               if type(m).__name__ in LINEAR_TYPES and ".lora_" not in f".{n}" and not hasattr(m, "base_layer")]
     assert mlora.quantized_weights(s, cfg) == (sum(linear), max(linear))
-    shapes = mlora.adapter_shapes(s, cfg)
-    assert 4 * sum(i + o for i, o in shapes) == mlora.adapter_params(s, cfg)
     # on fake tensors too: peft casts the adapter of DeepSeek's fp32 router weight to fp32, a move
     # that fake parameters cannot make in place ("_apply(): Couldn't swap Linear.weight")
     from autotune.memory import code_trace

@@ -83,6 +83,13 @@ class LiveBytes(TorchDispatchMode):
         if self.samples is not None:
             self.samples.append((len(self.log), segment, kind))
 
+    def _moment(self) -> tuple[int, dict[int, int] | None, int]:
+        """(live bytes, their storages, log position) now; the storages only where the bytes top
+        the segment's peak, the one use they have (the segment's peak cannot change before the held
+        sample is settled: settling is the next event)."""
+        top = self.live > self.peaks[self.segment][0]
+        return self.live, self.live_serials() if top else None, len(self.log) if self.log is not None else 0
+
     def _settle(self) -> None:
         """The sample held back at an accumulation (class docstring), now that it is known whether
         the first gradient outlived the add."""
@@ -117,14 +124,13 @@ class LiveBytes(TorchDispatchMode):
                 and isinstance(args[0], torch.Tensor) and args[0]._base is None
                 and is_non_overlapping_and_dense_or_false(args[0]))
         if held:  # the moment an in-place add would have: both gradients, no sum
-            in_place = (self.live, self.live_serials(), len(self.log) if self.log is not None else 0)
+            in_place = self._moment()
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
         if held:
-            out_of_place = (self.live, self.live_serials(), len(self.log) if self.log is not None else 0)
-            self._held = (id(args[0].untyped_storage()), out_of_place, in_place)
+            self._held = (id(args[0].untyped_storage()), self._moment(), in_place)
             return out
         if self.segment is not None:
             if self.live > self.peaks[self.segment][0]:
