@@ -212,6 +212,28 @@ def test_a_sequence_past_the_position_table_is_one_clear_line(capfd):
     assert estimate(spec, parse_gpus("2xA100"), TrainConfig(seq_len=64, attention="eager")).fits
 
 
+def test_the_largest_sequence_stops_where_the_models_code_refuses_longer_ones():
+    """`--max-seq-len` of MPT on GPUs with room for longer sequences: its code's ALiBi table bounds
+    the answer at the config's max_seq_len (it raised the refusal before), and memory below it."""
+    from transformers import AutoConfig
+
+    from autotune.memory.limits import largest_fitting
+
+    conf = AutoConfig.for_model("mpt", d_model=64, n_heads=4, n_layers=2, max_seq_len=300, vocab_size=300)
+    spec = hf_config.spec_from_config(conf, name="test-mpt", source="test")
+    cfg = TrainConfig(attention="eager")
+    assert largest_fitting(spec, parse_gpus("2xA100"), cfg, "seq_len") == 300
+    tight = largest_fitting(spec, parse_gpus("1xcpu@6MiB"), cfg, "seq_len")
+    assert 0 < tight < 300
+    assert estimate_fits(spec, "1xcpu@6MiB", cfg, tight) and not estimate_fits(spec, "1xcpu@6MiB", cfg, tight + 1)
+
+
+def estimate_fits(spec, gpus, cfg, seq_len) -> bool:
+    from autotune.memory import estimate
+
+    return estimate(spec, parse_gpus(gpus), dataclasses.replace(cfg, seq_len=seq_len)).fits
+
+
 def test_factory_errors_say_what_is_allowed():
     with pytest.raises(SpecError, match="--model-factory"):
         resolve_model("tiny-llama", implementation="factory")

@@ -127,7 +127,7 @@ def test_deepspeed_runs_of_hf_models_match_the_estimate(tmp_path):
         assert abs(est / res.peak_bytes - 1) <= 0.01, (req.model.name, req.config.short(), est, res.peak_bytes)
 
 
-def test_traces_are_kept_on_disk_for_transformers_code_only(tmp_path, monkeypatch):
+def test_traces_are_kept_on_disk_except_a_users_module(tmp_path, monkeypatch):
     """A later process reads a program back instead of tracing it (autotune/trace_cache.py): with the
     in-memory cache cleared and tracing made to fail, the estimate is the same; a user's module
     (factory) is traced every time, and a corrupt entry is traced again."""

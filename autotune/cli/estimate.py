@@ -136,7 +136,9 @@ def _run(args, model, cluster, cfg) -> int:
     for k, v in _limits(args, model, cluster, cfg).items():
         other = f"micro batch {cfg.micro_batch}" if k == "max_seq_len" else f"seq len {cfg.seq_len}"
         what = k.removeprefix("max_").replace("_", " ")
-        print(f"largest {what} that fits (with {other}): {v}" if v else f"no {what} fits (with {other})")
+        bound = (" = the model's max_seq_len: its code runs no longer sequences (position table or ALiBi)"
+                 if k == "max_seq_len" and v == model.max_seq_len and model.position != "rotary" else "")
+        print(f"largest {what} that fits (with {other}): {v}{bound}" if v else f"no {what} fits (with {other})")
     if args.trace:
         from autotune.memory.traced import compare, trace
 

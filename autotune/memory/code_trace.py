@@ -312,9 +312,10 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
 
 
 def kept_on_disk(spec: ModelSpec) -> bool:
-    """Whether `spec`'s programs are kept in the disk cache (trace_cache.py): transformers' code,
-    whose versions are in its fingerprint; a user's module can change between runs and is not."""
-    return spec.implementation == "hf"
+    """Whether `spec`'s programs are kept in the disk cache (trace_cache.py): transformers' code and
+    the stand-in, whose versions and sources are in its fingerprint; a user's module can change
+    between runs and is not."""
+    return spec.implementation in ("hf", "builtin")
 
 
 def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
@@ -330,6 +331,8 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
         stored = trace_cache.load(key)
         if stored is not None:
             _PROGRAMS[key] = stored
+    if "refused" in _PROGRAMS.get(key, {}):
+        raise SpecError(_PROGRAMS[key]["refused"])
     if key not in _PROGRAMS and _VARY is not None and _VARY[1][0] <= getattr(cfg, _VARY[0]) <= _VARY[1][-1]:
         family = _family(spec, cfg, ckpt, full, fused, host_rng, kept, only_cached)
         if family is not None:   # exact: kept in memory; on disk the family is
@@ -343,12 +346,16 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
             # The model's own code refused the step (measured: a sequence past MPT's ALiBi table; a
             # module converting its own dtype in __init__ cannot on fake tensors, torch's "Couldn't
             # swap"). What it says is the user's answer, not a traceback of the tracer.
-            raise SpecError(f"model {spec.name}: its code cannot run a training step (traced on CPU fake "
-                            f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
-                            f"{cfg.micro_batch}, seq {cfg.seq_len} "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                            + (f"; the sequence is longer than the config's max_seq_len {spec.max_seq_len}"
-                               if cfg.seq_len > spec.max_seq_len else "")) from e
+            refused = (f"model {spec.name}: its code cannot run a training step (traced on CPU fake "
+                       f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
+                       f"{cfg.micro_batch}, seq {cfg.seq_len} "
+                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                       + (f"; the sequence is longer than the config's max_seq_len {spec.max_seq_len}"
+                          if cfg.seq_len > spec.max_seq_len else ""))
+            _PROGRAMS[key] = {"refused": refused}   # as deterministic as a trace: kept, so not tried again
+            if kept:
+                trace_cache.store(key, _PROGRAMS[key])
+            raise SpecError(refused) from e
         _PROGRAMS[key] = program
         if kept:
             trace_cache.store(key, program)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.memory import builtin, code_trace, estimate
 from autotune.memory.overhead import overhead_terms
@@ -90,8 +91,20 @@ def _largest(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, name: str) ->
             seen[v] = estimate(model, cluster, dataclasses.replace(cfg, **{name: v}))
         return seen[v]
 
+    refused: set[int] = set()
+
     def fits(v: int) -> bool:
-        return est(v).fits
+        if v in refused:
+            return False
+        try:
+            return est(v).fits
+        except SpecError:
+            # the model's own code refuses a sequence past its config's max_seq_len (measured: MPT's
+            # ALiBi table, built for max_seq_len); every longer one too, so the answer is below
+            if name == "seq_len" and v > model.max_seq_len:
+                refused.add(v)
+                return False
+            raise
 
     if builtin(model) or PROBES[name][-1] > top:
         return _search(fits, 1, None, top) if fits(1) else 0
@@ -101,17 +114,19 @@ def _largest(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, name: str) ->
     for _ in range(3):
         near = sorted(seen, key=lambda v: abs(v - guess))[:3] if guess else PROBES[name]
         for v in near:
-            est(v)
+            fits(v)
+        if refused.intersection(near):
+            break                    # no fit through a value the code refuses
         guess = _predicted(cluster, est, tuple(sorted(near)), top)
         if guess is None:
             break
         lo = max((v for v in seen if seen[v].fits), default=1)
-        hi = min((v for v in seen if not seen[v].fits), default=top + 1)
+        hi = min([v for v in seen if not seen[v].fits] + list(refused), default=top + 1)
         guess = min(max(guess, lo), hi - 1)
         if fits(guess) and (guess == top or not fits(guess + 1)):
             return guess
     lo = max(v for v in seen if seen[v].fits)
-    hi = min((v for v in seen if not seen[v].fits), default=None)
+    hi = min([v for v in seen if not seen[v].fits] + list(refused), default=None)
     return _search(fits, lo, hi, top)
 
 
