@@ -22,10 +22,19 @@ step's traced peak, LoRA's adapter layout), so that a later `autotune estimate` 
 
 `in_parallel` runs traces in a forked process that hands them over through this cache: how a first
 `autotune estimate` of transformers' code traces on two cores (cli/estimate.py).
+
+Shipped traces: where this cache lacks an entry, `load` reads it from autotune/data/shipped_traces.json.gz,
+the same entries written by `python -m autotune.trace_pack` from the estimates of every preset model
+(autotune/trace_pack.py). They hold under the same fingerprint only, so the file is used where the
+installed torch, transformers and peft and autotune's sources are the ones that wrote it (the
+versions `./run` installs, constraints.txt), and ignored otherwise: then everything is traced as
+above. AUTOTUNE_SHIPPED_TRACES=0 ignores it too (how benchmarks/estimate_speed.py times a run that
+traces).
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -45,15 +54,22 @@ def cache_root() -> Path:
     return Path(base) / "autotune"
 
 
+def libraries() -> str:
+    """The versions of the libraries that run the traced code, one line each."""
+    out = []
+    for dist in ("torch", "transformers", "peft"):
+        try:
+            out.append(f"{dist}=={metadata.version(dist)}\n")
+        except metadata.PackageNotFoundError:
+            out.append(f"{dist} absent\n")
+    return "".join(out)
+
+
 @cache
 def fingerprint() -> str:
     """The libraries that run the traced code and autotune's own sources, hashed."""
     h = hashlib.sha256()
-    for dist in ("torch", "transformers", "peft"):
-        try:
-            h.update(f"{dist}=={metadata.version(dist)}\n".encode())
-        except metadata.PackageNotFoundError:
-            h.update(f"{dist} absent\n".encode())
+    h.update(libraries().encode())
     package = Path(__file__).resolve().parent
     for path in sorted(package.rglob("*.py")):
         h.update(path.relative_to(package).as_posix().encode())
@@ -70,8 +86,30 @@ def load(key: tuple) -> dict | None:
     try:
         entry = json.loads(_path(key).read_text())
     except (OSError, ValueError):
-        return None
+        return shipped().get(repr(key))
     return entry["value"] if entry.get("key") == repr(key) else None   # a hash collision reads as a miss
+
+
+SHIPPED = Path(__file__).resolve().parent / "data" / "shipped_traces.json.gz"
+
+
+@cache
+def shipped_pack() -> dict:
+    """The shipped file as written ({"fingerprint", "libraries", "commands", "entries"}), {} where
+    it is absent or unreadable."""
+    try:
+        with gzip.open(SHIPPED, "rt") as f:
+            return json.load(f)
+    except (OSError, ValueError, EOFError):
+        return {}
+
+
+def shipped() -> dict:
+    """The shipped entries by repr(key), where they were written under this fingerprint; else {}."""
+    if os.environ.get("AUTOTUNE_SHIPPED_TRACES", "1") == "0":
+        return {}
+    pack = shipped_pack()
+    return pack.get("entries", {}) if pack.get("fingerprint") == fingerprint() else {}
 
 
 def store(key: tuple, value: dict) -> None:

@@ -8,8 +8,9 @@ then the whole space again from the cache, then as a later run finds it: its pro
 from the disk cache, autotune/trace_cache.py).
 
 Last, the whole `autotune estimate --model 13b --gpus 4xA100 --zero 3 --max-seq-len` (issue
-target: under a second) as a user runs it, wall clock, with each implementation, as a first and as
-a later run.
+target: under a second) as a user runs it, wall clock, with each implementation: as a first run
+(the traces shipped for the presets), as a first run of a model nothing was shipped for, and as a
+later run.
 
     python benchmarks/estimate_speed.py
 """
@@ -36,6 +37,7 @@ from autotune.train_config import TrainConfig
 def main() -> None:
     # A cache of our own, empty: "first" below is a first run's tracing (autotune/trace_cache.py)
     root = os.environ["AUTOTUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="estimate-speed-")
+    os.environ["AUTOTUNE_SHIPPED_TRACES"] = "0"   # the grids below time tracing; max_seq_len says per run
     try:
         builtin()
         hugging_face()
@@ -51,21 +53,26 @@ def max_seq_len() -> None:
     """`autotune estimate --model 13b --gpus 4xA100 --zero 3 --max-seq-len` as a user runs it: the
     whole command in a fresh process, wall clock from start to exit (the interpreter's start and
     every import included), with transformers' code (the default) and with `--impl builtin` (the
-    stand-in); each as a first run (an empty disk cache: the memory model's programs and their
-    family over sequence lengths, and the cost model's op profile, are traced, which needs torch
-    and transformers imported) and as a later run (all read back from the cache,
-    autotune/trace_cache.py, without importing torch or transformers)."""
+    stand-in), each run three ways:
+    - a first run: an empty disk cache, the traces shipped for the presets (autotune/trace_pack.py)
+      read in its place, no torch or transformers imported;
+    - a first run of a model nothing was shipped for, as any config.json or a changed autotune meets
+      (AUTOTUNE_SHIPPED_TRACES=0): the memory model's programs and their family over sequence
+      lengths, and the cost model's op profile, are traced, which needs torch and transformers;
+    - a later run: all read back from the disk cache (autotune/trace_cache.py)."""
     print()
     root = os.environ["AUTOTUNE_CACHE_DIR"]
     for impl in ("hf", "builtin"):
-        times: dict[str, list[float]] = {"first run": [], "a later run": []}
+        times: dict[str, list[float]] = {"first run (shipped traces)": [], "first run (nothing shipped)": [],
+                                         "a later run": []}
         for _ in range(3):
             cache = tempfile.mkdtemp(dir=root)
             for run in times:
                 cmd = [sys.executable, "-m", "autotune", *COMMAND] + (["--impl", "builtin"] if impl == "builtin" else [])
+                env = {**os.environ, "AUTOTUNE_CACHE_DIR": tempfile.mkdtemp(dir=root) if "shipped)" in run else cache,
+                       "AUTOTUNE_SHIPPED_TRACES": "0" if "nothing" in run else "1"}
                 t0 = time.perf_counter()
-                out = subprocess.run(cmd, env={**os.environ, "AUTOTUNE_CACHE_DIR": cache}, capture_output=True,
-                                     text=True, check=True).stdout
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                 times[run].append(time.perf_counter() - t0)
                 last = out.strip().splitlines()[-1]
         for run, ts in times.items():
@@ -74,7 +81,7 @@ def max_seq_len() -> None:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch, transformers.models.llama.modeling_llama"], check=True)
     print(f"(for scale: importing torch and transformers' Llama alone takes {time.perf_counter() - t0:.2f} s "
-          f"here, which a first run of transformers' code cannot avoid)")
+          f"here, which a first run that traces cannot avoid)")
 
 
 def hugging_face() -> None:

@@ -31,6 +31,9 @@ if not os.environ.get("AUTOTUNE_CACHE_DIR"):
     _cache_dir = tempfile.mkdtemp(prefix="autotune-test-cache-")
     os.environ["AUTOTUNE_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# Nor do they read the traces shipped for the presets (autotune/trace_pack.py), which would stand in
+# for the tracing they test; tests/test_trace_pack.py tests those.
+os.environ.setdefault("AUTOTUNE_SHIPPED_TRACES", "0")
 
 
 def quick(cases, fast):
