@@ -2,7 +2,7 @@
 that `autotune estimate` of every preset model needs, so that a first estimate of a preset reads
 them instead of importing torch and transformers and tracing (3-5 s on a 2-core machine).
 
-    python -m autotune.trace_pack        # about 5 minutes on 2 cores
+    python -m autotune.trace_pack        # about a minute on 2 cores
 
 The estimates run are COMMANDS: each preset, with transformers' code and with the stand-in, on
 4xA100 (bf16; the programs do not depend on the GPU count), at ZeRO 0-3, on their own and with

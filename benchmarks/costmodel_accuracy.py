@@ -7,9 +7,9 @@ the scope it was published in (end to end, or DeepSpeed's engine timers for its 
 figures) and simulated / measured - 1, then the per-term breakdown of each simulated step; then one
 check that is not fitted: the end-to-end HF Trainer figure published beside the GPT-2 large timer
 figures. Other published throughput tables are deliberately not read here: they judge the model.
-`--cpu` adds runs of our own: the traced op profile of a tiny model priced with this CPU's
-roofline (its matmul rate, copy bandwidth and per-op overhead, measured here with one thread)
-against the measured forward+backward of the same model. The GPU constants (MAMF, FlashAttention,
+`--cpu` adds runs of our own: the traced op profile of a tiny model, in the stand-in's code and in
+transformers', priced with this CPU's roofline (its matmul rate, copy bandwidth and per-op
+overhead, measured here with one thread) against the measured forward+backward of the same code. The GPU constants (MAMF, FlashAttention,
 S) are not in it: it checks the op accounting (FLOPs, bytes, kernel counts) and the roofline sum.
 """
 
@@ -41,50 +41,65 @@ def _median_s(fn, reps: int = 5) -> float:
 
 def cpu_roofline() -> tuple[float, float, float]:
     """(FLOP/s of a 512^3 fp32 matmul, bytes/s of a 16M-element fp32 add, seconds per op of a
-    training step: a tiny-llama forward+backward at 1 x 8 tokens, where every op is overhead, over
-    its traced kernel count), one thread."""
+    training step: the stand-in tiny-llama's forward+backward at 1 x 8 tokens, where every op is
+    overhead, over its traced kernel count), one thread."""
     import torch
 
     from autotune import costops as co
-    from autotune.models import resolve_model
-    from autotune.trial.model import Transformer
 
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     flops = 2 * 512 ** 3 / _median_s(lambda: a @ b)
     x, y, z = torch.randn(2 ** 24), torch.randn(2 ** 24), torch.empty(2 ** 24)
     bw = 3 * 4 * 2 ** 24 / _median_s(lambda: torch.add(x, y, out=z))
-    spec = resolve_model("tiny-llama")
-    model, batch = Transformer(spec), torch.randint(0, spec.vocab_size, (1, 9))
+    spec, step = _step("tiny-llama", "builtin", "sdpa", 1, 8)
     kernels = sum(co.profile_for(spec, "builtin", "fp32", "sdpa", 1, 8).ops(spec.num_layers).values())
-    op = _median_s(lambda: model(batch[:, :-1], batch[:, 1:]).backward()) / kernels
-    return flops, bw, op
+    return flops, bw, _median_s(step) / kernels
+
+
+def _step(name: str, implementation: str, attention: str, mb: int, seq: int):
+    """(spec, one fp32 forward+backward of `name` in `implementation`'s code, built through the
+    model-code seam as trials build it)."""
+    import torch
+
+    from autotune.impl import impl_for
+    from autotune.models import resolve_model
+
+    spec = resolve_model(name, implementation=implementation)
+    impl = impl_for(spec)
+    torch.manual_seed(0)
+    model = impl.build(spec, dtype=torch.float32, attention=attention)
+    if implementation == "builtin":
+        from autotune.builtin import init_weights
+
+        init_weights(model)   # as its trials do: nn.Linear's default init meets denormals in GPT-2's tied head
+    batch = torch.randint(0, spec.vocab_size, (mb, seq + 1))
+
+    def step():
+        impl.loss(model, batch).backward()
+        model.zero_grad(set_to_none=True)
+    return spec, step
 
 
 def cpu_cases() -> list[tuple[str, float, float]]:
-    """(case, measured s, priced s) of one forward+backward of tiny models on this CPU."""
+    """(case, measured s, priced s) of one forward+backward of tiny models on this CPU, in the
+    stand-in's code and in transformers' (each priced from its own traced op profile)."""
     import torch
 
     from autotune import costops as co
-    from autotune.models import resolve_model
-    from autotune.trial.model import Transformer
 
     torch.set_num_threads(1)  # a shared machine
     flops_s, bytes_s, op_s = cpu_roofline()
     print(f"\nthis CPU, one thread: matmul {flops_s / 1e9:.1f} GFLOP/s, add {bytes_s / 1e9:.1f} GB/s, "
           f"{op_s * 1e6:.1f} us per op of a training step")
     out = []
-    for name, mb, seq, attention in (("tiny-gpt2", 4, 256, "sdpa"), ("tiny-llama", 4, 256, "sdpa"),
-                                     ("tiny-gpt2", 2, 512, "eager"), ("tiny-llama", 8, 128, "sdpa")):
-        spec = resolve_model(name)
-        model = Transformer(spec, attention=attention)
-        batch = torch.randint(0, spec.vocab_size, (mb, seq + 1))
-
-        def step():
-            model(batch[:, :-1], batch[:, 1:]).backward()
-        measured = _median_s(step)
-        ops = co.profile_for(spec, "builtin", "fp32", attention, mb, seq).ops(spec.num_layers)
-        priced = sum(n * (max(op.flops / flops_s, op.nbytes / bytes_s) + op_s) for op, n in ops.items())
-        out.append((f"{name} mb{mb} seq{seq} {attention}", measured, priced))
+    for implementation in ("builtin", "hf"):
+        for name, mb, seq, attention in (("tiny-gpt2", 4, 256, "sdpa"), ("tiny-llama", 4, 256, "sdpa"),
+                                         ("tiny-gpt2", 2, 512, "eager"), ("tiny-llama", 8, 128, "sdpa")):
+            spec, step = _step(name, implementation, attention, mb, seq)
+            measured = _median_s(step)
+            ops = co.profile_for(spec, implementation, "fp32", attention, mb, seq).ops(spec.num_layers)
+            priced = sum(n * (max(op.flops / flops_s, op.nbytes / bytes_s) + op_s) for op, n in ops.items())
+            out.append((f"{name} ({implementation}) mb{mb} seq{seq} {attention}", measured, priced))
     return out
 
 
@@ -120,11 +135,11 @@ def main() -> None:
           f"samples/s: {e2e / measured - 1:+.1%}\n  ({E2E_CHECK['source']})")
     if args.cpu:
         rows = cpu_cases()
-        print(f"{'CPU case (ours)':<34} {'measured s':>11} {'priced s':>10} {'error':>7}")
+        print(f"{'CPU case (ours)':<44} {'measured s':>11} {'priced s':>10} {'error':>7}")
         errs = []
         for case, m, p in rows:
             errs.append(abs(p / m - 1))
-            print(f"{case:<34} {m:>11.4f} {p:>10.4f} {p / m - 1:>+7.1%}")
+            print(f"{case:<44} {m:>11.4f} {p:>10.4f} {p / m - 1:>+7.1%}")
         print(f"CPU cases: median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%}")
 
 
