@@ -71,15 +71,16 @@ class Candidate:
 
 
 # ---- prior -----------------------------------------------------------------------------------------
-def default_prior(model: ModelSpec, cluster: Cluster) -> Callable[[TrainConfig], float]:
-    """On CPU ranks the model's own step timed here (autotune.cpu_prior); on GPUs the cost model.
+def default_prior(model: ModelSpec, cluster: Cluster, configs: list[TrainConfig] = ()) -> Callable[[TrainConfig], float]:
+    """On CPU ranks the model's own step timed here (autotune.cpu_prior; `configs`, those it will
+    rank, are probed up front); on GPUs the cost model.
     A GPU the cost model cannot price for a precision (no datasheet peak) gets no preference there:
     its candidates keep the space's order. Never the CPU probe for a GPU: it would build the model
     in host memory, and a host is no stand-in for the GPU's speed."""
     if cluster.gpu.is_cpu:
         from autotune.cpu_prior import cpu_prior
 
-        return cpu_prior(model, cluster)
+        return cpu_prior(model, cluster, configs)
     from autotune.costmodel import simulate
 
     def prior(cfg: TrainConfig) -> float:
@@ -243,7 +244,7 @@ class Search:
         if objective not in OBJECTIVES:
             raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
-        samples = prior or default_prior(model, cluster)
+        samples = prior or default_prior(model, cluster, [c.cfg for c in self.plan.by_key.values() if self._fits(c)])
         # priors are in samples/s; a sequence is seq_len tokens
         ranked_prior = samples if objective == "samples" else (lambda cfg: samples(cfg) * cfg.seq_len)
         self.strategy = PriorGuided(ranked_prior, model.num_layers)

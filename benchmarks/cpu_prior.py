@@ -16,8 +16,8 @@
 3. The prior against a sample of each landscape trained again in the same run (`same_run`), with
    the prior, the throughput measured now and the recorded one of each config.
 4. With `--probe-noise N`: the spread the model probes' own timing noise gives the prior's rank
-   correlation, N priors made one after another with gloo priced at a fixed figure, with
-   cpu_prior.PROBE_TIMINGS timings per probe and with 4, in turns.
+   correlation, N priors made one after another with gloo priced at a fixed figure, the shapes
+   probed in one pass and in cpu_prior.PROBE_PASSES, in turns.
 """
 
 from __future__ import annotations
@@ -93,11 +93,11 @@ def against_landscape(path: Path) -> None:
     ls = cpu_landscape(path, path.stem)
     call_s, bus, source = cp.probe_gloo(ls.cluster.world_size)
     print(f"\ngloo for {ls.cluster.world_size} ranks: {call_s * 1e3:.2f} ms per call, {bus / 1e9:.2f} GB/s ({source})")
-    prior = cp.cpu_prior(ls.model, ls.cluster)
+    fits = [c for c in ls.configs if estimate(ls.model, ls.cluster, c).fits]
+    prior = cp.cpu_prior(ls.model, ls.cluster, fits)   # as the search makes it: the candidates that fit
     ran = [c for c in ls.configs if ls.run(c).samples_per_s]
     measured = [ls.run(c).samples_per_s for c in ran]
     expected = [prior(c) for c in ran]
-    fits = [c for c in ls.configs if estimate(ls.model, ls.cluster, c).fits]
     first = max(fits, key=prior)
     out = ls.run(first)
     ratio = [m / e for m, e in zip(measured, expected)]
@@ -126,8 +126,8 @@ def same_run(path: Path, every: int) -> None:
     from autotune.trial.record import TrialRequest
 
     ls = cpu_landscape(path, path.stem)
-    prior = cp.cpu_prior(ls.model, ls.cluster)
     sample = [c for c in ls.configs if ls.run(c).samples_per_s][::every]
+    prior = cp.cpu_prior(ls.model, ls.cluster, sample)
     with tempfile.TemporaryDirectory() as tmp:
         reqs = [TrialRequest(model=ls.model, cluster=ls.cluster, config=c, out_dir=Path(tmp, str(i)), steps=3,
                              warmup_steps=1, timeout_s=300.0, trial_id=i) for i, c in enumerate(sample)]
@@ -150,30 +150,31 @@ def same_run(path: Path, every: int) -> None:
         print(f"  {c.short():<24} {e:7.2f} {n:7.2f} {t:9.2f}")
 
 
-def probe_noise(path: Path, n: int, more: int = 4) -> None:
+def probe_noise(path: Path, n: int) -> None:
     """Spearman of priors made one after another (the model probes timed anew each time) against
     the recorded landscape, gloo priced at a fixed 0.45 ms per call and 1 GB/s so that only the
-    model probes vary: `n` with cpu_prior.PROBE_TIMINGS timings per probe and `n` with `more`, in
+    model probes vary: `n` with the shapes probed in one pass and `n` in cpu_prior.PROBE_PASSES, in
     turns, so that the machine's drift meets both alike."""
     ls = cpu_landscape(path, path.stem)
     ran = [c for c in ls.configs if ls.run(c).samples_per_s]
+    fits = [c for c in ls.configs if estimate(ls.model, ls.cluster, c).fits]
     measured = [ls.run(c).samples_per_s for c in ran]
-    gloo, kept = cp.probe_gloo, cp.PROBE_TIMINGS
+    gloo, kept = cp.probe_gloo, cp.PROBE_PASSES
     cp.probe_gloo = lambda world: (0.45e-3, 1.0e9, "fixed for this check")
-    rhos: dict[int, list[float]] = {kept: [], more: []}
+    rhos: dict[int, list[float]] = {1: [], kept: []}
     try:
         for _ in range(n):
-            for timings in rhos:
-                cp.PROBE_TIMINGS = timings
+            for passes in rhos:
+                cp.PROBE_PASSES = passes
                 cp.probe_model.cache_clear()
-                prior = cp.cpu_prior(ls.model, ls.cluster)
-                rhos[timings].append(spearman([prior(c) for c in ran], measured))
+                prior = cp.cpu_prior(ls.model, ls.cluster, fits)
+                rhos[passes].append(spearman([prior(c) for c in ran], measured))
     finally:
-        cp.probe_gloo, cp.PROBE_TIMINGS = gloo, kept
+        cp.probe_gloo, cp.PROBE_PASSES = gloo, kept
         cp.probe_model.cache_clear()
-    for timings, rs in rhos.items():
-        print(f"{path.stem}, {timings} timings per probe, {n} priors: Spearman "
-              f"{' '.join(f'{r:.3f}' for r in rs)} (mean {statistics.mean(rs):.3f}, min {min(rs):.3f})")
+    for passes, rs in rhos.items():
+        print(f"{path.stem}, shapes probed in {passes} pass(es), {n} priors: Spearman "
+              f"{' '.join(f'{r:.3f}' for r in rs)} (median {statistics.median(rs):.3f}, min {min(rs):.3f})")
 
 
 def main() -> None:
