@@ -2,11 +2,12 @@
 that `autotune estimate` of every preset model needs, so that a first estimate of a preset reads
 them instead of importing torch and transformers and tracing (3-5 s on a 2-core machine).
 
-    python -m autotune.trace_pack        # about a minute on 2 cores
+    python -m autotune.trace_pack        # about 2 minutes on 2 cores
 
-The estimates run are COMMANDS: each preset, with transformers' code and with the stand-in, on
-4xA100 (bf16; the programs do not depend on the GPU count), at ZeRO 0-3, on their own and with
---max-seq-len and --max-micro-batch (the families over sequence lengths and micro batches). They
+The estimates run are `commands()`: each preset, with transformers' code and with the stand-in, on
+1 to 64 A100s and V100s (powers of two; bf16 and fp16; the programs depend on the precision, not on the
+GPU), at ZeRO 0-3; on 4 GPUs also with --max-seq-len and --max-micro-batch (the families over
+sequence lengths and micro batches); and LoRA and QLoRA on as many A100s at ZeRO 0-3. They
 run here, in this process, against an empty cache folder; what they store there is the file.
 The entries are what a first run would trace, under the same fingerprint (trace_cache.fingerprint:
 torch, transformers, peft and every autotune source), so the file holds only until one of them
@@ -26,7 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-GPUS = "4xA100"
+GPUS = (("A100", []), ("V100", ["--precision", "fp16"]))
+"""A GPU with bf16 (its default precision) and one without, at fp16: the programs depend on the
+precision, not on the GPU."""
+COUNTS = (1, 2, 4, 8, 16, 32, 64)
+"""GPUs per run: the optimizer step's traced peak depends on the partition each GPU steps."""
 
 
 def commands() -> list[list[str]]:
@@ -34,11 +39,19 @@ def commands() -> list[list[str]]:
 
     out = []
     for name in presets():
-        for impl in ("hf", "builtin"):
-            for zero in (0, 1, 2, 3):
-                for extra in ([], ["--max-seq-len"], ["--max-micro-batch"]):
-                    out.append(["estimate", "--model", name, "--gpus", GPUS, "--impl", impl, "--zero", str(zero),
-                                *extra])
+        for gpu, precision in GPUS:
+            for n in COUNTS:
+                for impl in ("hf", "builtin"):
+                    for zero in (0, 1, 2, 3):
+                        # the families over lengths and micro batches hold for any count: traced at 4
+                        for extra in ([], ["--max-seq-len"], ["--max-micro-batch"]) if n == 4 else ([],):
+                            out.append(["estimate", "--model", name, "--gpus", f"{n}x{gpu}", *precision, "--impl",
+                                        impl, "--zero", str(zero), *extra])
+        for n in COUNTS:
+            for method in ("lora", "qlora"):
+                for zero in (0, 1, 2, 3):
+                    out.append(["estimate", "--model", name, "--gpus", f"{n}x{GPUS[0][0]}", "--method", method,
+                                "--zero", str(zero)])
     return out
 
 
