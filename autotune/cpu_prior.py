@@ -324,8 +324,8 @@ Llama and GPT-2 landscapes) against 0.953-0.958 and 0.963-0.974 (two passes), gl
 figure (`python benchmarks/cpu_prior.py --probe-noise 6`; 2026-12-02). An earlier try in
 alternating order (ascending, then descending) timed the last shape's two back to back, and the
 faster of two close timings favoured the middle shapes: the Llama landscape's first pick fell from
-within 2% of the best to 14% off. It doubles the probes' time (about 5 s more for an
-11M-parameter model)."""
+within 2% of the best to 14% off. It doubles the model probes' time: 4.3 to 7.8 s and 5.0 to 10.1 s
+for the two landscapes' models (gloo's probe, about 3 s once, apart)."""
 
 
 def _lora_of(cfg: TrainConfig) -> tuple | None:
