@@ -25,6 +25,7 @@ from autotune.train_config import TrainConfig
 from autotune.trial import run_trials
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
 from autotune.builtin import Transformer
+from steady import per_rank_steps, steady_peak
 
 pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs
 
@@ -80,9 +81,9 @@ def test_matrix_config_trains_and_is_measured(matrix, key):
     assert ds == deepspeed_config(req.config, req.model, req.cluster)
 
 
-# The memory model against every measured peak of the matrix. Tolerance held: the estimate may be
-# at most 1% under the measured peak (an under-estimate admits a candidate that then runs out of
-# memory) and at most 3% over (an over-estimate only prunes early). Worst seen when written:
+# The memory model against every measured peak of the matrix (each rank's steady step peak,
+# tests/steady.py). Tolerance held: the estimate may be at most 1% under the measured peak (an
+# under-estimate admits a candidate that then runs out of memory) and at most 3% over (an over-estimate only prunes early). Worst seen when written:
 # tiny-gpt2 ZeRO-3 fp32 +2.3% (end-of-backward buffers freed late by gloo threads are priced as held);
 # at ZeRO 1-2 all 24 within +0.41% (tiny-gpt2 ZeRO-1 fp32, the whole-parameter partition), measured
 # 2026-12-01 after the stage-2 gradient terms (buffers.partition_elements, held_extra_large_gradient).
@@ -95,9 +96,15 @@ def test_matrix_measured_peak_matches_estimate(matrix, key):
 
     req, res = matrix[key]
     est = estimate(req.model, req.cluster, req.config)
-    err = est.tensor_peak_bytes / res.peak_bytes - 1
+    peak = steady_peak(res)
+    err = est.tensor_peak_bytes / peak - 1
     assert -UNDER <= err <= OVER, (f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
-                                   f"{res.peak_bytes:,} {res.phase_peak_bytes}: {100 * err:+.2f}%")
+                                   f"{peak:,} {per_rank_steps(res)}: {100 * err:+.2f}%")
+    # A step that ran higher did so by one buffer gloo's thread freed late (tests/steady.py): at most
+    # the largest parameter's gradient in fp32, and a few scalars.
+    with torch.device("meta"):
+        largest = max(p.numel() for p in Transformer(req.model).parameters())
+    assert res.peak_bytes - peak <= 4 * largest + 64, per_rank_steps(res)
 
 
 @pytest.mark.parametrize("name", SHAPES)

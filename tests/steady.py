@@ -1,0 +1,26 @@
+"""The peak a memory estimate is judged against: each rank's steady step peak, not one step's race.
+
+On 2 CPU ranks a buffer handed to gloo is freed by whichever thread drops the last reference to it;
+when gloo's worker thread is descheduled for a moment, a gradient (or a 4-byte scalar) outlives the
+main thread's reference into the next phase, and that step's peak is higher by its size. Seen once in
+CI (2026-12-02): tiny-llama ZeRO-2 fp32, rank 1 at 21,252,268 B against 20,203,688 B on every other
+step of both ranks; the 1,048,580 B more is the lm_head's fp32 gradient (2048 x 128 x 4 B) and one
+scalar. The schedule's peak, the one the memory model prices, is each rank's lowest step peak of the
+measured steps (every step runs the same schedule); the highest of the ranks is the trial's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def per_rank_steps(res) -> dict[str, list[int]]:
+    """Rank -> its measured steps' peaks, from the trial's memory_per_step.json."""
+    ranks = json.loads(Path(res.out_dir, "memory_per_step.json").read_text())["ranks"]
+    return {r: d["step_peak_bytes"] for r, d in ranks.items()}
+
+
+def steady_peak(res) -> int:
+    """The highest rank's lowest step peak: the peak without one step's late free by a gloo thread."""
+    return max(min(steps) for steps in per_rank_steps(res).values())
