@@ -476,3 +476,61 @@ def persistent_params(spec: ModelSpec, threshold: int) -> int:
     """Parameters ZeRO-3 keeps whole on every rank: those with fewer than `threshold` elements
     (DeepSpeed stage3.py, persistence_threshold), counted on the module itself."""
     return sum(n for n in param_numels(spec) if n < threshold)
+
+
+RELEASED_SEQ = 16
+"""Tokens of the forward `released_after_forward` runs: which outputs need a gradient does not depend
+on the batch's shape, so the shortest that every traced family runs will do."""
+
+
+def released_after_forward(spec: ModelSpec, cfg: TrainConfig) -> list[int]:
+    """Element counts of the frozen parameters ZeRO-3 releases after their module's forward under
+    LoRA, in `param_numels`' order (pre, each layer's, post): those whose every owning module's
+    output needs no gradient. DeepSpeed fetches a module again in backward from a hook on its
+    outputs that fires only when their gradient is computed (parameter_offload.py
+    _pre_backward_module_hook); a module upstream of every adapter (the frozen embedding, a hybrid's
+    layers before its first adapted one, the first adapted layer's k projection with q/v adapters)
+    never gets one, so its parameters are not in the trace again and are released
+    (partitioned_param_coordinator.py __params_to_release). Found by running the model's own forward
+    on fake tensors with a hook on every module, after `checkpoint_first` (with checkpointing the
+    embedding's output requires grad, and nothing is released). A uniform stack's second layer
+    stands for every later one. Kept in the trace cache where the model's programs are."""
+    depth = min(spec.num_layers, 2) if spec.uniform_blocks else spec.num_layers
+    key = ("released after forward", spec_key(spec), cfg.precision, TRACED_AS.get(cfg.attention, cfg.attention),
+           cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout, bool(cfg.ckpt_layers), depth)
+    pre, per, post = trace_cache.remembered(key, lambda: _released_after_forward(spec, cfg, depth),
+                                            keep=kept_on_disk(spec))
+    layers = per if len(per) == spec.num_layers else per[:1] + per[-1:] * (spec.num_layers - 1)
+    return [*pre, *(x for layer in layers for x in layer), *post]
+
+
+def _released_after_forward(spec: ModelSpec, cfg: TrainConfig, depth: int) -> list:
+    import torch
+
+    from autotune.memory.tracer import tracing
+
+    needs_grad: dict[int, bool] = {}
+
+    def hook(module, args, out):
+        needs_grad[id(module)] = needs_grad.get(id(module), False) or _first_grad_tensor(out) is not None
+
+    with tracing(False), unpacked_sequences(), zero3_linear_function(zero3_linear(cfg)):
+        impl, model = build(spec, cfg.precision, cfg.attention, depth, cfg)
+        impl.checkpoint_first(model, min(cfg.ckpt_layers, depth))
+        for m in model.modules():   # after checkpoint_first's: they see the output as DeepSpeed's hook does
+            m.register_forward_hook(hook)
+        impl.loss(model, torch.randint(0, spec.vocab_size, (1, min(cfg.seq_len, RELEASED_SEQ) + 1)))
+        owners: dict[int, list[int]] = {}
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(id(m))
+        where: dict[int, int] = {}
+        for i, layer in enumerate(impl.layers(model)):
+            for p in layer.parameters():
+                where.setdefault(id(p), i)
+        named = [(where.get(id(p)), p.numel() if not p.requires_grad and all(
+            m in needs_grad and not needs_grad[m] for m in owners[id(p)]) else 0) for p in model.parameters()]
+    first = next(i for i, (layer, _) in enumerate(named) if layer is not None)
+    end = max(i for i, (layer, _) in enumerate(named) if layer is not None) + 1
+    per = [[n for layer, n in named[first:end] if layer == i and n] for i in range(depth)]
+    return [[n for _, n in named[:first] if n], per, [n for _, n in named[end:] if n]]

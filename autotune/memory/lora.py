@@ -165,11 +165,23 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         out["frozen_parameters"] = int(base / n + pb * keep_base)
         out["adapter_parameters"] = int(pb * (adapters / n + keep_adapters))
         # held gathered from forward to backward: every module the backward runs through. Without
-        # checkpointing nothing runs backward through a frozen input embedding (its output needs no
-        # gradient), so DeepSpeed's reuse trace releases it after its forward
-        # (partitioned_param_coordinator.py __params_to_release)
-        released = 0 if cfg.ckpt_layers or spec.tied_embeddings else pb * input_embedding_params(spec)
-        out["_gathered"] = int(base - pb * keep_base + pb * (adapters - keep_adapters) - released) if n > 1 else 0
+        # checkpointing nothing runs backward through a module upstream of every adapter (the frozen
+        # input embedding; a hybrid's layers before its first adapted one), so DeepSpeed's reuse
+        # trace releases it after its forward (code_trace.released_after_forward). QLoRA's base is
+        # its 4-bit weights, which that 16-bit forward does not size: the embedding alone there.
+        if n > 1 and cfg.method == "lora":
+            from autotune.memory.code_trace import released_after_forward
+
+            released = sum(x for x in released_after_forward(spec, cfg) if x >= threshold)
+        else:
+            released = 0 if cfg.ckpt_layers or spec.tied_embeddings else input_embedding_params(spec)
+        gathered = base - pb * (keep_base + released) + pb * (adapters - keep_adapters)
+        # ... up to stage3_max_reuse_distance elements, as in full fine-tuning (model_states.
+        # zero3_held): the same coordinator releases a frozen module whose backward is further away
+        # in the trace (a 70B's base was held whole: 128 GiB gathered per GPU at ZeRO-3 on 8 GPUs)
+        elements = spec.num_params - keep_base - released + adapters - keep_adapters
+        reuse = bucket_sizes(spec, cfg)["stage3_max_reuse_distance"]
+        out["_gathered"] = int(gathered * min(1.0, reuse / elements)) if n > 1 and elements > 0 else 0
     else:
         out["frozen_parameters"] = int(base)
         out["adapter_parameters"] = pb * adapters
