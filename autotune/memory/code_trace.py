@@ -485,23 +485,30 @@ on the batch's shape, so the shortest that every traced family runs will do."""
 
 def released_after_forward(spec: ModelSpec, cfg: TrainConfig) -> list[int]:
     """Element counts of the frozen parameters ZeRO-3 releases after their module's forward under
-    LoRA, in `param_numels`' order (pre, each layer's, post): those whose every owning module's
-    output needs no gradient. DeepSpeed fetches a module again in backward from a hook on its
-    outputs that fires only when their gradient is computed (parameter_offload.py
-    _pre_backward_module_hook); a module upstream of every adapter (the frozen embedding, a hybrid's
-    layers before its first adapted one, the first adapted layer's k projection with q/v adapters)
-    never gets one, so its parameters are not in the trace again and are released
-    (partitioned_param_coordinator.py __params_to_release). Found by running the model's own forward
-    on fake tensors with a hook on every module, after `checkpoint_first` (with checkpointing the
-    embedding's output requires grad, and nothing is released). A uniform stack's second layer
-    stands for every later one. Kept in the trace cache where the model's programs are."""
+    LoRA (those before the layers, each layer's, those after; the parameters kept are left out):
+    those whose every owning module's output needs no gradient. DeepSpeed fetches a module again in
+    backward from a hook on its outputs that fires only when their gradient is computed
+    (parameter_offload.py _pre_backward_module_hook); a module upstream of every adapter (the frozen
+    embedding, a hybrid's layers before its first adapted one, the frozen base of the first adapted
+    layer's projections, whose input needs no gradient) never gets one, so its parameters are not
+    in the trace again and are released (partitioned_param_coordinator.py __params_to_release).
+    Found by running the model's own forward on fake tensors with a hook on every module, after
+    `checkpoint_first` (with checkpointing the embedding's output requires grad, and nothing is
+    released). A uniform stack's second layer stands for every later one. Kept in the trace cache
+    where the model's programs are, and for this process (a user's module too: a search asks once
+    per candidate)."""
     depth = min(spec.num_layers, 2) if spec.uniform_blocks else spec.num_layers
     key = ("released after forward", spec_key(spec), cfg.precision, TRACED_AS.get(cfg.attention, cfg.attention),
            cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout, bool(cfg.ckpt_layers), depth)
-    pre, per, post = trace_cache.remembered(key, lambda: _released_after_forward(spec, cfg, depth),
-                                            keep=kept_on_disk(spec))
+    if key not in _RELEASED:
+        _RELEASED[key] = trace_cache.remembered(key, lambda: _released_after_forward(spec, cfg, depth),
+                                                keep=kept_on_disk(spec))
+    pre, per, post = _RELEASED[key]
     layers = per if len(per) == spec.num_layers else per[:1] + per[-1:] * (spec.num_layers - 1)
     return [*pre, *(x for layer in layers for x in layer), *post]
+
+
+_RELEASED: dict[tuple, list] = {}
 
 
 def _released_after_forward(spec: ModelSpec, cfg: TrainConfig, depth: int) -> list:
