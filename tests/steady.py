@@ -5,7 +5,8 @@ when gloo's worker thread is descheduled for a moment, a gradient (or a 4-byte s
 main thread's reference into the next phase, and that step's peak is higher by its size. Seen once in
 CI (2026-12-02): tiny-llama ZeRO-2 fp32, rank 1 at 21,252,268 B against 20,203,688 B on every other
 step of both ranks; the 1,048,580 B more is the lm_head's fp32 gradient (2048 x 128 x 4 B) and one
-scalar. The schedule's peak, the one the memory model prices, is each rank's lowest step peak of the
+scalar. Seen in a later CI run: tiny-gpt2 ZeRO-0 bf16 with 4 checkpointed layers, both ranks' second
+step 2,242,048 B higher than their first. The schedule's peak, the one the memory model prices, is each rank's lowest step peak of the
 measured steps (every step runs the same schedule); the highest of the ranks is the trial's.
 """
 

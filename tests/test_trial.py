@@ -100,11 +100,11 @@ def test_matrix_measured_peak_matches_estimate(matrix, key):
     err = est.tensor_peak_bytes / peak - 1
     assert -UNDER <= err <= OVER, (f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
                                    f"{peak:,} {per_rank_steps(res)}: {100 * err:+.2f}%")
-    # A step that ran higher did so by one buffer gloo's thread freed late (tests/steady.py): at most
-    # the largest parameter's gradient in fp32, and a few scalars.
-    with torch.device("meta"):
-        largest = max(p.numel() for p in Transformer(req.model).parameters())
-    assert res.peak_bytes - peak <= 4 * largest + 64, per_rank_steps(res)
+    # A step that ran higher did so by a communication buffer gloo's thread freed late (tests/steady.py):
+    # at most one flat fp32 copy of every gradient (ZeRO 0-1 all-reduce flattened buckets). Seen in CI:
+    # the lm_head's fp32 gradient (1 MiB, tiny-llama ZeRO-2 fp32, one rank) and a flat bf16 copy of
+    # all of tiny-gpt2's gradients (2,242,048 B, ZeRO-0 bf16 k 4, both ranks' second step).
+    assert res.peak_bytes - peak <= 4 * req.model.num_params + 64, per_rank_steps(res)
 
 
 @pytest.mark.parametrize("name", SHAPES)
