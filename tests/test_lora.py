@@ -302,9 +302,14 @@ def test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3(
     cfg = TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32", micro_batch=2, seq_len=80)
     released = released_after_forward(s, cfg)
     pre, (first_layer, *_), _ = _numels(s)
-    # the embedding, then the first layer but for its conv1d, which the Mamba path uses functionally
-    # (a module never called is kept gathered: the safe side)
-    assert released[:len(pre)] == list(pre) and sum(released[len(pre):len(pre) + len(first_layer)]) >= 0.99 * sum(first_layer)
+    # the embedding, then the first layer but for its conv1d (weight and bias over 2 x 96 + 2 x 16
+    # channels, kernel 4), which the Mamba path uses functionally: a module never called is kept
+    # gathered, the safe side
+    assert released[:len(pre)] == list(pre)
+    kept = list(first_layer)
+    for n in released[len(pre):len(pre) + len(first_layer) - 2]:
+        kept.remove(n)
+    assert sorted(kept) == [224, 4 * 224]
     assert sum(released) < sum(param_numels(s)) / 2   # later layers' inputs need gradients: held
     assert released_after_forward(s, dataclasses.replace(cfg, ckpt_layers=1)) == []   # input_require_grads
     res = run_trials([TrialRequest(model=s, cluster=gpus, config=cfg, out_dir=tmp_path, steps=2, warmup_steps=1)])[0]
