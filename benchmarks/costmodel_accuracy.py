@@ -6,7 +6,9 @@ Prints, for every point in autotune/data/calibration.yaml, the simulated and mea
 the scope it was published in (end to end, or DeepSpeed's engine timers for its autotuner's
 figures) and simulated / measured - 1, then the per-term breakdown of each simulated step; then one
 check that is not fitted: the end-to-end HF Trainer figure published beside the GPT-2 large timer
-figures. Other published throughput tables are deliberately not read here: they judge the model.
+figures. Then `--pairs` (on by default): rows of llm-foundry's published H100 and A100 tables
+(benchmarks/data/llm_foundry_pairs.csv, the same run on both GPUs) that were NOT fitted - only the
+four rows in calibration.yaml were - priced and compared, absolute and as the H100/A100 ratio.
 `--cpu` adds runs of our own: the traced op profile of a tiny model, in the stand-in's code and in
 transformers', priced with this CPU's roofline (its matmul rate, copy bandwidth and per-op
 overhead, measured here with one thread) against the measured forward+backward of the same code. The GPU constants (MAMF, FlashAttention,
@@ -16,8 +18,11 @@ S) are not in it: it checks the op accounting (FLOPs, bytes, kernel counts) and 
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 from autotune.costmodel import calibration_points, simulate
 from autotune.train_config import TrainConfig
@@ -27,6 +32,77 @@ E2E_CHECK = {"point": "gpt2-large-16xv100-z1", "samples_per_s": 69.061,
                        "(fast-mode)': 69.061 samples/s (z = 1, mbs = 3), the Trainer's end-to-end figure for the "
                        "configuration whose engine-timer figure is 87.3"}
 """Not fitted: how far the end-to-end price is from the end-to-end figure of the same setup."""
+
+
+PAIRS = Path(__file__).parent / "data" / "llm_foundry_pairs.csv"
+"""mosaicml/llm-foundry scripts/train/benchmarking/README.md, tables 'H100 80GB BF16' and 'A100 80GB
+with 1600 Gbps node-node interconnect (RoCE)': every (model, seq len) at 8 GPUs in both tables, its
+micro batch, grad accum and activation checkpointing as published (FSDP FULL_SHARD, bf16, flash attention)."""
+
+MPT_SHAPES = {"760m": (1536, 24, 12), "1b": (2048, 24, 16), "3b": (2560, 32, 20)}
+"""(d_model, n_layers, n_heads) of llm-foundry's scripts/train/yamls/pretrain/mpt-760m/1b/3b.yaml
+(expansion_ratio 4, vocab 50368, no bias, ALiBi); 7b, 13b and 30b are autotune's presets."""
+
+
+def mpt(name: str, seq_len: int):
+    from autotune.models import resolve_model
+
+    if name in MPT_SHAPES:
+        h, layers, heads = MPT_SHAPES[name]
+        spec = dataclasses.replace(resolve_model("mpt-7b", implementation="builtin"), name=f"mpt-{name}",
+                                   num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=heads,
+                                   ffn_hidden_size=4 * h, vocab_size=50368, param_count=0)
+    else:
+        spec = resolve_model(f"mpt-{name}", implementation="builtin")
+    return dataclasses.replace(spec, max_seq_len=max(seq_len, spec.max_seq_len))
+
+
+def pair_rows() -> list[tuple[dict, float, float]]:
+    """(row, simulated tokens/s/GPU, measured) for every row of PAIRS, priced as calibration.yaml
+    prices llm-foundry's runs (Runtime: overlapped, unfused per-tensor AdamW over one flat
+    parameter per block + the root; the stand-in's code with sdpa)."""
+    from autotune.costmodel import Runtime
+    from autotune.hardware import parse_gpus
+
+    out = []
+    for row in csv.DictReader(PAIRS.open()):
+        seq = int(row["seq_len"])
+        spec = mpt(row["model"], seq)
+        cfg = TrainConfig(zero_stage=3, micro_batch=int(row["micro_batch"]), grad_accum=int(row["grad_accum"]),
+                          precision="bf16", seq_len=seq, attention="sdpa",
+                          ckpt_layers=spec.num_layers if row["activation_checkpointing"] == "true" else 0)
+        rt = Runtime(overlap_comm=True, fused_optimizer=False, optimizer_tensors=spec.num_layers + 1)
+        sim = simulate(spec, parse_gpus(f"{row['gpus']}x{row['gpu']}"), cfg, runtime=rt).tokens_per_s_per_gpu
+        out.append((row, sim, float(row["tokens_per_s_per_gpu"])))
+    return out
+
+
+def print_pairs() -> None:
+    from autotune.costmodel import calibration_points
+
+    fitted = {(p.model.name, p.cluster.gpu.name, p.config.micro_batch, p.config.seq_len) for p in calibration_points()}
+    rows = pair_rows()
+    by = {(r["model"], r["seq_len"], r["gpu"]): (s, m) for r, s, m in rows}
+    print(f"\nllm-foundry pairs, 8 GPUs (not fitted unless marked *): simulated / measured - 1")
+    print(f"{'model':<6} {'seq':>6} {'ckpt':>5} {'H100':>8} {'A100':>8} {'ratio sim':>10} {'measured':>9} {'error':>7}")
+    absolute, ratio, absolute_held, ratio_held = [], [], [], []
+    for r, s, m in rows:
+        if r["gpu"] != "H100-80GB":
+            continue
+        sa, ma = by[(r["model"], r["seq_len"], "A100-80GB")]
+        keys = {(f"mpt-{r['model']}", g, int(r["micro_batch"]), int(r["seq_len"])) for g in ("H100-80GB", "A100-80GB")}
+        is_fit = bool(keys & fitted)
+        err_r = (s / sa) / (m / ma) - 1
+        ratio.append(abs(err_r))
+        absolute += [abs(s / m - 1), abs(sa / ma - 1)]
+        if not is_fit:
+            ratio_held.append(abs(err_r))
+            absolute_held += [abs(s / m - 1), abs(sa / ma - 1)]
+        print(f"{r['model']:<6} {r['seq_len']:>6} {r['activation_checkpointing'][:5]:>5} {s / m - 1:>+8.1%} "
+              f"{sa / ma - 1:>+8.1%} {s / sa:>10.2f} {m / ma:>9.2f} {err_r:>+7.1%}{' *' if is_fit else ''}")
+    for name, a, r in (("all", absolute, ratio), ("not fitted", absolute_held, ratio_held)):
+        print(f"{name}: H100/A100 ratio |error| median {statistics.median(r):.1%}, worst {max(r):.1%} ({len(r)} pairs); "
+              f"absolute median {statistics.median(a):.1%}, worst {max(a):.1%} ({len(a)} rows)")
 
 
 def _median_s(fn, reps: int = 5) -> float:
@@ -106,6 +182,7 @@ def cpu_cases() -> list[tuple[str, float, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true", help="also price and time tiny models on this CPU")
+    ap.add_argument("--no-pairs", action="store_true", help="skip llm-foundry's H100/A100 pairs")
     args = ap.parse_args()
     errors = []
     print(f"{'point':<24} {'metric':<22} {'scope':<14} {'measured':>10} {'simulated':>10} {'error':>7}")
@@ -133,6 +210,8 @@ def main() -> None:
     measured = E2E_CHECK["samples_per_s"]
     print(f"\nnot fitted, end to end: {point.name} simulated {e2e:.1f} vs HF Trainer end-to-end {measured} "
           f"samples/s: {e2e / measured - 1:+.1%}\n  ({E2E_CHECK['source']})")
+    if not args.no_pairs:
+        print_pairs()
     if args.cpu:
         rows = cpu_cases()
         print(f"{'CPU case (ours)':<44} {'measured s':>11} {'priced s':>10} {'error':>7}")

@@ -55,7 +55,8 @@ def test_fit_reproduces_the_default():
     spec = importlib.util.spec_from_file_location("fit_costmodel", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.fit(lo=cm.Constants().sustained - 0.01, hi=cm.Constants().sustained + 0.01) == cm.Constants().sustained
+    for gen, share in cm.Constants().sustained:
+        assert mod.fit(gen, lo=share - 0.01, hi=share + 0.01) == share, gen
 
 
 # ---- hand-checkable terms ---------------------------------------------------------------------
@@ -93,7 +94,7 @@ def test_recompute_is_the_forward_of_the_checkpointed_layers():
 
     c = cfg(ckpt_layers=10)
     p = micro_step_price(L13B, L13B.implementation, "bf16", "sdpa", 1, 2048, cm.price_key(A100x8.gpu, "bf16"),
-                         cm.Constants().sustained)
+                         cm.Constants().for_gpu(A100x8.gpu.name))
     assert cm.simulate(L13B, A100x8, c).breakdown_s["recompute"] == pytest.approx(10 * p.layer_forward)
     # a block's forward is about a third of its forward+backward (Narayanan et al. 2021, sec. 5.1)
     per_layer = (p.gemm + p.attention + p.elementwise) / L13B.num_layers
