@@ -32,6 +32,8 @@ from autotune import trace_cache
 from autotune.models import ModelSpec
 from autotune.models.hf_config import continued, default_attention, per_layer_lists
 from autotune.train_config import TrainConfig, torch_dtype
+from autotune.memory import seq_family
+from autotune.memory.segments import classify, segment_points
 
 _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
 """Segment peaks by category of each small program traced, by `_key`."""
@@ -280,8 +282,6 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     (segment peaks by category, the step's seq_family.Record where `record`, else None)."""
     import torch
 
-    from autotune.memory.seq_family import Record
-    from autotune.memory.traced import _classify, segment_points
     from autotune.memory.tracer import backward_and_step, known_storages
 
     if record:
@@ -301,8 +301,8 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     del loss
     known = known_storages(live, model, opt, grads, batch, marks, shared=marks["shared"])
     points = segment_points(ckpt, full) + [("fwd.layers", "fwd.layers")]
-    peaks = {name: _classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
-    rec = Record(baseline=baseline, log=live.log, samples=live.samples, known=known,
+    peaks = {name: classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
+    rec = seq_family.Record(baseline=baseline, log=live.log, samples=live.samples, known=known,
                  points=points) if record else None
     marks["measure"] = False
     opt.zero_grad(set_to_none=True)
@@ -391,7 +391,6 @@ def _family(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool
     """The program's seq_family.Family over `families`' values, or None where it is not exact: read
     from the disk cache or traced (one build, three steps, each also kept as its own value's program).
     `only_cached`: None where it would have to be traced."""
-    from autotune.memory import seq_family
 
     name, values = _VARY
     fkey = list(_key(spec, cfg, ckpt, full, fused, host_rng))

@@ -30,7 +30,9 @@ from functools import cache
 
 from autotune.deepspeed_config import bucket_sizes
 from autotune.errors import SpecError
+from autotune import trace_cache
 from autotune.hardware import Cluster
+from autotune.memory import code_trace
 from autotune.models import ModelSpec
 from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, dtype_bytes
@@ -63,9 +65,6 @@ def _layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tupl
     4.6 times the linear weights QLoRA quantises, and a Jamba (Mamba layers without attention, then
     attention ones) 1.5 times its all-linear adapters. Kept in the trace cache where the model's programs are
     (code_trace.kept_on_disk): a later run reads it without importing torch or peft."""
-    from autotune import trace_cache
-    from autotune.memory import code_trace
-
     key = ("lora layout", code_trace.spec_key(spec), spec.uniform_blocks, method, rank, targets)
     layout = trace_cache.remembered(key, lambda: _read_layout(spec, method, rank, targets),
                                     keep=code_trace.kept_on_disk(spec))
@@ -157,10 +156,8 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         q, _ = quantized_weights(spec, cfg)
         base = (spec.num_params - q) * pb + q * qlora_bytes_per_weight()
     if cfg.zero_stage == 3:
-        from autotune.memory.code_trace import persistent_params
-
         threshold = bucket_sizes(spec, cfg)["stage3_param_persistence_threshold"]
-        keep_base = 0 if stepping else persistent_params(spec, threshold)
+        keep_base = 0 if stepping else code_trace.persistent_params(spec, threshold)
         keep_adapters = 0 if stepping else sum(x for x in adapter_numels(spec, cfg) if x < threshold)
         out["frozen_parameters"] = int(base / n + pb * keep_base)
         out["adapter_parameters"] = int(pb * (adapters / n + keep_adapters))
@@ -170,9 +167,7 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         # trace releases it after its forward (code_trace.released_after_forward). QLoRA's base is
         # its 4-bit weights, which that 16-bit forward does not size: the embedding alone there.
         if n > 1 and cfg.method == "lora":
-            from autotune.memory.code_trace import released_after_forward
-
-            released = sum(x for x in released_after_forward(spec, cfg) if x >= threshold)
+            released = sum(x for x in code_trace.released_after_forward(spec, cfg) if x >= threshold)
         else:
             released = 0 if cfg.ckpt_layers or spec.tied_embeddings else input_embedding_params(spec)
         gathered = base - pb * (keep_base + released) + pb * (adapters - keep_adapters)

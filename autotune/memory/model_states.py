@@ -27,6 +27,8 @@ persistent gradient buffer.
 from __future__ import annotations
 
 from autotune.hardware import Cluster
+from autotune.memory.buffers import (  # noqa: F401 - offload_accumulates_on_host re-exported
+    offload_accumulates_on_host, offload_fp32_partition, partition_elements)
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, dtype_bytes
 
@@ -168,24 +170,6 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
     return out
 
 
-def offload_accumulates_on_host(cfg: TrainConfig) -> bool:
-    """Whether ZeRO-Offload carries the gradients between micro steps in host buffers: at stage 2 in
-    16 bits with grad_accum > 1, `accumulated_grads_in_cpu`, one buffer in the model dtype per
-    parameter of the rank's partition, each whole (stage_1_and_2.py
-    async_accumulate_grad_in_cpu_via_gpu: torch.zeros(param.numel()), made at the first micro step
-    and kept for the run); not with bf16 master weights (they accumulate into the fp32 partition)
-    nor with fp32 accumulation (a compact partition buffer). They replace the device's carried
-    partition (buffers.accumulated_gradients) and, kept, are also there at the optimizer step.
-    Measured: transformers' GPT-2 and Llama, ZeRO-2 bf16 offload, grad_accum 2 and 3, micro batch 1
-    and 3, 2 CPU ranks: the estimate without them was 6.24% under at the step (1,189,564 B; 594,816
-    elements x 2 B = 1,189,632), with them +0.00%. Not priced where it was not measured to hold:
-    ZeRO-1 (its estimate holds whole gradients between micro steps, +5.3% over with offload; +11.9%
-    with these buffers added) and fp32 ZeRO-2 (-1.1% without, +8.1% with them); both open
-    (docs/memory.md)."""
-    return (cfg.offload_optimizer and cfg.zero_stage == 2 and cfg.grad_accum > 1 and cfg.precision != "fp32"
-            and cfg.grad_accum_dtype != "fp32" and not cfg.bf16_master_weights_and_grads)
-
-
 def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[dict[str, int], dict[str, int]]:
     """Stage 1-2 ZeRO-Offload's staging buffers, allocated once (stage_1_and_2.py with cpu_offload):
     `temp_grad_buffer_for_gpu_offload`, the largest parameter in the model dtype, on the device;
@@ -202,8 +186,6 @@ def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tupl
     host = {"offload_bit16_partition": int(pb * spec.num_params / cluster.world_size),
             "offload_cpu_grad_buffer": pb * largest}
     if offload_accumulates_on_host(cfg):
-        from autotune.memory.buffers import partition_elements
-
         host["offload_accumulated_gradients"] = pb * partition_elements(spec, cluster, cfg)
     return {"offload_grad_buffer": pb * largest}, host
 
@@ -223,8 +205,6 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     Measured on CPU (2 ranks): stage 0 fp32 4P + 8*largest; bf16 2P + 4P + 8*largest; stages 1-3
     12 bytes per partition element.
     """
-    from autotune.memory.buffers import offload_fp32_partition
-
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
     pb = dtype_bytes(cfg.precision)
     compact = offload_fp32_partition(spec, cluster, cfg)   # offload + fp32 accumulation: on the device

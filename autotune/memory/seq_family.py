@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autotune.memory.traced import CATEGORIES
+from autotune.memory.segments import CATEGORIES
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Family:
     """A program's replay for any value from values[0] to values[-1] (see the module docstring)."""
     values: tuple[int, int, int]
     coef: np.ndarray          # (storages, 3) int64: bytes = c0 + c1 v + c2 v^2
-    category: np.ndarray      # (storages,) index into traced.CATEGORIES
+    category: np.ndarray      # (storages,) index into segments.CATEGORIES
     base: np.ndarray          # storages live at the start
     events: np.ndarray        # storage index per event
     signs: np.ndarray         # +1 counted, -1 freed

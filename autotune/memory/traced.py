@@ -21,50 +21,18 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from autotune.hardware import Cluster
-from autotune.memory import MemoryEstimate, _phases, buffers, builtin, code_trace, model_states
+from autotune.memory import buffers, code_trace, model_states
+from autotune.memory.analytic import MemoryEstimate, builtin, phases as _phases
+from autotune.memory.lora import adapter_numels
+from autotune.memory.segments import CATEGORIES, PHASE_POINTS, classify, segment_points  # noqa: F401 - re-exported
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 from autotune.units import fmt_bytes
 
-CATEGORIES = ("parameters", "module_buffers", "gradients", "optimizer_states", "batch_and_loss", "rotary_tables",
-              "activations", "temporaries")
-"""How `raw_phases` splits the single-process program's live bytes."""
 TRACED_TERMS = {"activations", "checkpointed_inputs", "rotary_tables", "logits_and_loss", "logits_transient",
                 "recomputed_layer", "optimizer_temporaries", "module_buffers"}
 """Analytic terms the trace replaces; every other term of a phase (model states, gradients, buffers
 for the ZeRO stage) is taken from autotune.memory as it stands."""
-PHASE_POINTS = {
-    "forward": ("fwd.start", "fwd.ckpt.first", "fwd.ckpt.last", "fwd.full.first", "fwd.full.last", "fwd.head"),
-    "backward (loss)": ("bwd.head",),
-    "backward (layers)": ("bwd.full.first", "bwd.full.last"),
-    "backward (recompute first)": ("bwd.ckpt.first",),
-    "backward (recompute last)": ("bwd.ckpt.last",),
-    "backward (end)": ("bwd.end",),
-    "optimizer": ("opt",),
-}
-"""Traced phases, estimate()'s names plus 'backward (layers)' (the backward of the blocks that are
-not checkpointed, which the analytic model does not price), and the segment peaks each is the max of."""
-
-
-def _classify(snapshot: dict[int, int], known: dict[str, set[int]]) -> dict[str, int]:
-    out = dict.fromkeys(CATEGORIES, 0)
-    for serial, n in snapshot.items():
-        out[next((c for c, serials in known.items() if serial in serials), "temporaries")] += n
-    return out
-
-
-def segment_points(ckpt: int, full: int) -> list[tuple[str, str]]:
-    """(segment, PHASE_POINTS name) of a program of `ckpt` checkpointed then `full` blocks: the
-    first and last block of each kind, forward and backward, and the fixed points around them."""
-    pairs = [(s, s) for s in ("fwd.start", "fwd.head", "fwd.end", "bwd.head", "bwd.end", "opt")]
-    last = ckpt + full - 1  # with one block of a kind, its first and last are the same block
-    if ckpt:
-        pairs += [("fwd.block0", "fwd.ckpt.first"), (f"fwd.block{ckpt - 1}", "fwd.ckpt.last"),
-                  (f"bwd.block{ckpt - 1}", "bwd.ckpt.first"), ("bwd.block0", "bwd.ckpt.last")]
-    if full:
-        pairs += [(f"fwd.block{ckpt}", "fwd.full.first"), (f"fwd.block{last}", "fwd.full.last"),
-                  (f"bwd.block{last}", "bwd.full.first"), (f"bwd.block{ckpt}", "bwd.full.last")]
-    return pairs
 
 
 MIXED_TRACED_LAYERS = 24
@@ -121,7 +89,6 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     master = "bf16" if cfg.bf16_master_weights_and_grads else "fp32"   # the states follow (TrainConfig's check)
     trained = spec.num_params
     if cfg.method != "full":  # only the adapters are stepped
-        from autotune.memory.lora import adapter_numels
         trained = sum(adapter_numels(spec, cfg))
     part = math.ceil(trained / cluster.world_size)
     if cfg.zero_stage == 0 and cfg.method != "full":

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autotune.builtin import Transformer
-from autotune.memory.traced import _classify, segment_points
+from autotune.memory.segments import classify, segment_points
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, torch_dtype
 
@@ -258,12 +258,12 @@ def builtin_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, 
         grads = {live.track(p.grad) for p in model.parameters()}
         del loss
         known = known_storages(live, model, opt, grads, batch, marks, shared=marks["rope"])
-    return {name: _classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)}
+    return {name: classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)}
 
 
 def known_storages(live: LiveBytes, model, opt, grads: set[int], batch, marks: dict,
            shared: set[int]) -> dict[str, set[int]]:
-    """Serials of a measured step's storages by category, in the order `_classify` tries them (the
+    """Serials of a measured step's storages by category, in the order `segments.classify` tries them (the
     stand-in registers no buffers, so its `module_buffers` is empty); activations: what the forward
     left saved (marks["saved"]) that is none of the others."""
     known = {
