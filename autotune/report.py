@@ -89,10 +89,11 @@ def _gib(v) -> float | None:
 
 
 def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
-    """Pruned and failed trials: counts per kind, and per reason (memory prunes grouped by dominant term)."""
+    """Pruned, failed and interrupted trials: counts per kind, and per reason (memory prunes grouped by
+    dominant term)."""
     pruned = df[df["status"] == "pruned"]
     failed = df[df["status"].isin(["oom", "timeout", "crashed", "diverged", "interrupted"])]
-    out: dict[str, dict[str, int]] = {"pruned": {}, "failed": {}}
+    out: dict[str, dict[str, int]] = {"pruned": {}, "failed": {}, "interrupted": {}}
     for _, r in pruned.iterrows():
         key = (f"memory model: does not fit (largest term {r['dominant_term']})" if r["pruned_by"] == "memory"
                else {"dominated": "dominated: more checkpointing, offload or smaller buckets than needed to fit",
@@ -101,8 +102,9 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
         out["pruned"][key] = out["pruned"].get(key, 0) + 1
     for _, r in failed.iterrows():
         reason = (r["reason"] or "").strip().splitlines()[0][:120] if r["reason"] else ""
-        key = f"{r['status']}: {reason}" if reason else r["status"]
-        out["failed"][key] = out["failed"].get(key, 0) + 1
+        kind = "interrupted" if r["status"] == "interrupted" else "failed"
+        key = reason if kind == "interrupted" else f"{r['status']}: {reason}" if reason else r["status"]
+        out[kind][key] = out[kind].get(key, 0) + 1
     return out
 
 
@@ -140,7 +142,7 @@ def markdown_table(df: pd.DataFrame) -> str:
 def render(study: optuna.Study, fmt: str = "table", top: int | None = None, title: bool = True) -> str:
     df = trials_frame(study)
     table = ranked(df, top, objective(study))
-    counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}}
+    counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}, "interrupted": {}}
     if fmt == "csv":
         return table.to_csv(index=False)
     if fmt == "json":
@@ -160,8 +162,10 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None, titl
     if corr:
         lines += ["", corr]
     lines += risk_lines(df, table, fmt)
-    for kind in ("pruned", "failed"):
+    for kind in ("pruned", "failed", "interrupted"):
         total = sum(counts[kind].values())
+        if kind == "interrupted" and not total:
+            continue
         lines += ["", f"{'## ' if fmt == 'markdown' else ''}{kind}: {total}"]
         lines += [f"{'- ' if fmt == 'markdown' else '  '}{n} x {why}" for why, n in counts[kind].items()]
     return "\n".join(lines) + "\n"

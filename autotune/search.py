@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol
 import optuna
 from optuna.trial import TrialState
 
+from autotune import interrupts
 from autotune import study as st
 from autotune.executors.base import Executor
 from autotune.trial.record import RUN, TrialRequest, TrialResult
@@ -300,7 +301,8 @@ class Search:
                 if st.owner_alive(r.owner):
                     raise SpecError(f"study {self.study.study_name!r} is being searched right now by process "
                                     f"{r.owner} (trial {r.number} running); stop it first")
-                self.study.tell(r.number, state=TrialState.FAIL)
+                st.mark_interrupted(self.study, r.number, f"the search process that ran it ({r.owner or 'unknown'}) "
+                                    "ended without recording it, killed; it runs again on --resume")
             if r.status in ("running", "interrupted"):
                 self._count("interrupted")
                 continue
@@ -340,41 +342,52 @@ class Search:
         self._record(out)
 
     def _dispatch(self, c: Candidate) -> None:
-        self.sampler.chosen = st.params_of(c.cfg, self.dists)
-        trial = self.study.ask(self.dists)
-        for k, v in st.running_attrs(c.cfg, self._est_attrs(c, detail=True)).items():
-            trial.set_user_attr(k, v)
-        t = self.space.trial
-        req = TrialRequest(model=self.model, cluster=self.cluster, config=c.cfg,
-                           out_dir=self.out_root / f"trial-{trial.number:04d}", steps=t.steps,
-                           warmup_steps=t.warmup_steps, timeout_s=t.timeout_s, trial_id=trial.number)
-        try:
-            ticket = self.executor.submit(req)
-        except BaseException:
-            self.study.tell(trial, state=TrialState.FAIL)      # never started: status 'running' = rerun later
-            raise
-        self.in_flight[ticket] = (trial, c)
+        with interrupts.held():     # the trial's rows are written whole, whenever a signal lands
+            self.sampler.chosen = st.params_of(c.cfg, self.dists)
+            trial = self.study.ask(self.dists)
+            for k, v in st.running_attrs(c.cfg, self._est_attrs(c, detail=True)).items():
+                trial.set_user_attr(k, v)
+            t = self.space.trial
+            req = TrialRequest(model=self.model, cluster=self.cluster, config=c.cfg,
+                               out_dir=self.out_root / f"trial-{trial.number:04d}", steps=t.steps,
+                               warmup_steps=t.warmup_steps, timeout_s=t.timeout_s, trial_id=trial.number)
+            try:
+                ticket = self.executor.submit(req)
+            except BaseException as e:
+                self._interrupted(trial, f"it could not start: {interrupts.why(e)}")
+                raise
+            self.in_flight[ticket] = (trial, c)
 
     def _finish(self, ticket: str, result: TrialResult) -> None:
-        trial, c = self.in_flight.pop(ticket)
-        if result.status == "ok" and not self.value(result):
-            result = dataclasses.replace(result, status="crashed", reason=f"no throughput reported; {result.reason}")
-        for k, v in st.result_attrs(result).items():
-            trial.set_user_attr(k, v)
-        if result.status == "ok":
-            self.study.tell(trial, self.value(result))
-        else:
-            self.study.tell(trial, state=TrialState.PRUNED if result.status == "pruned" else TrialState.FAIL)
-        self._count(result.status, self.value(result), trial.number)
-        self._record(self.plan.close(c.cfg, result.status, trial.number))
-        self._observe(c, result)
+        with interrupts.held():
+            trial, c = self.in_flight.pop(ticket)
+            if result.status == "ok" and not self.value(result):
+                result = dataclasses.replace(result, status="crashed", reason=f"no throughput reported; {result.reason}")
+            for k, v in st.result_attrs(result).items():
+                trial.set_user_attr(k, v)
+            if result.status == "ok":
+                self.study.tell(trial, self.value(result))
+            else:
+                self.study.tell(trial, state=TrialState.PRUNED if result.status == "pruned" else TrialState.FAIL)
+            self._count(result.status, self.value(result), trial.number)
+            self._record(self.plan.close(c.cfg, result.status, trial.number))
+            self._observe(c, result)
 
-    def _abandon(self) -> None:
-        """On Ctrl-C/kill: running trials are FAIL, status 'running' (= interrupted), to run again on --resume."""
-        for trial, _ in self.in_flight.values():
-            self.study.tell(trial, state=TrialState.FAIL)
-            self._count("interrupted")
-        self.in_flight.clear()
+    def _interrupted(self, trial: optuna.Trial, why: str) -> None:
+        """A trial the search could not finish: FAIL, status `interrupted` and why; --resume runs it again."""
+        trial.set_user_attr("status", "interrupted")
+        trial.set_user_attr("reason", f"{why}; it runs again on --resume")
+        self.study.tell(trial, state=TrialState.FAIL)
+        self._count("interrupted")
+
+    def _abandon(self, exc: BaseException | None) -> None:
+        """When the search ends with trials still running (Ctrl-C, SIGTERM, an error): each is recorded
+        as interrupted, with what stopped it; the executor's close kills their ranks."""
+        with interrupts.held():
+            for trial, _ in self.in_flight.values():
+                self._interrupted(trial, f"the search was stopped by {interrupts.why(exc)} while it ran"
+                                  if exc is not None else "the search ended while it ran")
+            self.in_flight.clear()
 
     def _next(self, n_trials: int | None, deadline: float | None) -> Candidate | str:
         """The next candidate to run, or why none may start now."""
@@ -397,6 +410,7 @@ class Search:
         bar = tqdm(total=n_trials, initial=self.summary.ran, unit="trial", file=sys.stderr, disable=not progress,
                    desc="search" + (" (simulated)" if self.executor.source == "simulated" else ""))
         self._progress(bar)
+        stopped_by: BaseException | None = None
         try:
             while True:
                 while len(self.in_flight) < max(1, self.executor.slots()):
@@ -411,8 +425,11 @@ class Search:
                     self._finish(ticket, result)
                     bar.update(1)
                     self._progress(bar)
+        except BaseException as e:
+            stopped_by = e
+            raise
         finally:
-            self._abandon()
+            self._abandon(stopped_by)
             bar.close()
         return self.summary
 

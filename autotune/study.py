@@ -339,6 +339,16 @@ def running_attrs(cfg: TrainConfig, estimate: dict) -> dict[str, Any]:
     return {"config": cfg.to_dict(), "status": "running", "owner": owner(), **estimate}
 
 
+def mark_interrupted(study: optuna.Study, number: int, reason: str) -> None:
+    """A RUNNING trial whose search is gone: FAIL, status `interrupted` and why. The attrs go first:
+    a process killed before the state is written leaves it RUNNING, and the next resume marks it again."""
+    storage = study._storage
+    tid = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    storage.set_trial_user_attr(tid, "status", "interrupted")
+    storage.set_trial_user_attr(tid, "reason", reason)
+    storage.set_trial_state_values(tid, TrialState.FAIL)
+
+
 def result_attrs(result: TrialResult) -> dict[str, Any]:
     """User attrs of a finished run: status, reason, source, and the whole TrialResult."""
     d = result.to_dict()

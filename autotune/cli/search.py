@@ -46,16 +46,13 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _sigterm(signum, frame):
-    # `kill` ends a search like Ctrl-C: running trials are recorded as interrupted, the rest is kept.
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
-    from autotune import report
+    from autotune import interrupts, report
     from autotune.units import parse_duration_s
     from autotune.workflow import open_search
 
+    # `kill` ends a search like Ctrl-C: running trials are recorded as interrupted, the rest is kept.
+    signal.signal(signal.SIGTERM, interrupts.raise_interrupted)
     try:
         timeout_s = parse_duration_s(args.timeout) if args.timeout else None
     except ValueError as e:
@@ -69,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
     study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
     print(f"executor: {session.how}")
-    signal.signal(signal.SIGTERM, _sigterm)
     try:
         with session:
             _print_plan(session.search, study.study_name, session.inputs.space.path)
