@@ -150,7 +150,8 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None, titl
         return json.dumps({"study": study.study_name, "source": source_label(df) if len(df) else None,
                            "implementation": st.specs_of(study)[0].code_name,
                            "ranked": ranked_rows, **counts,
-                           "memory_correction": study.user_attrs.get("memory_correction")}, indent=1) + "\n"
+                           "memory_correction": study.user_attrs.get("memory_correction"),
+                           "stopping": study.user_attrs.get("stopping")}, indent=1) + "\n"
     lines = header(study)
     if fmt == "markdown":
         # title=False: report_page writes the title and the winner above the table
@@ -161,6 +162,9 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None, titl
     corr = correction_line(study)
     if corr:
         lines += ["", corr]
+    stop = (study.user_attrs.get("stopping") or {}).get("line")
+    if stop:   # the stopping rule's verdict when it ended the search (autotune/stopping.py)
+        lines += ["", f"stopped: {stop}"]
     lines += risk_lines(df, table, fmt)
     for kind in ("pruned", "failed", "interrupted"):
         total = sum(counts[kind].values())

@@ -41,6 +41,7 @@ from autotune.errors import SpecError
 from autotune.models import ModelSpec
 from autotune.search_space import SearchSpace, expand
 from autotune.search_order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
+from autotune.stopping import KNOWN_ERROR, Bounded, error_distance
 from autotune.train_config import TrainConfig, searched_fields
 from autotune.units import fmt_bytes
 
@@ -221,6 +222,8 @@ class Summary:
     best_trial: int | None = None
     stop: str = ""
     source: str = "measured"
+    bound: dict = field(default_factory=dict)
+    """The stopping rule's last verdict (stopping.Verdict.attrs()); empty before a measured run."""
 
     @property
     def ran(self) -> int:
@@ -233,7 +236,8 @@ class Search:
     def __init__(self, study: optuna.Study, model: ModelSpec, cluster: Cluster, space: SearchSpace,
                  executor: Executor, *, seq_len: int, global_batch: int | None = None,
                  corrector: Corrector | None = None, prior: Callable[[TrainConfig], float] | None = None,
-                 estimate_fn: Callable | None = None, out_root: Path | None = None, objective: str = "samples"):
+                 estimate_fn: Callable | None = None, out_root: Path | None = None, objective: str = "samples",
+                 exhaustive: bool = False, tolerance: float = 0.02, prior_kind: str | None = None):
         if estimate_fn is None:
             from autotune.memory import estimate as estimate_fn
         self.study, self.model, self.cluster, self.space, self.executor = study, model, cluster, space, executor
@@ -245,15 +249,23 @@ class Search:
         if objective not in OBJECTIVES:
             raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
+        if not 0 <= tolerance < 1:
+            raise SpecError(f"tolerance must be at least 0 and below 1 (a fraction: 0.02 = 2%), got {tolerance}")
+        self.exhaustive, self.tolerance = exhaustive, tolerance
+        # whose known error bounds the prior before the study measured any (stopping.KNOWN_ERROR)
+        known = prior_kind or ("given prior" if prior else "cpu prior" if cluster.gpu.is_cpu else "cost model")
         samples = prior or default_prior(model, cluster, [c.cfg for c in self.plan.by_key.values() if self._fits(c)])
         # priors are in samples/s; a sequence is seq_len tokens
         ranked_prior = samples if objective == "samples" else (lambda cfg: samples(cfg) * cfg.seq_len)
-        self.strategy = PriorGuided(ranked_prior, model.num_layers)
+        layers = model.num_layers     # the strategy picks by the bound, and stops by it (autotune/stopping.py)
+        self.strategy = Bounded(ranked_prior, lambda a, b: error_distance(a, b, layers), KNOWN_ERROR[known], known)
         self.sampler = st.ChosenSampler()
         study.sampler = self.sampler
         self.out_root = out_root or st.study_dir(study.study_name)
         self.in_flight: dict[str, tuple[optuna.Trial, Candidate]] = {}
         self.summary = Summary(candidates=len(exp.candidates), excluded=exp.excluded, source=executor.source)
+        if study.user_attrs.get("stopping"):
+            study.set_user_attr("stopping", {})    # an earlier invocation's verdict; this one decides anew
         self._replay()
         self._prune_unfit()
 
@@ -397,7 +409,23 @@ class Search:
             return "timeout"
         self._prune_unfit()
         busy = {c.cfg.key() for _, c in self.in_flight.values()}
-        return self.strategy.pick(self.plan.available(busy)) or "exhausted"
+        cands = self.plan.available(busy)
+        if self._bound_says_stop(cands):
+            return "bound"
+        return self.strategy.pick(cands) or "exhausted"
+
+    def _bound_says_stop(self, cands: list[Candidate]) -> bool:
+        """The stopping rule (autotune/stopping.py), once a run has a value; its verdict is kept in the
+        summary and, when it stops the search, in the study's user attr `stopping` (the report shows it)."""
+        s = self.summary
+        if s.best_value is None or not cands:
+            return False
+        v = self.strategy.verdict(cands, s.best_value, s.best_trial, self.tolerance, len(self.plan.settled))
+        s.bound = v.attrs()
+        if v.stop and not self.exhaustive:
+            self.study.set_user_attr("stopping", s.bound)
+            return True
+        return False
 
     def run(self, *, n_trials: int | None = None, timeout_s: float | None = None,
             progress: bool = True) -> Summary:

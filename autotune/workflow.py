@@ -87,9 +87,11 @@ def open_search(*, model: str | None = None, impl: str | None = None, model_fact
                 global_batch: int | None = None, space: str | Path | None = None, study: str | None = None,
                 storage: str | None = None, executor: str = "auto", resume: bool = False,
                 ray_address: str | None = None, concurrent_trials: int = 1,
-                objective: str | None = None) -> SearchSession:
+                objective: str | None = None, exhaustive: bool = False, tolerance: float = 0.02) -> SearchSession:
     """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts.
-    `impl`: the model code (hf when not given); on resume, only an explicit one is checked."""
+    `impl`: the model code (hf when not given); on resume, only an explicit one is checked.
+    `exhaustive`: run every feasible group; else stop when no unrun candidate can beat the best by more
+    than `tolerance` (a fraction; autotune/stopping.py). Neither is kept by the study: a resume chooses again."""
     _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials)
     spec = resolve_model(model, implementation=impl or "hf", factory=model_factory) if model else None
     cluster = parse_gpus(gpus) if gpus else None
@@ -120,7 +122,8 @@ def open_search(*, model: str | None = None, impl: str | None = None, model_fact
             opened = st.create_study(name, storage, attrs, sampler=None)
         correction = Correction()   # replayed from a resumed study's trials by Search
         search = Search(opened, inputs.model, inputs.cluster, inputs.space, ex, seq_len=inputs.seq_len,
-                        global_batch=inputs.global_batch, corrector=correction, objective=objective or "samples")
+                        global_batch=inputs.global_batch, corrector=correction, objective=objective or "samples",
+                        exhaustive=exhaustive, tolerance=tolerance)
     except BaseException:
         ex.close()
         raise

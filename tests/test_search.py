@@ -100,7 +100,7 @@ def _by_status(study) -> Counter:
 
 def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
     ex = Landscape()
-    s = _search(env, ex)
+    s = _search(env, ex, exhaustive=True)      # every group runs: the bookkeeping of all of them is under test
     summary = s.run(progress=False)
     trials = s.study.trials
     assert summary.stop == "exhausted"
@@ -167,13 +167,13 @@ def test_oom_skips_larger_micro_batches_and_failures_keep_status_reason_log(env)
 def test_interrupt_keeps_completed_and_resume_redoes_none(env):
     ex = Landscape(slots=2, stop_after=3)
     with pytest.raises(KeyboardInterrupt):
-        _search(env, ex).run(progress=False)
+        _search(env, ex, exhaustive=True).run(progress=False)     # not stopped by the bound before the interrupt
     study = st.load_study("s")
     done = {st.record_of(t).config.key() for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
     interrupted = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
     assert len(done) >= 1 and len(interrupted) == len(ex.seen) - len(done) >= 1
     ex2 = Landscape(slots=2)
-    s2 = _search(env, ex2, resume=True)
+    s2 = _search(env, ex2, resume=True, exhaustive=True)
     assert s2.summary.ok == len(done) and s2.summary.interrupted == len(interrupted)
     s2.run(progress=False)
     rerun = {c.key() for c in ex2.seen}

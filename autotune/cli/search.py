@@ -30,6 +30,11 @@ def register(sub) -> None:
     p.add_argument("--n-trials", type=int, default=None,
                    help="run at most this many trials in the study (counted across --resume); "
                         "pruned candidates cost none. Default: until the feasible space is exhausted")
+    p.add_argument("--tolerance", default="2%",
+                   help="stop when no unrun candidate can beat the best measured by more than this "
+                        "(percent: 2 or 2%%; docs/search.md, 'When the search stops'). Default 2%%")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="run every feasible group instead (no stopping rule); --n-trials and --timeout still cap")
     p.add_argument("--timeout", default=None, help="stop starting trials after this long: 90, 15m, 1h30m")
     p.add_argument("--study", default=None, help="study name (default: MODEL_GPUS); its folder is trials/NAME")
     p.add_argument("--storage", default=None,
@@ -59,10 +64,12 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--timeout: {e}") from None
     if args.n_trials is not None and args.n_trials < 1:
         raise SpecError(f"--n-trials must be at least 1, got {args.n_trials}")
+    tolerance = _percent(args.tolerance)
     session = open_search(model=args.model, impl=args.impl, model_factory=args.model_factory, gpus=args.gpus,
                           seq_len=args.seq_len, global_batch=args.global_batch, space=args.space, study=args.study, storage=args.storage, executor=args.executor,
                           resume=args.resume, ray_address=args.ray_address,
-                          concurrent_trials=args.concurrent_trials, objective=args.objective)
+                          concurrent_trials=args.concurrent_trials, objective=args.objective,
+                          exhaustive=args.exhaustive, tolerance=tolerance)
     study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
     print(f"executor: {session.how}")
@@ -75,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
               f"`autotune search --resume --study {study.study_name}`", file=sys.stderr)
         raise
     stop = {"exhausted": "every feasible candidate is decided", "n-trials": "--n-trials reached",
-            "timeout": "--timeout reached"}.get(summary.stop, summary.stop)
+            "timeout": "--timeout reached", "bound": summary.bound.get("line")}.get(summary.stop, summary.stop)
     print(f"\nstopped: {stop}. {summary.ok} ok, {summary.failed} failed, {summary.pruned} pruned without a run"
           + (f", {summary.interrupted} interrupted (rerun on --resume)" if summary.interrupted else ""))
     corr = session.correction.summary()
@@ -88,6 +95,17 @@ def run(args: argparse.Namespace) -> int:
     files = report.write_outputs(study)
     print(f"report: {files[0]}; export the winner: autotune export --study {study.study_name} --out ds_config.json")
     return 0
+
+
+def _percent(text: str) -> float:
+    """`--tolerance`: "2", "2%" or "0.5%" -> 0.02, 0.005 (a fraction)."""
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        raise SpecError(f"--tolerance: expected a percentage such as 2 or 2%, got {text!r}") from None
+    if not 0 <= value < 100:
+        raise SpecError(f"--tolerance must be at least 0% and below 100%, got {text!r}")
+    return value / 100
 
 
 def _pct(x: float | None) -> str:
