@@ -1,0 +1,205 @@
+"""`autotune plan`: which GPUs to rent for a token budget, ranked by hours and dollars.
+
+Per GPU option (a cluster: type and count), the fastest configuration that fits, found by the
+search's own parts, composed here and not copied:
+
+    search_space.expand -> memory.estimate per candidate -> search.Plan (the groups of
+    search_order.speed_order: per group its first member that fits) -> search.default_prior (the cost
+    model on GPUs) -> the group head with the highest prior
+
+then hours = tokens / (tokens/s), dollars = hours x GPUs x $/GPU-hour, $ per million tokens. Every
+throughput is the cost model's (simulated), or the cost model rescaled by a measured study of that
+GPU type (`--calibrate`, `calibration_from_study`). Prices are inputs (autotune/plan_prices.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autotune.errors import SpecError
+from autotune.hardware import Cluster, gpu_presets, parse_gpus
+from autotune.models import ModelSpec
+from autotune.plan_prices import Price
+from autotune.search_space import SearchSpace
+from autotune.train_config import TrainConfig
+
+DEFAULT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+"""The issue's default options: every preset GPU type at 1-64 GPUs in powers of two, on nodes of 8."""
+
+PLAN_SPACE = {"zero_stage": (0, 1, 2, 3), "micro_batch": (1, 2, 4, 8, 16), "ckpt_layers": (0, "L/2", "L")}
+"""The default space of a plan: the search's default (search_spaces/default.yaml) with checkpointing cut
+from every k in 0..L to 0, L/2 and L, so that an option prices 60 candidates, not ~800 (13B: 41 k per
+stage and micro batch). A plan says it used this space; --space FILE uses the user's."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One priced GPU option: the fastest fitting configuration found and what N tokens cost on it."""
+
+    gpus: str
+    gpu_type: str
+    num_gpus: int
+    config: TrainConfig
+    tokens_per_s: float
+    """Whole cluster, tokens per second (simulated, or simulated x a calibration factor)."""
+    hours: float
+    usd: float
+    price: Price
+    source: str = "simulated"
+    """simulated (the cost model) or "simulated, calibrated by study NAME (x F)"."""
+    pareto: bool = False
+
+    @property
+    def usd_per_m_tokens(self) -> float:
+        return self.usd / self.tokens_m
+
+    @property
+    def tokens_m(self) -> float:
+        return self.tokens_per_s * self.hours * 3600 / 1e6
+
+    def to_json(self) -> dict:
+        return {"gpus": self.gpus, "tokens_per_s": self.tokens_per_s, "hours": self.hours,
+                "usd": self.usd, "usd_per_m_tokens": self.usd_per_m_tokens,
+                "usd_per_gpu_hour": self.price.usd_per_gpu_hour, "price_source": self.price.describe(),
+                "config": self.config.to_dict(), "simulated": True, "source": self.source, "pareto": self.pareto}
+
+
+@dataclass(frozen=True)
+class Unfit:
+    gpus: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    options: list[Option]
+    """Ranked by `by`, within the budgets."""
+    unfit: list[Unfit] = field(default_factory=list)
+    """Options with no candidate that fits or no price, or over a budget, with why."""
+    space: str = ""
+    by: str = "usd"
+    tokens: float = 0.0
+
+
+def default_options() -> list[str]:
+    """Every priced GPU preset (not CPU ranks) at 1-64 GPUs in powers of two, nodes of the type's
+    gpus_per_node (8 for all priced types)."""
+    from autotune.plan_prices import default_prices
+
+    priced = default_prices()
+    return [f"{n}x{name}" for name in gpu_presets() if name in priced for n in DEFAULT_COUNTS]
+
+
+def plan_space(method: str | None, space: SearchSpace | None) -> SearchSpace:
+    """The space of a plan: the user's (--space), else PLAN_SPACE; --method sets its `method`."""
+    base = space or SearchSpace.of(**PLAN_SPACE, path="<plan default: search default with ckpt 0, L/2, L>")
+    if method is None:
+        return base
+    return SearchSpace(values={**base.values, "method": (method,)}, trial=base.trial, path=base.path, text=base.text)
+
+
+def best_config(model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len: int) -> tuple[TrainConfig, float] | str:
+    """(the fastest fitting config, its simulated tokens/s over the cluster), or why there is none.
+    The candidates, estimate, grouping and prior are the search's (module docstring)."""
+    from autotune.memory import estimate
+    from autotune.search import Candidate, Plan, default_prior
+    from autotune.search_order import speed_order
+    from autotune.search_space import expand
+
+    try:
+        exp = expand(space, model, cluster, seq_len=seq_len)
+    except SpecError as e:
+        return str(e)
+    cands = [Candidate(c, estimate(model, cluster, c)) for c in exp.candidates]
+    heads = Plan(cands, lambda c: c.est.fits, speed_order(model)).available(set())
+    if not heads:
+        smallest = min(cands, key=lambda c: c.est.total_bytes)
+        return (f"nothing of {len(cands)} candidates fits: the smallest needs {smallest.est.total_bytes / 2**30:.1f} "
+                f"GiB per device of {smallest.est.capacity_bytes / 2**30:.1f}")
+    prior = default_prior(model, cluster)
+    best = max(heads, key=lambda c: prior(c.cfg))
+    return best.cfg, prior(best.cfg) * best.cfg.seq_len
+
+
+def price_option(gpus: str, cluster: Cluster, cfg: TrainConfig, tokens_per_s: float, tokens: float,
+                 price: Price, source: str = "simulated") -> Option:
+    """hours = tokens / tokens/s; usd = hours x GPUs x $/GPU-hour."""
+    hours = tokens / tokens_per_s / 3600.0
+    return Option(gpus=gpus, gpu_type=cluster.gpu.name, num_gpus=cluster.world_size, config=cfg,
+                  tokens_per_s=tokens_per_s, hours=hours, usd=hours * cluster.world_size * price.usd_per_gpu_hour,
+                  price=price, source=source)
+
+
+def pareto_front(options: list[Option]) -> set[int]:
+    """Indices of the options no other beats on both hours and dollars (lower is better; an equal
+    pair keeps the first)."""
+    front = set()
+    for i, a in enumerate(options):
+        dominated = any((b.hours <= a.hours and b.usd <= a.usd) and (b.hours < a.hours or b.usd < a.usd or j < i)
+                        for j, b in enumerate(options) if j != i)
+        if not dominated:
+            front.add(i)
+    return front
+
+
+def make_plan(model: ModelSpec, tokens: float, gpus: list[str], *, seq_len: int, method: str | None = None,
+              space: SearchSpace | None = None, prices: dict[str, Price], max_hours: float | None = None,
+              max_usd: float | None = None, by: str = "usd", calibration: dict[str, tuple[float, str]] | None = None,
+              progress=None) -> PlanResult:
+    """Price every option of `gpus`, mark the hours-vs-dollars front, rank by `by`, apply the budgets.
+    `calibration`: GPU type -> (factor, what it came from), multiplying that type's simulated tokens/s."""
+    if not (tokens > 0 and math.isfinite(tokens)):
+        raise SpecError(f"--tokens must be a positive number, got {tokens}")
+    if by not in ("usd", "hours"):
+        raise SpecError(f"--by must be usd or hours, got {by!r}")
+    sp = plan_space(method, space)
+    priced, unfit = [], []
+    for text in gpus:
+        cluster = parse_gpus(text)           # an unknown type is a SpecError: exit 2 with the reason
+        if cluster.gpu.is_cpu:
+            raise SpecError(f"--gpus {text}: CPU ranks have no cost model and no rental price; plan GPU types")
+        price = prices.get(cluster.gpu.name)
+        if price is None:
+            unfit.append(Unfit(text, f"no price for {cluster.gpu.name}: give --price {cluster.gpu.name}=USD"))
+            continue
+        if progress:
+            progress(text)
+        found = best_config(model, cluster, sp, seq_len)
+        if isinstance(found, str):
+            unfit.append(Unfit(text, found))
+            continue
+        cfg, tok_s = found
+        source = "simulated"
+        if calibration and cluster.gpu.name in calibration:
+            factor, what = calibration[cluster.gpu.name]
+            tok_s, source = tok_s * factor, f"simulated x {factor:.3f} ({what})"
+        priced.append(price_option(cluster.text, cluster, cfg, tok_s, tokens, price, source))
+    front = pareto_front(priced)
+    priced = [_with_front(o, i in front) for i, o in enumerate(priced)]
+    return _budgeted(priced, unfit, sp, by, tokens, max_hours, max_usd)
+
+
+def _with_front(o: Option, on: bool) -> Option:
+    from dataclasses import replace
+
+    return replace(o, pareto=on)
+
+
+def _budgeted(priced: list[Option], unfit: list[Unfit], sp: SearchSpace, by: str, tokens: float,
+              max_hours: float | None, max_usd: float | None) -> PlanResult:
+    """Rank and apply the budgets; a budget nothing meets is a SpecError naming the closest option."""
+    if not priced:
+        why = "; ".join(f"{u.gpus}: {u.reason}" for u in unfit) or "no options"
+        raise SpecError(f"no GPU option can train this: {why}")
+    within = [o for o in priced if (max_hours is None or o.hours <= max_hours) and (max_usd is None or o.usd <= max_usd)]
+    if not within:
+        fastest, cheapest = min(priced, key=lambda o: o.hours), min(priced, key=lambda o: o.usd)
+        budget = " and ".join(b for b in (f"--max-hours {max_hours:g}" if max_hours is not None else "",
+                                          f"--max-usd {max_usd:g}" if max_usd is not None else "") if b)
+        raise SpecError(f"no option meets {budget}: the fastest, {fastest.gpus}, takes {fastest.hours:.3g} h "
+                        f"(${fastest.usd:,.0f}); the cheapest, {cheapest.gpus}, costs ${cheapest.usd:,.0f} "
+                        f"({cheapest.hours:.3g} h) (simulated)")
+    over = [Unfit(o.gpus, f"over budget: {o.hours:.3g} h, ${o.usd:,.0f}") for o in priced if o not in within]
+    key = (lambda o: (o.usd, o.hours)) if by == "usd" else (lambda o: (o.hours, o.usd))
+    return PlanResult(sorted(within, key=key), unfit + over, sp.path, by, tokens)
