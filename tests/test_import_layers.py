@@ -34,15 +34,6 @@ MEMORY_LAYERS: tuple[tuple[str, ...], ...] = (
 """memory/'s modules from the bottom up: each imports only modules of the layers below it, and
 modules of one layer do not import each other. A new module must be placed here."""
 
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"autotune.models", "autotune.models.hf_config"}),
-    frozenset({"autotune.costops", "autotune.costops.trace"}),
-)
-"""Cycles outside memory/ that issue 30 found and did not untangle (each needs a class moved out of
-its package's __init__: ModelSpec and FAMILY_DEFAULTS, Op and OpProfile). The test fails when one
-of them is gone too, so the list only shrinks."""
-
-
 def modules(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
     """Dotted name -> (file, is a package's __init__) of every module under `root`."""
     out = {}
@@ -127,10 +118,8 @@ def test_the_check_sees_a_cycle_made_by_an_import_inside_a_function(tmp_path):
 
 
 def test_no_import_cycle_in_autotune():
-    found = set(cycles(import_graph()))
-    new = found - set(KNOWN_CYCLES)
-    assert not new, f"import cycles: {[sorted(c) for c in new]}"
-    assert found == set(KNOWN_CYCLES), f"untangled, remove from KNOWN_CYCLES: {set(KNOWN_CYCLES) - found}"
+    found = cycles(import_graph())
+    assert not found, f"import cycles: {[sorted(c) for c in found]}"
 
 
 def test_memory_imports_down_its_layers_only():

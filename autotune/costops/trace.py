@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autotune.costops import Op, OpProfile
+from autotune.costops.ops import Op, OpProfile
 
 aten = torch.ops.aten
 GEMM_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}

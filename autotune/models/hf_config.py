@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import SpecError
-from autotune.models import FAMILY_DEFAULTS, ModelSpec
+from autotune.models.spec import FAMILY_DEFAULTS, ModelSpec
 
 # ---- configs --------------------------------------------------------------------------------
 
