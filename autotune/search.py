@@ -11,11 +11,11 @@ start-up trials before they model anything and re-propose points already seen in
 categorical spaces; grid and random ignore structure. What is known before any run is structural:
 recomputation costs about a forward pass per checkpointed layer, larger micro batches amortise
 per-step costs, higher ZeRO stages move more bytes. So the choice is deterministic: enumerate the
-feasible frontier, order it by a prior (the cost model on GPUs; on CPU ranks the model's own step
-timed here, autotune.cpu_prior), and after
-each measurement shift the prior of neighbouring candidates by the measured/prior ratio (a kernel
-regression on the log residual). The first pick is the prior's best guess, and each result moves
-the search towards where measurements beat expectations. The chosen point reaches Optuna through
+feasible frontier, rank it by a prior (the cost model on GPUs; on CPU ranks the model's own step
+timed here, autotune.cpu_prior), and after each measurement bound what every unrun candidate could
+still reach: the prior corrected by the measured neighbours, widened by the error the prior has shown
+in this study (autotune/stopping.py). The next trial is the largest bound; the search stops when no
+bound beats the best measured by more than the tolerance. The first pick is the prior's best guess. The chosen point reaches Optuna through
 `study.ChosenSampler`, so every trial is an ordinary ask/tell trial in the study.
 """
 

@@ -71,3 +71,23 @@ def test_tpe_runs_each_config_once_and_stops_at_the_target(landscape):
     order = se.tpe(landscape, 0)
     assert len({c.key() for c in order}) == len(order)
     assert landscape.reached(order[-1])
+
+
+def test_perturbed_landscape_is_bounded_structured_and_seeded(landscape):
+    """The error of a perturbed copy stays within its amplitude, is the same for one seed and another
+    for another seed, and the prior ours sees is the unperturbed landscape."""
+    a = se.perturbed(landscape, 0.15, 3)
+    ratios = {c.key(): a.run(c).samples_per_s / landscape.run(c).samples_per_s
+              for c in landscape.configs if landscape.run(c).status == "ok"}
+    assert all(abs(r - 1) <= 0.15 + 1e-12 for r in ratios.values()) and max(abs(r - 1) for r in ratios.values()) > 0.01
+    assert ratios == {k: se.perturbed(landscape, 0.15, 3).table[k].samples_per_s / landscape.table[k].samples_per_s
+                      for k in ratios}
+    assert a.table != se.perturbed(landscape, 0.15, 4).table
+    assert a.prior == {k: o.samples_per_s for k, o in landscape.table.items() if o.status == "ok"}
+    # the stage factor is shared: configs of one stage and micro batch differ by the k trend and the noise alone
+    z0 = [c for c in landscape.configs if c.zero_stage == 0 and c.micro_batch == 1]
+    z3 = [c for c in landscape.configs if c.zero_stage == 3 and c.micro_batch == 1]
+    noise = 2 * se.PERTURB_SHARES["noise"] * 0.15
+    assert abs(ratios[z0[0].key()] - ratios[z3[0].key()]) > 0 and all(
+        abs(ratios[c.key()] - ratios[z0[0].key()]) <= noise + 2 * se.PERTURB_SHARES["ckpt"] * 0.15 + 1e-12
+        for c in z0 if c.key() in ratios)
