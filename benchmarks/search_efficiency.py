@@ -1,7 +1,7 @@
 """How many trials, and how many trial-seconds, each search strategy needs to reach within 2% of
 the best throughput, on fixed landscapes where every config's outcome is known in advance.
 
-    python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|cpu-gpt2|sim13b|all]
+    python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|cpu-gpt2|sim13b|lora|full|perturbed|all]
 
 Landscapes (a config "runs" by reading its outcome; each run is a trial and costs its trial-seconds):
   cpu     real trials recorded on this machine's CPU (benchmarks/data/cpu_landscape.csv, written by
@@ -11,12 +11,20 @@ Landscapes (a config "runs" by reading its outcome; each run is a trial and cost
   sim13b  Llama-2-13B on 4 x A100-80GB over the default search space: the memory model decides OOM,
           the cost model the throughput; trial-seconds = SIM_STARTUP_S + (warm-up + measured steps)
           x the simulated step (an OOM costs the start-up and one step).
+  lora, full  the same over search_spaces/lora.yaml (LoRA and QLoRA too) and search_spaces/full.yaml
+          (every knob: 48,996 configs, one run per group); built once per benchmark run (minutes).
+  perturbed  sim13b, lora and full with the truth = the cost model x (1 + a structured error) of up
+          to +-15% (sim13b) or +-10% (lora, full), one landscape per seed (`--perturbed-seeds`):
+          `perturbed` below. The search still sees the unperturbed cost model as its prior: a stand-in
+          for GPUs whose real speed the cost model misses. Only ours (stopping, and --exhaustive for
+          reference) runs there.
 
 Strategies: the exhaustive grid (the space's order); random order; DeepSpeed's autotuner (fast mode,
 per ZeRO stage: micro batch 1, its memory-derived largest micro batch, binary search, then its
 micro-batch list; deepspeed/autotuning/autotuner.py, restricted to the space's micro batches,
 no checkpointing, gradient accumulation 1); Optuna TPE over the same space with no memory model
-(an OOM costs its trial and is told as 0 samples/s); and ours (autotune.search.Search, memory model first).
+(an OOM costs its trial and is told as 0 samples/s); and ours (autotune.search.Search, memory model first), with its stopping rule and with
+--exhaustive (every feasible group, the behaviour before the rule).
 Random and TPE run once per seed; the others are deterministic, except that ours' CPU prior times
 the model here, so its order can move with this machine's noise. Ours is charged the seconds it
 spends before and between trials (memory model, prior probes) on top of the trials' own.
@@ -78,6 +86,11 @@ class Landscape:
     note: str = ""
     planning_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Strategy name -> seconds it spent outside trials (its last run), charged to its trial-seconds."""
+    estimates: dict[tuple, object] | None = None
+    """config key -> the memory model's estimate, where the landscape computed them (ours reuses them:
+    they are what its own Search would compute, minutes for a large space)."""
+    prior: dict[tuple, float] | None = None
+    """config key -> the prior ours sees (the unperturbed cost model), where it differs from its default."""
 
     def run(self, cfg: TrainConfig) -> Outcome:
         return self.table[cfg.key()]
@@ -121,24 +134,75 @@ def cpu_landscape(path: Path = DATA / "cpu_landscape.csv", name: str = "cpu (mea
     return Landscape(name, model, cluster, space, seq, configs, table)
 
 
-def sim13b_landscape() -> Landscape:
+_BUILT: dict[str, Landscape] = {}
+"""Simulated landscapes built in this run, by space: the perturbed ones reuse them (minutes each)."""
+
+
+def sim_landscape(space_path: str | Path = DEFAULT_SPACE, label: str = "13b x 4xA100 (simulated)") -> Landscape:
     from autotune.costmodel import simulate
     from autotune.memory import estimate
 
-    model, cluster, space, seq = resolve_model("13b"), parse_gpus("4xA100"), load_space(DEFAULT_SPACE), 2048
+    if str(space_path) in _BUILT:
+        return _BUILT[str(space_path)]
+    model, cluster, space, seq = resolve_model("13b"), parse_gpus("4xA100"), load_space(space_path), 2048
     configs = expand(space, model, cluster, seq_len=seq).candidates
     steps = space.trial.warmup_steps + space.trial.steps
-    table = {}
+    table, ests = {}, {}
     for cfg in configs:
-        est, step = estimate(model, cluster, cfg), simulate(model, cluster, cfg)
+        est = ests[cfg.key()] = estimate(model, cluster, cfg)
         if est.fits:
+            step = simulate(model, cluster, cfg)
             table[cfg.key()] = Outcome("ok", step.samples_per_s, SIM_STARTUP_S + steps * step.step_time_s,
                                        est.total_bytes)
-        else:
-            table[cfg.key()] = Outcome("oom", None, SIM_STARTUP_S + step.step_time_s, est.total_bytes)
+        else:   # ours never runs it (the memory model is the verdict); the others pay a start-up
+            table[cfg.key()] = Outcome("oom", None, SIM_STARTUP_S, est.total_bytes)
     note = ("out of memory here is the memory model's verdict, the model ours prunes with: its pruning "
             "is exact by construction on this landscape")
-    return Landscape("13b x 4xA100 (simulated)", model, cluster, space, seq, configs, table, note)
+    ls = Landscape(label, model, cluster, space, seq, configs, table, note, estimates=ests)
+    _BUILT[str(space_path)] = ls
+    return ls
+
+
+def sim13b_landscape() -> Landscape:
+    return sim_landscape()
+
+
+PERTURB_SHARES = {"stage": 0.5, "micro_batch": 0.25, "ckpt": 0.15, "noise": 0.10}
+"""How a perturbed landscape splits its amplitude A (issue 29: up to +-15%): a factor per ZeRO stage
+(uniform in +-0.5 A each), a trend linear in log2(micro batch) and one linear in the checkpointed
+share of layers (each a uniform slope reaching +-0.25 A and +-0.15 A at the ends of the space's
+range), and noise of its own per config (uniform +-0.1 A). They add up, so |error| <= A."""
+
+
+def perturbed(base: Landscape, amp: float, seed: int) -> Landscape:
+    """`base` with samples/s x (1 + error), the error structured as PERTURB_SHARES says; its trial-seconds
+    follow (the steps take 1 / (1 + error) as long). Ours is given the base's samples/s as its prior."""
+    rng = random.Random(seed)
+    stage = {z: rng.uniform(-1, 1) * PERTURB_SHARES["stage"] * amp for z in range(4)}
+    mb_slope = rng.uniform(-1, 1) * PERTURB_SHARES["micro_batch"] * amp
+    k_slope = rng.uniform(-1, 1) * PERTURB_SHARES["ckpt"] * amp
+    logs = [math.log2(c.micro_batch) for c in base.configs]
+    lo, hi = min(logs), max(logs)
+    layers = max(base.model.num_layers, 1)
+
+    def error(c: TrainConfig) -> float:
+        x_mb = 2 * (math.log2(c.micro_batch) - lo) / (hi - lo) - 1 if hi > lo else 0.0
+        # the noise is the config's own: seeded by its key, not by the order configs are visited
+        own = random.Random(f"{seed}/{c.key()}").uniform(-1, 1) * PERTURB_SHARES["noise"] * amp
+        return stage[c.zero_stage] + mb_slope * x_mb + k_slope * (2 * c.ckpt_layers / layers - 1) + own
+
+    table = {}
+    for c in base.configs:
+        out = base.table[c.key()]
+        if out.status == "ok":
+            f = 1 + error(c)
+            out = Outcome("ok", out.samples_per_s * f, SIM_STARTUP_S + (out.trial_s - SIM_STARTUP_S) / f,
+                          out.peak_bytes)
+        table[c.key()] = out
+    prior = {k: o.samples_per_s for k, o in base.table.items() if o.status == "ok"}
+    return Landscape(f"{base.name.replace('(simulated)', '')}perturbed +-{amp:.0%}".replace("  ", " "),
+                     base.model, base.cluster, base.space, base.seq_len, base.configs, table,
+                     estimates=base.estimates, prior=prior)
 
 
 # ---- strategies: each returns the distinct configs it ran, in order ---------------------------
@@ -329,7 +393,7 @@ class _TableExecutor(Executor):
         return done
 
 
-def ours(ls: Landscape, seed: int) -> list[TrainConfig]:
+def ours(ls: Landscape, seed: int, exhaustive: bool = False) -> list[TrainConfig]:
     import optuna
 
     from autotune.cpu_prior import probe_adamw_s_per_param, probe_model
@@ -339,17 +403,26 @@ def ours(ls: Landscape, seed: int) -> list[TrainConfig]:
     for probe in (probe_model, probe_adamw_s_per_param):
         probe.cache_clear()   # a probe's seconds count on every run
     ex = _TableExecutor(ls)
+    est = None if ls.estimates is None else (lambda model, cluster, cfg: ls.estimates[cfg.key()])
+    prior = None if ls.prior is None else (lambda cfg: ls.prior[cfg.key()])
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         study = optuna.create_study(direction="maximize")
-        Search(study, ls.model, ls.cluster, ls.space, ex, seq_len=ls.seq_len, out_root=Path(tmp)).run(progress=False)
-    ls.planning_s["ours"] = time.perf_counter() - t0
+        search = Search(study, ls.model, ls.cluster, ls.space, ex, seq_len=ls.seq_len, out_root=Path(tmp),
+                        estimate_fn=est, prior=prior, exhaustive=exhaustive,
+                        prior_kind="cost model" if ls.prior is not None else None)
+        search.run(progress=False)
+    ls.planning_s["ours --exhaustive" if exhaustive else "ours"] = time.perf_counter() - t0
     return ex.order
+
+
+def ours_exhaustive(ls: Landscape, seed: int) -> list[TrainConfig]:
+    return ours(ls, seed, exhaustive=True)
 
 
 STRATEGIES: dict[str, tuple[Callable[[Landscape, int], list[TrainConfig]], bool]] = {
     "grid": (grid, False), "random": (random_order, True), "deepspeed-autotuner": (deepspeed_autotuner, False),
-    "optuna-tpe": (tpe, True), "ours": (ours, False)}
+    "optuna-tpe": (tpe, True), "ours --exhaustive": (ours_exhaustive, False), "ours": (ours, False)}
 """name -> (strategy, whether it depends on the seed)."""
 
 
@@ -367,50 +440,112 @@ def reach(ls: Landscape, order: list[TrainConfig], planning_s: float = 0.0) -> t
     return (hit[0], hit[1], spent) if hit else (None, None, spent)
 
 
-def evaluate(ls: Landscape, seeds: int) -> dict[str, dict]:
+def _row(ls_runs: list[tuple[Landscape, tuple, int]]) -> dict:
+    """Medians over runs of (landscape, reach(...), configs run)."""
+    hits = [(ls, r) for ls, r, _ in ls_runs if r[0] is not None]
+    return {"runs": len(ls_runs), "reached": len(hits),
+            "trials": statistics.median(r[0] for _, r in hits) if hits else None,
+            "trial_s": statistics.median(r[1] for _, r in hits) if hits else None,
+            "ran": statistics.median(n for _, _, n in ls_runs),
+            "ran_s": statistics.median(r[2] for _, r, _ in ls_runs),
+            # run / to target per run, then the median: what the stopping rule spends after the answer
+            "ratio": statistics.median(r[2] / r[1] for _, r in hits) if hits else None}
+
+
+def evaluate(ls: Landscape, seeds: int, names: tuple[str, ...] | None = None) -> dict[str, dict]:
     rows = {}
     for name, (strategy, seeded) in STRATEGIES.items():
+        if names is not None and name not in names:
+            continue
         runs = []
         for s in range(seeds) if seeded else [0]:
             order = strategy(ls, s)
-            runs.append((reach(ls, order, ls.planning_s.get(name, 0.0)), len(order)))
-        hits = [r for (r, _) in runs if r[0] is not None]
-        rows[name] = {"runs": len(runs), "reached": len(hits),
-                      "trials": statistics.median(r[0] for r in hits) if hits else None,
-                      "trial_s": statistics.median(r[1] for r in hits) if hits else None,
-                      "ran": statistics.median(n for _, n in runs),
-                      "ran_s": statistics.median(r[2] for r, _ in runs)}
+            runs.append((ls, reach(ls, order, ls.planning_s.get(name, 0.0)), len(order)))
+        rows[name] = _row(runs)
     return rows
 
 
-def print_table(ls: Landscape, rows: dict[str, dict]) -> None:
+def evaluate_perturbed(base: Landscape, amp: float, seeds: int) -> tuple[Landscape, dict[str, dict]]:
+    """Ours with and without its stopping rule, one perturbed landscape per seed."""
+    rows = {}
+    for name in ("ours --exhaustive", "ours"):
+        runs = []
+        for s in range(seeds):
+            ls = perturbed(base, amp, s)
+            order = STRATEGIES[name][0](ls, s)
+            runs.append((ls, reach(ls, order, ls.planning_s.get(name, 0.0)), len(order)))
+        rows[name] = _row(runs)
+    return ls, rows
+
+
+def print_table(ls: Landscape, rows: dict[str, dict], seeds: int | None = None) -> None:
     oks = sum(o.status == "ok" for o in ls.table.values())
-    print(f"\n{ls.name}: {len(ls.configs)} configs ({oks} ok, {len(ls.configs) - oks} out of memory or failed), "
-          f"best {ls.best:.4g} samples/s, target {TARGET:.0%} of it")
+    what = f"{seeds} seeds, each its own landscape; the last:" if seeds else ""
+    print(f"\n{ls.name}: {what} {len(ls.configs)} configs ({oks} ok, {len(ls.configs) - oks} out of memory or "
+          f"failed), best {ls.best:.4g} samples/s, target {TARGET:.0%} of it")
     if ls.note:
         print(f"  note: {ls.note}")
     print(f"  {'strategy':20s} {'reached':>8s} {'trials to target':>17s} {'trial-s to target':>18s} "
-          f"{'trials run':>11s} {'trial-s run':>12s}")
+          f"{'trials run':>11s} {'trial-s run':>12s} {'run / to target':>16s}")
     for name, r in rows.items():
         t = "-" if r["trials"] is None else f"{r['trials']:g}"
         s = "-" if r["trial_s"] is None else f"{r['trial_s']:.0f}"
-        print(f"  {name:20s} {r['reached']:>3d}/{r['runs']:<4d} {t:>17s} {s:>18s} {r['ran']:>11g} {r['ran_s']:>12.0f}")
+        q = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        print(f"  {name:20s} {r['reached']:>3d}/{r['runs']:<4d} {t:>17s} {s:>18s} {r['ran']:>11g} {r['ran_s']:>12.0f}"
+              f" {q:>16s}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=10, help="seeds for the seeded strategies (random, TPE)")
-    p.add_argument("--landscape", choices=["cpu", "cpu-gpt2", "sim13b", "all"], default="all")
+    p.add_argument("--perturbed-seeds", type=int, default=20, help="perturbed landscapes per base landscape")
+    p.add_argument("--landscape", choices=["cpu", "cpu-gpt2", "sim13b", "lora", "full", "perturbed", "all"],
+                   default="all")
+    p.add_argument("--prior-error", action="store_true", help="only the CPU prior's error on the recorded landscapes")
     args = p.parse_args()
+    if args.prior_error:
+        for ls in (cpu_landscape(), cpu_landscape(DATA / "cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)")):
+            prior_error(ls)
+        return
+    space = Path(__file__).resolve().parents[1] / "search_spaces"
     builders = {"cpu": cpu_landscape,
                 "cpu-gpt2": lambda: cpu_landscape(DATA / "cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)"),
-                "sim13b": sim13b_landscape}
-    for key in (builders if args.landscape == "all" else [args.landscape]):
+                "sim13b": sim13b_landscape,
+                "lora": lambda: sim_landscape(space / "lora.yaml", "13b x 4xA100 lora.yaml (simulated)"),
+                "full": lambda: sim_landscape(space / "full.yaml", "13b x 4xA100 full.yaml (simulated)")}
+    # the big spaces: ours only (grid, random and TPE would take tens of thousands of table runs)
+    only_ours = {"lora": ("ours --exhaustive", "ours"), "full": ("ours --exhaustive", "ours")}
+    keys = list(builders) if args.landscape in ("all", "perturbed") else [args.landscape]
+    for key in keys:
         ls = builders[key]()
-        print_table(ls, evaluate(ls, args.seeds))
+        if args.landscape != "perturbed":
+            print_table(ls, evaluate(ls, args.seeds, only_ours.get(key)))
+        if key in PERTURBED and args.landscape in ("all", "perturbed"):
+            last, rows = evaluate_perturbed(ls, PERTURBED[key], args.perturbed_seeds)
+            print_table(last, rows, args.perturbed_seeds)
     print("\nMedians over seeds. 'reached': runs that got within 2% of the best. 'trials run': all a strategy "
           "runs when left alone (grid, random: the whole space; TPE: until the target, it has no stopping "
-          "rule). DeepSpeed's autotuner does not tune checkpointing: a best that needs it is out of its reach.")
+          "rule). 'run / to target': per run, trial-seconds run over trial-seconds to the target (the median). "
+          "DeepSpeed's autotuner does not tune checkpointing: a best that needs it is out of its reach.")
+
+
+def prior_error(ls: Landscape) -> None:
+    """The CPU prior against a recorded landscape: sd of log(measured / prior) over the groups a search
+    could run (each group's first member that fits), about their mean (stopping.KNOWN_ERROR)."""
+    from autotune.memory import estimate
+    from autotune.search import Candidate, Plan, default_prior
+    from autotune.search_order import speed_order
+
+    cands = [Candidate(c, estimate(ls.model, ls.cluster, c)) for c in ls.configs]
+    heads = Plan(cands, lambda c: c.est.fits, speed_order(ls.model)).available(set())
+    prior = default_prior(ls.model, ls.cluster, [c.cfg for c in cands if c.est.fits])
+    res = [math.log(ls.run(c.cfg).samples_per_s / prior(c.cfg)) for c in heads if ls.run(c.cfg).status == "ok"]
+    print(f"{ls.name}: {len(res)} groups, log(measured / CPU prior) mean {statistics.mean(res):+.3f}, "
+          f"sd {statistics.stdev(res):.3f} (the prior probed now)")
+
+
+PERTURBED = {"sim13b": 0.15, "lora": 0.10, "full": 0.10}
+"""Landscape -> the amplitude of its perturbed copies (issue 29: +-15%; lora.yaml and full.yaml +-10%)."""
 
 
 if __name__ == "__main__":
