@@ -15,8 +15,9 @@ feasible frontier, rank it by a prior (the cost model on GPUs; on CPU ranks the 
 timed here, autotune.cpu_prior), and after each measurement bound what every unrun candidate could
 still reach: the prior corrected by the measured neighbours, widened by the error the prior has shown
 in this study (autotune/stopping.py). The next trial is the largest bound; the search stops when no
-bound beats the best measured by more than the tolerance. The first pick is the prior's best guess. The chosen point reaches Optuna through
-`study.ChosenSampler`, so every trial is an ordinary ask/tell trial in the study.
+bound beats the best measured by more than the tolerance. The first pick is the prior's best guess.
+The chosen point reaches Optuna through `study.ChosenSampler`, so every trial is an ordinary ask/tell
+trial in the study.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -85,6 +87,7 @@ def default_prior(model: ModelSpec, cluster: Cluster, configs: list[TrainConfig]
         return cpu_prior(model, cluster, configs)
     from autotune.costmodel import simulate
 
+    @cache      # the search asks a candidate's prior again at every pick
     def prior(cfg: TrainConfig) -> float:
         try:
             return simulate(model, cluster, cfg).samples_per_s

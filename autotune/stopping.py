@@ -40,15 +40,16 @@ from autotune.train_config import TrainConfig, searched_fields
 _ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "seq_len")
 
 KNOWN_ERROR = {"cost model": 0.07, "cpu prior": 0.10, "given prior": 0.10}
-"""The prior's error between candidates (sd of log(true / prior) once the shared offset is removed)
-before a study has measured anything; pooled with the study's own error as NU0 says. Cost model: its calibration points miss by -7.3% to +7.1% (docs/costmodel.md, `python
-benchmarks/costmodel_accuracy.py`), and two of them (ZeRO-1 and -2 on the V100s) are 12% apart where it
+"""The prior's error between candidates (sd of log(true / prior) once the shared offset is removed) before
+a study has measured anything; pooled with the study's own error as NU0 says. Cost model: its
+calibration points miss by -7.3% to +7.1% (docs/costmodel.md,
+`python benchmarks/costmodel_accuracy.py`), and two of them (ZeRO-1 and -2 on the V100s) are 12% apart where it
 puts them 2% apart: 0.07. CPU prior: its rank correlation with the recorded landscapes is 0.95-0.985 on
 a quiet machine (autotune/cpu_prior.py), yet on a held-back live search it put the true best 10th with
 the runner-up 13% slower (issue 29), and probed on a loaded machine (2026-12-03, load average 6 on 2
-cores) the feasible groups' log residuals had sd 0.22-0.26 in two probings, most of it a trend in
-micro batch that the study learns (`python benchmarks/search_efficiency.py --prior-error`): 0.10, and the study's
-evidence decides. A prior given by the caller: 0.10."""
+cores) the feasible groups' log residuals had sd 0.22-0.26 in two probings, most of it a trend in micro
+batch that the study learns (`python benchmarks/search_efficiency.py --prior-error`): 0.10, and the
+study's evidence decides. A prior given by the caller: 0.10."""
 NU0 = 1.0
 """Pseudo-measurements the known error counts for, against the study's own. The known error is a
 figure from other models and machines; from the second contrast on, the study's evidence outweighs
@@ -80,7 +81,8 @@ QUANTILE = 0.95
 
 def error_distance(a: TrainConfig, b: TrainConfig, layers: int) -> float:
     """Squared distance between two candidates for how alike the prior misses them (STAGE, SMOOTH, OTHER)."""
-    smooth = (math.log2(a.micro_batch / b.micro_batch) ** 2 + (4 * (a.ckpt_layers - b.ckpt_layers) / max(layers, 1)) ** 2
+    smooth = (math.log2(a.micro_batch / b.micro_batch) ** 2
+              + (4 * (a.ckpt_layers - b.ckpt_layers) / max(layers, 1)) ** 2
               + math.log2(a.grad_accum / b.grad_accum) ** 2 + math.log2(a.seq_len / b.seq_len) ** 2)
     other = sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields() if f.name not in _ORDERED)
     return (STAGE * (a.zero_stage - b.zero_stage)) ** 2 + SMOOTH ** 2 * smooth + OTHER ** 2 * other

@@ -23,8 +23,8 @@ Strategies: the exhaustive grid (the space's order); random order; DeepSpeed's a
 per ZeRO stage: micro batch 1, its memory-derived largest micro batch, binary search, then its
 micro-batch list; deepspeed/autotuning/autotuner.py, restricted to the space's micro batches,
 no checkpointing, gradient accumulation 1); Optuna TPE over the same space with no memory model
-(an OOM costs its trial and is told as 0 samples/s); and ours (autotune.search.Search, memory model first), with its stopping rule and with
---exhaustive (every feasible group, the behaviour before the rule).
+(an OOM costs its trial and is told as 0 samples/s); and ours (autotune.search.Search, memory model
+first), with its stopping rule and with --exhaustive (every feasible group, the behaviour before the rule).
 Random and TPE run once per seed; the others are deterministic, except that ours' CPU prior times
 the model here, so its order can move with this machine's noise. Ours is charged the seconds it
 spends before and between trials (memory model, prior probes) on top of the trials' own.
