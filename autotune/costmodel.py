@@ -239,6 +239,10 @@ def link_bytes_per_s(cluster: Cluster) -> float:
     slowest hop bounds a ring (Patarasuk & Yuan 2009); NCCL runs a ring per NIC, each carrying its
     share, so the node's NICs together (per-GPU NIC x GPUs per node) bound it, capped by NVLink."""
     gbps = cluster.gpu.intra_node_gbps
+    if not cluster.gpu.p2p:
+        # no peer-to-peer (GeForce RTX 4090): NCCL's SHM transport copies GPU -> host memory -> GPU, each
+        # byte over PCIe twice (NCCL environment-variable docs, NCCL_P2P_DISABLE; sources in data/gpus.yaml)
+        gbps /= 2
     if cluster.num_nodes > 1:
         gbps = min(gbps, cluster.gpu.inter_node_gbps * cluster.gpus_per_node)
     return gbps * GB_PER_S * COLLECTIVE_EFFICIENCY
@@ -462,6 +466,7 @@ def calibration_errors(constants: Constants | None = None) -> dict[str, float]:
 
 
 # ---- LoRA / QLoRA (issue #12): additive terms, called from simulate ------------------------------
+@cache   # a LoRA space asks the same few shapes for every candidate: 160k calls for lora.yaml's 13B plan
 def _gemm_fwd_bwd_s(m: int, k: int, n: int, key: tuple, precision: str, sustained: float) -> float:
     """An (m x k) @ (k x n) product's forward GEMM and its two backward ones (input gradient
     (m x n) @ (n x k), weight gradient (k x m) @ (m x n)), each priced as costops prices a traced

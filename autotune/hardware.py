@@ -6,6 +6,9 @@ Grammar (case-insensitive):
            | NODES "x" COUNT "x" TYPE [ "@" MEM ] [ "@host=" MEM ]  2x8xH100 (2 nodes of 8 GPUs each)
     @host= overrides the host RAM per node of the preset (data/gpus.yaml host_memory_gib), which
     bounds what ZeRO-Offload / ZeRO-Infinity can put there (memory/host.py).
+    @net=NUMBERGbps gives the node's network between nodes, all its NICs together (e.g. @net=100Gbps
+    for one 100 GbE NIC, @net=3200Gbps for 8 x 400 Gb/s InfiniBand); the preset's is a reference
+    system's (data/gpus.yaml inter_node_gbps), which a rented cluster may not have.
     MEM   := NUMBER ("GiB" | "MiB" | "GB")       overrides the per-device memory capacity
 
 A COUNT larger than the type's gpus_per_node (8 for data-centre parts) is split into full
@@ -27,8 +30,8 @@ import yaml
 from autotune.errors import SpecError
 from autotune.units import GB, TFLOPS, GiB, MiB
 
-GRAMMAR = ("expected [NODESx]COUNTxTYPE[@MEM][@host=SIZE], e.g. 4xA100, 8xH100, 2xA100-40GB, 16xH100 "
-           "(2 nodes of 8), 2x8xH100, 2xcpu, 2xcpu@2GiB, 8xH100@host=512GiB")
+GRAMMAR = ("expected [NODESx]COUNTxTYPE[@MEM][@host=SIZE][@net=GBITSGbps], e.g. 4xA100, 8xH100, 2xA100-40GB, "
+           "16xH100 (2 nodes of 8), 2x8xH100, 2xcpu, 2xcpu@2GiB, 8xH100@host=512GiB, 2x8xA100@net=100Gbps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,10 @@ class GpuSpec:
     inter_node_gbps: float = 0.0
     bf16: bool = False
     gpus_per_node: int = 8
+    p2p: bool = True
+    """GPUs of a node reach each other directly (NVLink, or PCIe peer-to-peer). False (GeForce RTX 40
+    cards: NVIDIA disables peer-to-peer on them): NCCL stages every transfer through host memory
+    (its SHM transport), so each byte crosses PCIe twice (data/gpus.yaml cites the sources)."""
     host_memory_bytes: int = 0
     """Host RAM per node of the reference system (data/gpus.yaml) or as given (@host=); 0: unknown."""
     source: str = ""
@@ -101,7 +108,7 @@ def _spec(name: str, e: dict, memory_bytes: int | None = None) -> GpuSpec:
     return GpuSpec(name=name, memory_bytes=memory_bytes if memory_bytes is not None else e["memory_mib"] * MiB,
                    peak_tflops=dict(e.get("peak_tflops") or {}), hbm_gbps=e["hbm_gbps"],
                    intra_node_gbps=e["intra_node_gbps"], inter_node_gbps=e["inter_node_gbps"],
-                   bf16=e["bf16"], gpus_per_node=e["gpus_per_node"], source=e["source"],
+                   bf16=e["bf16"], gpus_per_node=e["gpus_per_node"], source=e["source"], p2p=e.get("p2p", True),
                    host_memory_bytes=int((e.get("host_memory_gib") or 0) * GiB))
 
 
@@ -132,6 +139,19 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _net_part(suffix: str, text: str) -> tuple[str | None, float | None]:
+    """Split "@net=100Gbps" off the text after the type: (the rest or None, GB/s per node or None)."""
+    parts = suffix.split("@")
+    nets = [p for p in parts if p.lower().startswith("net=")]
+    rest = "@".join(p for p in parts if not p.lower().startswith("net="))
+    if not nets:
+        return suffix, None
+    m = re.fullmatch(r"net=(\d+(?:\.\d+)?)\s*gbps", nets[0].strip().lower())
+    if len(nets) > 1 or not m or float(m.group(1)) <= 0:
+        raise SpecError(f"malformed --gpus {text!r}: @net= takes the node's network in Gb/s, e.g. @net=100Gbps; {GRAMMAR}")
+    return (rest or None), float(m.group(1)) / 8   # Gb/s -> GB/s
+
+
 def parse_gpus(text: str) -> Cluster:
     """Parse the --gpus grammar (module docstring) into a Cluster."""
     raw = text.strip()
@@ -156,7 +176,11 @@ def parse_gpus(text: str) -> Cluster:
     notes = []
     if type_txt.lower() != name.lower():
         notes.append(f"{type_txt} read as {name}")
-    host = None
+    host, net = None, None
+    if mem_txt is not None:
+        mem_txt, net = _net_part(mem_txt, text)
+        if net is not None:
+            notes.append(f"network between nodes {net * 8:g} Gb/s per node (given)")
     if mem_txt is not None:   # "@MEM", "@host=SIZE" or "@MEM@host=SIZE"
         parts = mem_txt.split("@")
         hosts = [p for p in parts if p.lower().startswith("host=")]
@@ -178,5 +202,7 @@ def parse_gpus(text: str) -> Cluster:
     spec = _spec(name, entry, mem)
     if host is not None:
         spec = dataclasses.replace(spec, host_memory_bytes=host)
+    if net is not None:   # GB/s per GPU, as data/gpus.yaml's inter_node_gbps
+        spec = dataclasses.replace(spec, inter_node_gbps=net / per_node)
     return Cluster(gpu=spec, num_nodes=nodes, gpus_per_node=per_node,
                    text=raw, note="; ".join(notes))
