@@ -200,6 +200,15 @@ ON_HF = {
     # without it
     "z1-overlap-small-bucket-gpt2": dict(zero_stage=1, precision="fp32", overlap_comm=True, reduce_bucket_size=50_000,
                                          micro_batch=2, seq_len=32, ckpt_layers=1, model="tiny-gpt2"),
+    # one bucket larger than the model (issue 30): stage 1 allocates its buckets at the first gradient,
+    # reduced or not, and with overlap_comm the gradients are views of them (buffers.buckets_in_backward,
+    # stage1_gradients_in_bucket); Llama's shape was 2.27% under without that, the peak in the layers'
+    # backward. Stage 2 allocates its partition only at the end there (buffers.stage2_reduces_at_end):
+    # priced from the head's gradient on it was 2.31% over
+    "z1-overlap-one-big-bucket": dict(zero_stage=1, precision="fp32", overlap_comm=True,
+                                      reduce_bucket_size=20_000_000, micro_batch=2, seq_len=64),
+    "z2-overlap-one-big-bucket": dict(zero_stage=2, precision="bf16", overlap_comm=True,
+                                      reduce_bucket_size=20_000_000, micro_batch=2, seq_len=64, ckpt_layers=1),
 }
 PHASE_ONLY = {
     # stage 1 in 16 bits with offload and fp32 accumulation holds its whole gradients in fp32
@@ -302,13 +311,15 @@ def test_knob_combinations_deepspeed_refuses_or_ignores_are_refused(kw, why):
 
 def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
     """A bucket larger than needed costs memory: with 4e6 elements the estimate grows by the bucket's
-    bytes, and overlap_comm by one more bucket, at stages 1 and 2."""
+    bytes, and overlap_comm by one more bucket, at stages 1 and 2 (at stage 1 with overlap_comm the
+    whole gradients become views of the bucket and two whole-parameter partitions stand for them,
+    buffers.stage2_end_of_one_bucket: 65,280 B more than P x 2 B on transformers' tiny-llama)."""
     model = resolve_model("tiny-llama")
     for z in (1, 2):
         one = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG)))
         two = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG,
                                                  overlap_comm=True)))
-        assert two.tensor_peak_bytes - one.tensor_peak_bytes == 2 * BIG
+        assert 2 * BIG <= two.tensor_peak_bytes - one.tensor_peak_bytes <= 2 * BIG + model.num_params // 8
 
 
 def test_prefetch_bucket_costs_memory_as_deepspeeds_code_says():

@@ -136,6 +136,7 @@ def phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, di
             out[f"backward (recompute {name})"] = {
                 **static, **gathered, **carried,
                 "gradients": buffers.gradients_during_backward(model, cluster, cfg, done),
+                "comm_buffers": buffers.buckets_in_backward(model, cfg),
                 "checkpointed_inputs": inputs * one_input, "rotary_tables": saved["rotary_tables"],
                 "recomputed_layer": layer}
     return {name: {k: v for k, v in terms.items() if v} for name, terms in out.items()}

@@ -44,6 +44,50 @@ def stage1_reduces_in_backward(spec: ModelSpec, cfg: TrainConfig) -> bool:
             and bucket_sizes(spec, cfg)["reduce_bucket_size"] < spec.num_params)
 
 
+def stage2_reduces_at_end(spec: ModelSpec, cfg: TrainConfig) -> bool:
+    """Stage 2 with one reduce bucket that holds every gradient (reduce_bucket_size >= P): the bucket
+    never fills, so nothing is reduced before the boundary's epilogue (stage_1_and_2.py
+    reduce_independent_p_g_buckets_and_remove_grads reduces only when the next gradient does not fit;
+    independent_gradient_partition_epilogue -> reduce_ipg_grads), and the gradient partition, which
+    copy_grads_in_partition allocates at the first reduction, exists only from the end of backward on
+    (_release_ipg_buffers frees it after the step). Through backward each gradient is a view of the
+    bucket. Measured: transformers' Llama (hf_memory.py's shape), ZeRO-2 bf16, overlap_comm, bucket
+    2e7, 2 CPU ranks: the peak is in the layers' backward, the two buckets (80,000,000 B) and the
+    saved activations, no partition; priced with the partition from the head's gradient on it was
+    +2.31%, without it -0.39%. Not with offload (its own buffers, `offload_fp32_partition`)."""
+    return (cfg.zero_stage == 2 and not cfg.offload_optimizer
+            and bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params)
+
+
+def buckets_in_backward(spec: ModelSpec, cfg: TrainConfig) -> int:
+    """The reduce bucket(s) through the layers' backward where nothing is reduced there (the
+    reductions price their own): process_gradients calls setup_buckets at the first gradient hook
+    (the LM head's), which allocates the bucket, two with overlap_comm, whether or not anything is
+    reduced before the boundary (stage_1_and_2.py process_gradients, setup_buckets): stage 1
+    without `stage1_reduces_in_backward`, stage 2 where `stage2_reduces_at_end`. Measured:
+    transformers' Llama (hf_memory.py's shape), ZeRO-1 fp32, overlap_comm, reduce bucket 2e7
+    elements, 2 CPU ranks: the peak is in the layers' backward, 160,000,000 B of buckets
+    (AccumulateGrad rows) beside the saved activations; -2.27% under without them, -0.34% with.
+    At stage 1 with grad_accum > 1 they are carried from the micro steps before
+    (`carried_reduce_bucket`)."""
+    if stage2_reduces_at_end(spec, cfg):
+        return reduce_bucket_bytes(spec, cfg)
+    if cfg.zero_stage != 1 or cfg.grad_accum > 1 or bf16_optimizer(cfg) or stage1_reduces_in_backward(spec, cfg):
+        return 0
+    return reduce_bucket_bytes(spec, cfg)
+
+
+def stage1_gradients_in_bucket(spec: ModelSpec, cfg: TrainConfig) -> bool:
+    """Stage 1 with overlap_comm and one bucket that holds every gradient, at the boundary
+    (grad_accum 1): each gradient is copied into the bucket as it arrives and its .grad becomes a
+    view of it (reduce_ready_partitions_and_remove_grads -> reduce_independent_p_g_buckets_and_remove_grads,
+    called at the accumulation boundary), so no whole gradient is held beside the buckets: the
+    measured peak of the case in `buckets_in_backward` holds none (the AccumulateGrad rows
+    are the two buckets only)."""
+    return (cfg.zero_stage == 1 and cfg.overlap_comm and cfg.grad_accum == 1 and not bf16_optimizer(cfg)
+            and not stage1_reduces_in_backward(spec, cfg))
+
+
 def stage1_grad_bytes(cfg: TrainConfig) -> int:
     """Bytes per element of the whole gradients stages 0-1 hold: the model's, but at stage 1 in 16
     bits with fp32 accumulation through the ZeRO optimizer (with offload; without it the
@@ -221,10 +265,15 @@ def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
     the reduction runs during backward and the two add up."""
     comm = backward_buffers(spec, cluster, cfg)
     emb = embedding_gradient_transient(spec, cluster, cfg)
+    if stage1_gradients_in_bucket(spec, cfg):   # the partition is not among `gradients` there
+        part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+        return {"gradient_partition": part, **stage2_end_of_one_bucket(spec, cluster, cfg)}
     if cfg.zero_stage <= 1 and not stage1_reduces_in_backward(spec, cfg):
         return {"comm_buffers": comm} if comm >= emb else {"embedding_gradient": emb}
     if cfg.zero_stage == 1:
         return {"comm_buffers": comm, "embedding_gradient": emb}
+    if stage2_reduces_at_end(spec, cfg) and cfg.grad_accum == 1:
+        return stage2_end_of_one_bucket(spec, cluster, cfg)
     out = {"comm_buffers": comm, "embedding_gradient": emb}
     if cfg.zero_stage == 2 and cfg.grad_accum > 1 and not cfg.offload_optimizer:
         # With grad_accum > 1 stage 2's epilogue keeps the gradients accumulated so far
@@ -240,6 +289,30 @@ def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
         # the input embedding's gradient, the last one backward makes, reduced into an fp32 copy
         # that is still live when backward ends (measured: +1,048,576 B = 4 V h on GPT-2, above)
         out["reduced_fp32_embedding"] = 4 * spec.vocab_size * spec.hidden_size
+    return out
+
+
+def stage2_end_of_one_bucket(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+    """The end of backward where one bucket holds every gradient (`stage2_reduces_at_end`, and stage 1
+    with overlap_comm, `stage1_gradients_in_bucket`, which runs the same reduction): the
+    epilogue reduces the bucket into the partition copy_grads_in_partition allocates (`gradients`),
+    and copies it once more (independent_gradient_partition_epilogue: the flat partition of
+    get_flat_partition beside it) while the buckets are still held; the embedding's gradient is a view
+    of the bucket by then. Measured on the stand-in (tiny-llama, 2 CPU ranks, 4e6 bucket, micro batch
+    1, seq 32): bf16 20,627,228 B = states + the bucket + two 1,262,720 B partitions, to the byte;
+    fp32 with overlap_comm 49,678,108 B, two fp32 partitions; bf16 with fp32 accumulation
+    24,201,244 B, two fp32 partitions and the head's gradient reduced in fp32 (4 V h). A third
+    partition is live in some runs (bf16: one step of four; fp32 overlap_comm: both steps of one rank
+    in one run of two, 52,203,804 B), from gloo's threads freeing late: priced as held, as a peak is a
+    maximum (+6.1% and +5.1% over the runs without it); not seen with fp32 accumulation (eight steps),
+    not priced there. Stage 1 the same (fp32 with overlap_comm: 49,678,108 B, and 52,203,804 B in
+    both steps of one rank; bf16 28,627,228 B: two partitions)."""
+    part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+    out = {"comm_buffers": reduce_bucket_bytes(spec, cfg), "epilogue_partition": part}
+    if cfg.grad_accum_dtype == "fp32" and dtype_bytes(cfg.precision) != 4:
+        out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
+    else:
+        out["raced_partition"] = part
     return out
 
 
@@ -283,6 +356,8 @@ def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     """
     if stage1_reduces_in_backward(spec, cfg):
         return whole_gradient_bytes(spec, cfg) + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+    if stage1_gradients_in_bucket(spec, cfg):
+        return 0   # views of the bucket (comm_buffers)
     if cfg.zero_stage <= 1:
         return stage1_grad_bytes(cfg) * spec.num_params
     if cfg.zero_stage == 2:
@@ -320,7 +395,9 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
             buckets = reduce_bucket_bytes(spec, cfg) if cfg.grad_accum == 1 else 0   # else carried
             return (min(done, whole_gradient_bytes(spec, cfg)) + buckets
                     + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg))
-        return done
+        return 0 if stage1_gradients_in_bucket(spec, cfg) else done   # the buckets: buckets_in_backward
+    if cfg.zero_stage == 2 and stage2_reduces_at_end(spec, cfg):
+        return 0   # views of the bucket (buckets_in_backward); the partition comes at the end
     if cfg.zero_stage == 2:
         return reduced_partition_bytes(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
     return 0
@@ -351,6 +428,8 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
         out["gradient_partition"] = compact + dtype_bytes(cfg.precision) * partition_elements(spec, cluster, cfg)
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
+    elif stage2_reduces_at_end(spec, cfg):
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)   # the partition only at the end of backward
     elif cfg.zero_stage == 2:
         part = partition_elements(spec, cluster, cfg)
         out["gradient_partition"] = partition_grad_bytes(cfg) * part

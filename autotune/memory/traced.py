@@ -178,7 +178,7 @@ class TracedEstimate:
 
 def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit: dict[str, Affine],
                  analytic: dict[str, dict[str, int]], cfg: TrainConfig, full: int, held: int,
-                 reduces: bool, uniform: bool = True) -> dict[str, int]:
+                 reduces: bool, uniform: bool = True, buckets: int = 0) -> dict[str, int]:
     """One phase at one segment peak: traced terms (estimate()'s names where one fits) + the analytic
     model's states, gradients and buffers for the stage.
 
@@ -206,6 +206,12 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
     out = {k: v for k, v in source.items() if k not in dropped}
     if layers:
         out["unreduced_gradient"] = held
+        if not reduces:   # the buckets exist from the first gradient on (buffers.buckets_in_backward) ...
+            out["comm_buffers"] = buckets
+            for end_only in ("gradient_partition", "epilogue_partition", "raced_partition", "reduced_fp32_head"):
+                out.pop(end_only, None)   # the epilogue's (buffers.stage2_end_of_one_bucket)
+            if cfg.zero_stage == 2:   # ... and hold every gradient; the partition comes at the end
+                out.pop("gradients", None)
     if in_grad and cfg.grad_accum == 1 and phase.startswith("backward"):
         full_grads = analytic["backward (end)"].get("gradients", 0)
         out["gradients"] = round(full_grads * cats["gradients"] / points["opt"]["gradients"])
@@ -319,7 +325,9 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
     points = {p: {c: f[0] + f[1] * ckpt + f[2] * full for c, f in cats.items()} for p, cats in fits.items()}
     analytic = _phases(model, cluster, cfg)
     held = buffers.held_extra_large_gradient(model, cfg)
-    reduces = cfg.zero_stage == 2 or buffers.stage1_reduces_in_backward(model, cfg)   # during backward
+    at_end = buffers.stage2_reduces_at_end(model, cfg)
+    reduces = (cfg.zero_stage == 2 and not at_end) or buffers.stage1_reduces_in_backward(model, cfg)   # in backward
+    buckets = buffers.buckets_in_backward(model, cfg)
     step_key = (code_trace.spec_key(model), model.num_layers, model.num_params, cluster.world_size,
                 cluster.gpu.is_cpu, cfg.zero_stage, cfg.offload_optimizer, cfg.optimizer, cfg.method,
                 cfg.lora_rank, cfg.lora_targets, cfg.bf16_master_weights_and_grads)
@@ -333,7 +341,8 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
             continue
         raw[phase] = max((points[p] for p in present), key=lambda c: sum(c.values()))
         # the stage changes which point is highest (stage 3 holds no growing gradients): chosen after
-        options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full, held, reduces, model.uniform_blocks)
+        options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full, held, reduces, model.uniform_blocks,
+                                buckets)
                    for p in present]
         phases[phase] = max(options, key=lambda t: sum(t.values()))
     layer_points = [p for p in PHASE_POINTS["forward"] if p in points and p != "fwd.head"]
@@ -344,7 +353,7 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
                            for p in layer_points), key=lambda t: sum(t.values()))
         before_head = {**before_head, "prefetch_bucket": analytic["forward (prefetch)"]["prefetch_bucket"]}
         phases = {"forward": phases.pop("forward"), "forward (prefetch)": before_head, **phases}
-    if reduces and "backward (head)" in analytic:
+    if (reduces or at_end) and "backward (head)" in analytic:
         phases = _with_head_phase(phases, analytic["backward (head)"], points["fwd.end"], fits["fwd.end"], ckpt, full,
                                   points.get("fwd.layers"), model.uniform_blocks)
     step_bytes = step[0] if step else analytic["optimizer"].get("optimizer_temporaries", 0)
