@@ -316,3 +316,61 @@ def write_pictures(study: optuna.Study, out_dir: Path) -> tuple[Pictures, list[P
              plot_frontier(p.frontier, p.capacity_bytes, out_dir / "frontier.png", p.objective),
              plot_time(p.time, out_dir / "step_time.png")]
     return p, [x for x in paths if x is not None]
+
+
+# ---- the table's two plots (throughput.png, memory.png), from report.trials_frame ------------------
+def _run_source(df) -> str:
+    sources = set(df["source"].dropna()) if "source" in df else set()
+    return sources.pop() if len(sources) == 1 else ("measured" if not sources else "mixed: see source")
+
+
+def plot_throughput(df, path: Path) -> Path | None:
+    """One bar per successful run, coloured by ZeRO stage. The legend is drawn from patches, not from
+    zero-size bars at x = 0 (a bar at x = 0 is 0.8 wide and pulled the axis to -0.5 samples/s), and
+    the axis starts at 0: a throughput is never negative."""
+    drawn = draw_throughput(df)
+    return _save(drawn[0], path) if drawn else None
+
+
+def draw_throughput(df):
+    """(figure, axes) of plot_throughput, or None without a successful run (tests read the axes)."""
+    from matplotlib.patches import Patch
+
+    ok = df[df["status"] == "ok"].sort_values("samples_per_s") if len(df) else df
+    if not len(ok):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(ok)))
+    labels = [f"#{r.trial} z{r.zero_stage} {r.precision} mb{r.micro_batch} ga{r.grad_accum} ckpt{r.ckpt_layers}"
+              for r in ok.itertuples()]
+    ax.barh(labels, ok["samples_per_s"], color=[f"C{z}" for z in ok["zero_stage"]])
+    ax.legend(handles=[Patch(color=f"C{z}", label=f"ZeRO {z}") for z in sorted(ok["zero_stage"].unique())],
+              loc="lower right")
+    ax.set_xlim(left=0)
+    ax.set_xlabel(f"samples/s ({_run_source(df)})")
+    ax.set_title("throughput per configuration")
+    return fig, ax
+
+
+def plot_memory(df, path: Path) -> Path | None:
+    """Estimated against measured peak per run, only for runs that were measured: a simulated run's
+    peak is its estimate (the simulated executor records the estimate's tensor bytes), so every
+    simulated point sits on the diagonal and says nothing."""
+    if not len(df) or "source" not in df:
+        return None
+    runs = df[df["peak_bytes"].notna() & df["est_tensor_bytes"].notna() & (df["source"] == "measured")]
+    if not len(runs):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    est, meas = runs["est_tensor_bytes"] / GiB, runs["peak_bytes"] / GiB
+    for z in sorted(runs["zero_stage"].unique()):
+        sel = runs["zero_stage"] == z
+        ax.scatter(est[sel], meas[sel], color=f"C{z}", label=f"ZeRO {z}")
+    hi = max(est.max(), meas.max()) * 1.05
+    ax.plot([0, hi], [0, hi], "k--", lw=1, label="estimate = measured")
+    ax.set_xlabel("peak tensor memory per device, GiB (estimated)")
+    ax.set_ylabel("peak tensor memory per device, GiB (measured)")
+    ax.set_title("memory model vs run (measured runs only)")
+    ax.legend()
+    return _save(fig, path)

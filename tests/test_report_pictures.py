@@ -145,3 +145,33 @@ def test_html_in_headless_chromium(sim_study, tmp_path):
     # a blank page is one colour; the embedded pictures make many
     assert img[..., :3].std() > 0.05
     assert len({tuple(px) for px in img[::7, ::7, :3].reshape(-1, 3).round(2).tolist()}) > 50
+
+
+# ---- the table's plots (issue 32): axis from 0, no estimate-vs-run scatter for simulated runs -------
+def _frame(source: str):
+    import pandas as pd
+
+    rows = [{"trial": i, "status": "ok", "source": source, "zero_stage": z, "precision": "bf16", "micro_batch": 2,
+             "grad_accum": 1, "ckpt_layers": 0, "samples_per_s": s, "peak_bytes": 2**30 * (i + 1),
+             "est_tensor_bytes": 2**30 * (i + 1.1)} for i, (z, s) in enumerate([(0, 3.0), (2, 5.5), (3, 4.25)])]
+    return pd.DataFrame(rows)
+
+
+def test_throughput_axis_starts_at_zero():
+    import matplotlib.pyplot as plt
+
+    fig, ax = rp.draw_throughput(_frame("simulated"))
+    try:
+        assert ax.get_xlim()[0] == 0 and ax.get_xlim()[1] >= 5.5
+        assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["ZeRO 0", "ZeRO 2", "ZeRO 3"]
+        assert "simulated" in ax.get_xlabel()
+    finally:
+        plt.close(fig)
+
+
+def test_estimate_vs_run_only_for_measured_runs(tmp_path):
+    assert rp.plot_memory(_frame("simulated"), tmp_path / "sim.png") is None
+    assert rp.plot_memory(_frame("measured"), tmp_path / "meas.png").stat().st_size > 1000
+    mixed = _frame("measured")
+    mixed.loc[0, "source"] = "simulated"
+    assert rp.plot_memory(mixed, tmp_path / "mixed.png") is not None
