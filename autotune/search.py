@@ -16,8 +16,8 @@ timed here, autotune.cpu_prior), and after each measurement bound what every unr
 still reach: the prior corrected by the measured neighbours, widened by the error the prior has shown
 in this study (autotune/stopping.py). The next trial is the largest bound; the search stops when no
 bound beats the best measured by more than the tolerance. The first pick is the prior's best guess.
-The chosen point reaches Optuna through `study.ChosenSampler`, so every trial is an ordinary ask/tell
-trial in the study.
+The chosen point is written to the study as a RUNNING trial with its params (`study.start_trial`)
+and told its result, an ordinary trial of the study.
 """
 
 from __future__ import annotations
@@ -358,10 +358,7 @@ class Search:
 
     def _dispatch(self, c: Candidate) -> None:
         with interrupts.held():     # the trial's rows are written whole, whenever a signal lands
-            self.sampler.chosen = st.params_of(c.cfg, self.dists)
-            trial = self.study.ask(self.dists)
-            for k, v in st.running_attrs(c.cfg, self._est_attrs(c, detail=True)).items():
-                trial.set_user_attr(k, v)
+            trial = st.start_trial(self.study, c.cfg, self.dists, st.running_attrs(c.cfg, self._est_attrs(c, detail=True)))
             t = self.space.trial
             req = TrialRequest(model=self.model, cluster=self.cluster, config=c.cfg,
                                out_dir=self.out_root / f"trial-{trial.number:04d}", steps=t.steps,

@@ -90,7 +90,7 @@ def _search(model, name, trip, resume=False):
                                space_path="test", source="measured")
         study = st.create_study(name, None, attrs, sampler=None)
     ex = Table(trip)
-    return Search(study, model, cluster, space, ex, seq_len=64, prior=lambda c: 1.0), ex
+    return Search(study, model, cluster, space, ex, seq_len=64, prior=lambda c: 1.0, exhaustive=True), ex
 
 
 def _watch_writes(monkeypatch) -> dict:
