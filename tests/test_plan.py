@@ -179,3 +179,17 @@ def test_simulated_study_cannot_calibrate(tmp_path, monkeypatch, capsys):
 def test_best_config_says_why_nothing_fits():
     why = best_config(resolve_model("13b"), parse_gpus("1xRTX4090"), plan_space(None, None), 2048)
     assert isinstance(why, str) and "nothing of" in why and "GiB per device" in why
+
+
+@pytest.mark.slow
+def test_notebook_draws_the_plan():
+    from pathlib import Path
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    root = Path(__file__).parents[1]
+    nb = nbformat.read(root / "notebooks" / "plan.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(root / "notebooks")}}).execute()
+    text = json.dumps([c.get("outputs", []) for c in nb.cells])
+    assert "image/png" in text and "front: " in text and "8xH100" in text and "Error" not in text
