@@ -2,7 +2,9 @@
 
     python benchmarks/memory_accuracy.py                 # Hugging Face models: the recorded runs
                                                          # (benchmarks/data/hf_memory_runs.csv) against
-                                                         # today's estimate, per family; ~1-2 min of tracing
+                                                         # today's estimate, per family; then the recorded
+                                                         # LoRA and knob runs (lora_memory.py, knobs_on_hf.py)
+                                                         # with median, worst and worst under; ~2-4 min of tracing
     python benchmarks/memory_accuracy.py --run           # re-measure those runs first (~10-15 min on 2 cores)
     python benchmarks/memory_accuracy.py --run held-out  # only the held-out set (other shapes)
     python benchmarks/memory_accuracy.py --builtin       # the stand-in model: analytic vs measured runs,
@@ -118,6 +120,22 @@ def summarize(rows: list[dict], truth: str, columns: list[str]) -> None:
         print(f"    {r['case']:<44} {truth} {r[truth]:>13,}  ours {r['ours']:>13,}  {100 * (r['ours'] / r[truth] - 1):+.3f}%")
 
 
+def lora_and_knobs() -> None:
+    """The recorded LoRA and knob runs (lora_memory.py, knobs_on_hf.py: estimated against measured),
+    each set's figures and both together, against issue 30's bar."""
+    import knobs_on_hf
+    import lora_memory
+
+    print()
+    lora = lora_memory.report()
+    print()
+    knobs = knobs_on_hf.report()
+    n = lora["n"] + knobs["n"]
+    print(f"\n== LoRA and knob runs together: {n} runs; median |error| LoRA {lora['median']:.3f}% / knobs "
+          f"{knobs['median']:.3f}%, worst {max(lora['max'], knobs['max']):.3f}%, worst under "
+          f"{max(lora['under'], knobs['under']):.3f}% (bar: median <= 1%, worst <= 3%, under <= 1%) ==")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", nargs="*", metavar="SET", choices=["main", "held-out"],
@@ -133,6 +151,7 @@ def main() -> int:
         if args.run is not None:
             hf_memory.measure_all(tuple(args.run) or tuple(hf_memory.SETS))
         hf_memory.report()
+        lora_and_knobs()
         return 0
     print("== analytic (ours) vs measured DeepSpeed runs on CPU (tensor peak, max over ranks) ==")
     with tempfile.TemporaryDirectory() as tmp:

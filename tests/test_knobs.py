@@ -50,10 +50,12 @@ UNDER, OVER = 0.01, 0.03
 JITTER = 256
 """Two runs of one program: the same peak but for the few bytes of scalars that gloo's threads free a
 moment earlier or later (trial/launch.py LEAK_TOLERANCE_BYTES: up to ~100 B measured)."""
-OVER_ONE_BUCKET = 0.07
-"""When one bucket holds every gradient (reduce_bucket_size >= P), a second gradient partition is live
-at one step in some runs and not in others (measured: tiny-llama z1/z2 bf16 with a 4e6 bucket, +P/N x
-2 B in one run of two). The model prices it as held, so it may be over by that partition (~6%)."""
+UNDER_ONE_BUCKET = 0.06
+"""When one bucket holds every gradient (reduce_bucket_size >= P), a third gradient partition is live
+at the end of backward in some runs and not in others: gloo's worker thread freeing a buffer late
+(measured: tiny-llama z2 bf16 4e6, one step of four, +P/N x 2 B; z2 fp32 4e6 with overlap_comm, both
+steps of one rank in one run of two, 52,203,804 against 49,678,108 B). The model prices the schedule
+(buffers.stage2_end_of_one_bucket), so such a run reads up to that partition (~5%) under."""
 
 OVER_BF16_OPTIMIZER = 0.12
 """ZeRO-1 bf16 with fp32 accumulation (BF16_Optimizer): the bf16 gradients (2P) were live at the step
@@ -87,10 +89,9 @@ def test_knob_measured_peak_matches_estimate(measured, key):
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(req.model, req.cluster, req.config)
     err = est.tensor_peak_bytes / steady_peak(res) - 1
-    over = OVER_ONE_BUCKET if req.config.reduce_bucket_size >= req.model.num_params else OVER
-    if bf16_optimizer(req.config):
-        over = OVER_BF16_OPTIMIZER
-    assert -UNDER <= err <= over, (f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
+    under = UNDER_ONE_BUCKET if req.config.reduce_bucket_size >= req.model.num_params else UNDER
+    over = OVER_BF16_OPTIMIZER if bf16_optimizer(req.config) else OVER
+    assert -under <= err <= over, (f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
                                    f"{per_rank_steps(res)} {res.phase_peak_bytes}: {100 * err:+.2f}%")
 
 
@@ -100,7 +101,7 @@ def test_overlap_comm_adds_one_bucket(measured):
     for z in (1, 2):
         one = measured[f"zero_stage={z}-precision=bf16-reduce_bucket_size={BIG}"][1]
         two = measured[f"zero_stage={z}-precision=bf16-reduce_bucket_size={BIG}-overlap_comm=True"][1]
-        # + a few KB of gloo scalars; and the run-to-run second partition (OVER_ONE_BUCKET) in either run
+        # + a few KB of gloo scalars; and the run-to-run third partition (UNDER_ONE_BUCKET) in either run
         diff = two.phase_peak_bytes["backward"] - one.phase_peak_bytes["backward"]
         part = 2 * resolve_model("tiny-llama", implementation="builtin").num_params // 2   # bf16, 2 ranks
         assert min(abs(diff - 2 * BIG - k * part) for k in (-1, 0, 1)) < 16384, diff
@@ -247,8 +248,8 @@ def test_knobs_on_transformers_code_match_the_traced_tier(measured_on_hf, name):
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(model, CLUSTER, cfg)
     err = est.tensor_peak_bytes / steady_peak(res) - 1
-    over = OVER_ONE_BUCKET if cfg.reduce_bucket_size >= model.num_params else OVER
-    assert -UNDER <= err <= over, (est.phases, res.phase_peak_bytes, f"{100 * err:+.2f}%")
+    under = UNDER_ONE_BUCKET if cfg.reduce_bucket_size >= model.num_params else UNDER
+    assert -under <= err <= OVER, (est.phases, res.phase_peak_bytes, f"{100 * err:+.2f}%")
 
 
 @pytest.mark.slow
@@ -312,14 +313,14 @@ def test_knob_combinations_deepspeed_refuses_or_ignores_are_refused(kw, why):
 def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
     """A bucket larger than needed costs memory: with 4e6 elements the estimate grows by the bucket's
     bytes, and overlap_comm by one more bucket, at stages 1 and 2 (at stage 1 with overlap_comm the
-    whole gradients become views of the bucket and two whole-parameter partitions stand for them,
-    buffers.stage2_end_of_one_bucket: 65,280 B more than P x 2 B on transformers' tiny-llama)."""
+    whole gradients, P x 2 B, become views of the bucket and the epilogue's second partition stands
+    for them, P/2 x 2 B and a little more: buffers.stage2_end_of_one_bucket)."""
     model = resolve_model("tiny-llama")
     for z in (1, 2):
         one = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG)))
         two = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG,
                                                  overlap_comm=True)))
-        assert 2 * BIG <= two.tensor_peak_bytes - one.tensor_peak_bytes <= 2 * BIG + model.num_params // 8
+        assert abs(two.tensor_peak_bytes - one.tensor_peak_bytes - 2 * BIG) < model.num_params
 
 
 def test_prefetch_bucket_costs_memory_as_deepspeeds_code_says():

@@ -301,18 +301,16 @@ def stage2_end_of_one_bucket(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig
     of the bucket by then. Measured on the stand-in (tiny-llama, 2 CPU ranks, 4e6 bucket, micro batch
     1, seq 32): bf16 20,627,228 B = states + the bucket + two 1,262,720 B partitions, to the byte;
     fp32 with overlap_comm 49,678,108 B, two fp32 partitions; bf16 with fp32 accumulation
-    24,201,244 B, two fp32 partitions and the head's gradient reduced in fp32 (4 V h). A third
-    partition is live in some runs (bf16: one step of four; fp32 overlap_comm: both steps of one rank
-    in one run of two, 52,203,804 B), from gloo's threads freeing late: priced as held, as a peak is a
-    maximum (+6.1% and +5.1% over the runs without it); not seen with fp32 accumulation (eight steps),
-    not priced there. Stage 1 the same (fp32 with overlap_comm: 49,678,108 B, and 52,203,804 B in
-    both steps of one rank; bf16 28,627,228 B: two partitions)."""
+    24,201,244 B, two fp32 partitions and the head's gradient reduced in fp32 (4 V h); stage 1 the
+    same (fp32 with overlap_comm 49,678,108 B, bf16 28,627,228 B). A third partition is live in some
+    runs on CPU ranks (bf16: one step of four; fp32 overlap_comm: both steps of one rank in one run of
+    two, 52,203,804 B): gloo's worker thread freeing a buffer late, a race NCCL does not have. The
+    schedule is priced, not the race: with it priced as held, Llama's ZeRO-2 fp32 run with a 2e6
+    bucket and every layer checkpointed read +7.9% (benchmarks/knobs_on_hf.py), without it +0.4%."""
     part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
     out = {"comm_buffers": reduce_bucket_bytes(spec, cfg), "epilogue_partition": part}
     if cfg.grad_accum_dtype == "fp32" and dtype_bytes(cfg.precision) != 4:
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
-    else:
-        out["raced_partition"] = part
     return out
 
 
