@@ -2,12 +2,13 @@
 that `autotune estimate` of every preset model needs, so that a first estimate of a preset reads
 them instead of importing torch and transformers and tracing (3-5 s on a 2-core machine).
 
-    python -m autotune.trace_pack        # about 2 minutes on 2 cores
+    python -m autotune.trace_pack        # about N minutes on 2 cores
 
 The estimates run are `commands()`: each preset, with transformers' code and with the stand-in, on
 1 to 64 A100s and V100s (powers of two; bf16 and fp16; the programs depend on the precision, not on the
 GPU), at ZeRO 0-3; on 4 GPUs also with --max-seq-len and --max-micro-batch (the families over
-sequence lengths and micro batches); and LoRA and QLoRA on as many A100s at ZeRO 0-3. They
+sequence lengths and micro batches); LoRA and QLoRA on as many A100s at ZeRO 0-3; and the
+simulated 13B x 4xA100 search of search_spaces/lora.yaml and full.yaml (`PLANNED_SPACES`). They
 run here, in this process, against an empty cache folder; what they store there is the file.
 The entries are what a first run would trace, under the same fingerprint (trace_cache.fingerprint:
 torch, transformers, peft and every autotune source), so the file holds only until one of them
@@ -34,6 +35,13 @@ COUNTS = (1, 2, 4, 8, 16, 32, 64)
 """GPUs per run: the optimizer step's traced peak depends on the partition each GPU steps."""
 
 
+SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
+PLANNED_SPACES = ("lora.yaml", "full.yaml")
+"""The shipped spaces whose simulated 13B x 4xA100 plan (the reference article's case) a first run
+should answer without tracing: every candidate's estimate and cost-model profile (a search that runs
+one trial asks them all)."""
+
+
 def commands() -> list[list[str]]:
     from autotune.models import presets
 
@@ -52,6 +60,9 @@ def commands() -> list[list[str]]:
                 for zero in (0, 1, 2, 3):
                     out.append(["estimate", "--model", name, "--gpus", f"{n}x{GPUS[0][0]}", "--method", method,
                                 "--zero", str(zero)])
+    for space in PLANNED_SPACES:
+        out.append(["search", "--model", "13b", "--gpus", "4xA100", "--space", str(SPACES / space), "--executor",
+                    "simulated", "--n-trials", "1", "--no-progress", "--study", f"pack-{Path(space).stem}"])
     return out
 
 
@@ -69,8 +80,10 @@ def main() -> int:
     from autotune.cli import main as cli
 
     todo = commands()
-    with tempfile.TemporaryDirectory(prefix="autotune-pack-") as root:
+    with tempfile.TemporaryDirectory(prefix="autotune-pack-") as root, \
+            tempfile.TemporaryDirectory(prefix="autotune-pack-studies-") as studies:
         os.environ["AUTOTUNE_CACHE_DIR"] = root
+        os.environ["AUTOTUNE_TRIALS_DIR"] = studies     # the searches' studies, thrown away
         os.environ["AUTOTUNE_SHIPPED_TRACES"] = "0"   # what a first run traces, not what the old file holds
         t0 = time.perf_counter()
         for i, argv in enumerate(todo, 1):
