@@ -193,3 +193,39 @@ def test_notebook_draws_the_plan():
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(root / "notebooks")}}).execute()
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
     assert "image/png" in text and "front: " in text and "8xH100" in text and "Error" not in text
+
+
+def _measured_a100_study(name: str, ratio: float):
+    """A study as a real search on 8 x A100 would store it (real Optuna SQLite DB): two measured runs
+    at `ratio` x the cost model's tokens/s, one at 1.5 x that (the median ignores it)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune import study as st
+
+    model, cluster = resolve_model("13b"), parse_gpus("8xA100")
+    attrs = st.study_attrs(model, cluster, seq_len=2048, global_batch=None, space_text="", space_path="t",
+                           source="measured")
+    study = st.create_study(name, None, attrs, sampler=None)
+    cands = [TrainConfig(zero_stage=3, micro_batch=mb, seq_len=2048, precision="bf16", attention="sdpa")
+             for mb in (1, 2, 4)]
+    dists = st.distributions(cands)
+    for cfg, r in zip(cands, (ratio, ratio, 1.5 * ratio)):
+        sps = costmodel.simulate(model, cluster, cfg).samples_per_s * r
+        res = {"status": "ok", "source": "measured", "samples_per_s": sps, "tokens_per_s": sps * 2048}
+        ua = {"config": cfg.to_dict(), "status": "ok", "source": "measured", "estimate": {}, "result": res}
+        study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=sps, params=st.params_of(cfg, dists),
+                                                  distributions=dists, user_attrs=ua))
+
+
+def test_calibrate_rescales_only_that_gpu_type(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
+    _measured_a100_study("ours", 1.2)
+    base = plan_json(capsys, tmp_path)
+    cal = plan_json(capsys, tmp_path, "--calibrate", "ours")
+    b, c = ({o["gpus"]: o for o in d["options"]} for d in (base, cal))
+    assert c["8xA100"]["tokens_per_s"] == pytest.approx(1.2 * b["8xA100"]["tokens_per_s"])
+    assert c["8xA100"]["hours"] == pytest.approx(b["8xA100"]["hours"] / 1.2)
+    assert "calibrated by measured study ours" in c["8xA100"]["source"]
+    for g in ("8xH100", "4xH100"):
+        assert c[g]["tokens_per_s"] == b[g]["tokens_per_s"] and c[g]["source"] == "simulated"
