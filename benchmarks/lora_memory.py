@@ -1,13 +1,14 @@
 """LoRA on 2 CPU ranks: the estimate (autotune/memory/lora.py + the traced peft module) against real
 DeepSpeed + peft runs, per case. `python benchmarks/lora_memory.py` prints the table from the
-recorded runs; `--measure` reruns them all (one process group) and rewrites the CSV.
+recorded runs; `--measure` reruns them all (one process group) and rewrites the CSV, `--measure-new`
+runs only the cases the CSV lacks.
 
 Each row of benchmarks/data/lora_memory_runs.csv is one real trial: autotune.trial.launch.run_trials,
 2 CPU ranks (gloo), the module built through the seam (autotune.impl.impl_for(spec, cfg): the
 transformers model of the row's config, peft's get_peft_model on it), 1 warm-up and 2 measured
 optimizer steps; `measured_bytes` is the largest per-rank tensor peak of the measured steps (profiler
 live CPU bytes, autotune/trial/memprof.py). Shapes are hf_memory.py's families, which no test uses.
-The issue's bar (#12): median |error| at most 2%, worst at most 5%.
+The bar (issue 30): median |error| at most 1%, worst at most 3%, never more than 1% under.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ CONFIGS = [
     (2, "fp32", -1, 1, 192, "attention", 32, 0.05, 2),
     (3, "fp32", 0, 2, 96, "all-linear", 8, 0.1, 1),
     (0, "fp32", -1, 4, 64, "all-linear", 8, 0.05, 1),
+    # issue 30's classes: ZeRO-3 with every layer checkpointed and all-linear adapters; attention
+    # adapters at ZeRO 0, 2 and 3 (GPT-NeoX's were over)
+    (3, "fp32", -1, 2, 96, "all-linear", 8, 0.1, 1),
+    (3, "bf16", -1, 3, 128, "all-linear", 16, 0.0, 1),
+    (0, "fp32", 1, 2, 128, "attention", 8, 0.0, 1),
+    (2, "bf16", 0, 2, 96, "attention", 16, 0.1, 1),
+    (3, "fp32", 1, 2, 128, "attention", 8, 0.0, 1),
 ]
 FIELDS = ("zero_stage", "precision", "ckpt_layers", "micro_batch", "seq_len", "lora_targets", "lora_rank",
           "lora_dropout", "grad_accum")
@@ -60,8 +68,13 @@ def train_config(row: dict) -> TrainConfig:
     return TrainConfig(method="lora", **{f: kinds.get(f, int)(row[f]) for f in FIELDS})
 
 
-def measure_all() -> None:
-    """Run every case as a real trial (one process group for all) and rewrite the CSV."""
+def _key(family: str, cfg: TrainConfig) -> tuple:
+    return (family, *(str(getattr(cfg, f)) for f in FIELDS))
+
+
+def measure_all(only_new: bool = False) -> None:
+    """Run every case as a real trial (one process group for all) and rewrite the CSV; `only_new`:
+    only the cases the CSV lacks, appended to its rows."""
     import deepspeed
     import peft
     import torch
@@ -71,7 +84,12 @@ def measure_all() -> None:
     from autotune.trial.record import TrialRequest
 
     cluster = parse_gpus(f"{RANKS}xcpu")
-    todo = cases()
+    todo, kept = cases(), []
+    if only_new and CSV.exists():
+        with CSV.open() as f:
+            kept = list(csv.DictReader(f))
+        have = {_key(r["family"], train_config(r)) for r in kept}
+        todo = [(f, c) for f, c in todo if _key(f, c) not in have]
     versions = (f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers "
                 f"{transformers.__version__}, peft {peft.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +98,7 @@ def measure_all() -> None:
         t0 = time.perf_counter()
         results = run_trials(reqs)
         print(f"{len(reqs)} trials on {RANKS} CPU ranks in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = []
+    rows = list(kept)
     for (family, c), res in zip(todo, results):
         if res.status != "ok" or not res.peak_bytes:
             print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
@@ -122,12 +140,14 @@ def report() -> dict:
         print(f"  {r['family']:<9} {c.short():<48} s{c.seq_len:<4} d{c.lora_dropout:<5} measured "
               f"{r['measured']:>11,}  estimate {r['ours']:>11,}  {100 * r['err']:+7.3f}%")
     e = [100 * abs(r["err"]) for r in rows]
-    summary = {"n": len(rows), "median": statistics.median(e), "max": max(e)}
-    print(f"  median |error| {summary['median']:.3f}%, worst {summary['max']:.3f}% (bar: 2% and 5%)")
+    summary = {"n": len(rows), "median": statistics.median(e), "max": max(e),
+               "under": -100 * min(0.0, min(r["err"] for r in rows))}
+    print(f"  median |error| {summary['median']:.3f}%, worst {summary['max']:.3f}%, worst under "
+          f"{summary['under']:.3f}% (issue 30's bar: 1%, 3%, 1%)")
     return summary
 
 
 if __name__ == "__main__":
-    if "--measure" in sys.argv:
-        measure_all()
+    if "--measure" in sys.argv or "--measure-new" in sys.argv:
+        measure_all(only_new="--measure-new" in sys.argv)
     report()

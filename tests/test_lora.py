@@ -281,6 +281,25 @@ def test_a_real_lora_run_at_zero_3_is_not_underestimated(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_at_zero_3_with_every_layer_checkpointed_and_all_linear_adapters(tmp_path):
+    """Issue 30's dangerous class (reported 9.7-15.8% under on GPT-2, Llama and Qwen2 shapes): with
+    every layer checkpointed nothing is released after the forward (enable_input_require_grads gives
+    the embedding's output a gradient), DeepSpeed's linear saves every frozen layer's input in the
+    recompute, and the adapters of every linear layer are gathered with it. Measured within -0.01% to
+    +0.83% on nine shapes (docs/memory.md, "Issue 30"); here one real run, at most 1% under, 3% over."""
+    from autotune.trial import run_trials
+    from autotune.trial.record import TrialRequest
+
+    s, gpus = spec("hf-llama"), parse_gpus("2xcpu")
+    cfg = TrainConfig(method="lora", lora_rank=8, lora_targets="all-linear", zero_stage=3, precision="bf16",
+                      ckpt_layers=s.num_layers, micro_batch=2, seq_len=64)
+    res = run_trials([TrialRequest(model=s, cluster=gpus, config=cfg, out_dir=tmp_path, steps=2, warmup_steps=1)])[0]
+    assert res.status == "ok", res.reason
+    est = estimate(s, gpus, cfg)
+    assert -0.01 <= est.tensor_peak_bytes / steady_peak(res) - 1 <= 0.03, (est.phases, per_rank_steps(res))
+
+
+@pytest.mark.slow
 def test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3(tmp_path):
     """Granite-4 (`granitemoehybrid`: Mamba, attention, Mamba, with MoE) with attention targets: its
     first layer, a Mamba one, is upstream of every adapter, so no gradient reaches its outputs, no
