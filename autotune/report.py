@@ -216,59 +216,8 @@ def write_outputs(study: optuna.Study, out_dir: Path | None = None) -> list[Path
     csv = out_dir / "trials.csv"
     csv.write_text(df.drop(columns=["log_tail"], errors="ignore").to_csv(index=False))
     pics, drawn = report_pictures.write_pictures(study, out_dir)
-    plots = [p for p in (plot_throughput(df, out_dir / "throughput.png"), plot_memory(df, out_dir / "memory.png"))
-             if p is not None]
+    plots = [p for p in (report_pictures.plot_throughput(df, out_dir / "throughput.png"),
+                         report_pictures.plot_memory(df, out_dir / "memory.png")) if p is not None]
     pages = report_page.write_page(study, out_dir, pics, drawn + plots, header(study),
                                    render(study, "markdown", title=False))
     return pages[:1] + [csv] + pages[1:] + drawn + plots
-
-
-def plot_throughput(df: pd.DataFrame, path: Path) -> Path | None:
-    ok = df[df["status"] == "ok"].sort_values("samples_per_s") if len(df) else df
-    if not len(ok):
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(ok)))
-    labels = [f"#{r.trial} z{r.zero_stage} {r.precision} mb{r.micro_batch} ga{r.grad_accum} ckpt{r.ckpt_layers}"
-              for r in ok.itertuples()]
-    ax.barh(labels, ok["samples_per_s"], color=[f"C{z}" for z in ok["zero_stage"]])
-    for z in sorted(ok["zero_stage"].unique()):
-        ax.bar(0, 0, color=f"C{z}", label=f"ZeRO {z}")      # legend entries only
-    ax.set_xlabel(f"samples/s ({source_label(df)})")
-    ax.set_title("throughput per configuration")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def plot_memory(df: pd.DataFrame, path: Path) -> Path | None:
-    runs = df[df["peak_bytes"].notna() & df["est_tensor_bytes"].notna()] if len(df) else df
-    if not len(runs):
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 5))
-    est, meas = runs["est_tensor_bytes"] / GiB, runs["peak_bytes"] / GiB
-    for z in sorted(runs["zero_stage"].unique()):
-        sel = runs["zero_stage"] == z
-        ax.scatter(est[sel], meas[sel], color=f"C{z}", label=f"ZeRO {z}")
-    hi = max(est.max(), meas.max()) * 1.05
-    ax.plot([0, hi], [0, hi], "k--", lw=1, label="estimate = measured")
-    ax.set_xlabel("peak tensor memory per device, GiB (estimated)")
-    ax.set_ylabel(f"peak tensor memory per device, GiB ({source_label(df)})")
-    ax.set_title("memory model vs run")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
