@@ -212,7 +212,8 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
         if not reduces:   # the buckets exist from the first gradient on (buffers.buckets_in_backward) ...
             out["comm_buffers"] = buckets
             for end_only in ("gradient_partition", "epilogue_partition", "reduced_fp32_head"):
-                out.pop(end_only, None)   # the epilogue's (buffers.stage2_end_of_one_bucket)
+                if cfg.zero_stage in (1, 2):   # the epilogue's (buffers.stage2_end_of_one_bucket); stage 3's is a state
+                    out.pop(end_only, None)
             if cfg.zero_stage == 2:   # ... and hold every gradient; the partition comes at the end
                 out.pop("gradients", None)
     if in_grad and cfg.grad_accum == 1 and phase.startswith("backward"):
