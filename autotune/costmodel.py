@@ -75,7 +75,7 @@ HF Trainer's default), default_data_collator over run_clm-style token lists, the
 the loss bookkeeping. Measured here: median 1.11 ms for micro batch 3 x 1024 tokens
 (`PYTHONPATH=. python benchmarks/host_step.py`; host CPU work, so a CPU measures it)."""
 
-SUSTAINED_FIT = {"Ampere": 0.765, "Hopper": 0.655, "other": 0.67}
+SUSTAINED_FIT = {"Ampere": 0.785, "Hopper": 0.66, "other": 0.67}
 """benchmarks/fit_costmodel.py's result per GPU generation (see Constants.sustained)."""
 
 GENERATIONS = {"Ampere": ("A100",), "Hopper": ("H100", "H200", "GH200")}
@@ -93,8 +93,9 @@ class Constants:
     """The fitted constants (benchmarks/fit_costmodel.py; docs/costmodel.md, "Calibration")."""
 
     sustained: tuple[tuple[str, float], ...] = tuple(SUSTAINED_FIT.items())
-    """Per GPU generation, the share of a kernel benchmark's efficiency (MAMF for GEMMs,
-    FlashAttention-2's for attention) that the compute-bound kernels keep inside a training step.
+    """Per GPU generation, the share of the GEMM benchmark's efficiency (MAMF, a maximum over a
+    sweep of shapes) that a training step's GEMMs keep. Attention kernels are priced at
+    FlashAttention-2's benchmark as it is, taken at a training step's shapes (costops.attention_s).
     It is a property of the GPU, not of the model: the MAMF benchmark runs one GEMM alone, while a
     training step runs the same GEMMs with HBM traffic and NVLink collectives beside them under the
     same power cap. An H100 SXM delivers 3.2x an A100's dense FLOPs within 700 W against 400 W
@@ -126,6 +127,11 @@ class Runtime:
     implementation: str = "builtin"
     """The code whose step is traced and priced op by op (autotune/costops/): "builtin" (autotune's
     trial model: fused GELU, no dropout) or "hf" (transformers' modeling code as it is)."""
+    attention_kernel: str = "flash2"
+    """The flash-attention kernel the framework runs (costops.ATTENTION_KERNELS): "flash2"
+    (FlashAttention-2: flash-attn >= 2, PyTorch's sdpa since torch 2.2, what autotune's trials run) or
+    "triton" (FlashAttention in Triton: llm-foundry's `attn_impl: triton`, its published benchmark
+    tables' setting), priced at FlashAttention-2's speed / 1.4 forward and / 2 backward."""
     source: str = "autotune.deepspeed_config.zero_section"
 
 
@@ -208,7 +214,7 @@ def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: 
     from autotune.costops import micro_step_price
 
     p = micro_step_price(model, rt.implementation, cfg.precision, cfg.attention, cfg.micro_batch, cfg.seq_len,
-                         price_key(gpu, cfg.precision), c.for_gpu(gpu.name))
+                         price_key(gpu, cfg.precision), c.for_gpu(gpu.name), rt.attention_kernel)
     return {"compute": p.gemm, "attention": p.attention, "elementwise": p.elementwise,
             "recompute": cfg.ckpt_layers * p.layer_forward}
 

@@ -112,6 +112,45 @@ def test_attention_efficiency_rises_with_sequence_and_head_dim():
     assert co.attention_efficiency(v100, "fwd", 128, 2048, True) == pytest.approx(e[1] * co.EFFICIENT_KERNEL_SCALE)
 
 
+def test_attention_kernel_by_hand():
+    """A causal flash forward and backward at seq 16384, head dim 128 on an A100: FLOPs as the flash
+    kernels count them (4 b h s^2 d / 2, backward 2.5x) over peak x FlashAttention-2's efficiency x
+    the causal diagonal's s / (s + 128); no sustained share. FlashAttention in Triton (llm-foundry's
+    `attn_impl: triton`) takes 1.4x the forward's time and 2x the backward's (FlashAttention-2 sec. 4.1)."""
+    key = cm.price_key(A100.gpu, "bf16")
+    b, h, s, d = 2, 16, 16384, 128
+    fwd_flops = 4.0 * b * h * s * s * d / 2
+    diag = s / (s + 128)
+    for phase, flops, e in (("fwd", fwd_flops, 0.73), ("bwd", 2.5 * fwd_flops, 0.63)):
+        op = co.Op("attention", "_scaled_dot_product_flash_attention", phase, flops, 0, (b, h, s, s, d, True))
+        flash2 = flops / (312e12 * e * diag) + co.LAUNCH_S
+        assert co.attention_s(op, key, 0.5) == pytest.approx(flash2)   # the sustained share is not applied
+        slower = 1.4 if phase == "fwd" else 2.0
+        assert co.attention_s(op, key, 0.5, "triton") == pytest.approx((flash2 - co.LAUNCH_S) * slower + co.LAUNCH_S)
+    with pytest.raises(ValueError, match="attention kernel"):
+        co.attention_s(op, key, 1.0, "flash9")
+
+
+def test_h100_flash_backward_meets_the_published_forward_backward():
+    """H100: forward 35% (FlashAttention-3's abstract); the backward makes forward + 2.5x forward run
+    at 335 of 989 TFLOPS, FlashAttention-2's H100 measurement (its sec. 4.1, Fig. 7)."""
+    fwd, bwd = co.FLASH_EFFICIENCY["H100"]
+    assert fwd == 0.35
+    assert 3.5 / (1 / fwd + 2.5 / bwd) == pytest.approx(335 / 989)
+    assert bwd == pytest.approx(0.334, abs=5e-4)
+
+
+def test_runtime_attention_kernel_reaches_the_price():
+    """Runtime.attention_kernel prices the step's sdpa kernels: triton is slower at long sequences,
+    the GEMMs and element-wise kernels are the same."""
+    model = resolve_model("llama-2-7b")
+    c = TrainConfig(attention="sdpa", micro_batch=1, seq_len=8192)
+    flash2 = cm.simulate(model, A100, c, runtime=cm.Runtime(attention_kernel="flash2")).breakdown_s
+    triton = cm.simulate(model, A100, c, runtime=cm.Runtime(attention_kernel="triton")).breakdown_s
+    assert 1.4 * flash2["attention"] < triton["attention"] < 2.0 * flash2["attention"]
+    assert triton["compute"] == flash2["compute"] and triton["elementwise"] == flash2["elementwise"]
+
+
 def test_eager_attention_costs_more_than_sdpa_at_long_sequence():
     model = resolve_model("llama-2-7b")
     kw = dict(micro_batch=1, seq_len=8192)

@@ -87,14 +87,32 @@ ramp up/down of an under-filled GPU. NVIDIA developer blog, "Getting Started wit
 (2019): 3.8 us per 2.9 us kernel launched back to back without graphs, ~1 us of it launch; a
 short kernel's own floor makes up the rest. Charged once per traced kernel."""
 
-FLASH_EFFICIENCY = {"A100": (0.73, 0.63), "H100": (0.35, 0.30)}
+H100_FA2_FWD_BWD = 335.0 / 989.0
+"""FlashAttention-2's forward+backward on H100 SXM: "up to 335 TFLOPs/s" (Dao 2023, FlashAttention-2,
+arXiv:2307.08691, sec. 4.1, Fig. 7: the A100 kernel run unchanged on H100) over the H100's 989 TFLOPS
+dense bf16 peak (data/gpus.yaml), FLOPs counted as forward + 2.5 x forward."""
+
+FLASH_EFFICIENCY = {"A100": (0.73, 0.63),
+                    "H100": (0.35, 2.5 / (3.5 / H100_FA2_FWD_BWD - 1 / 0.35))}
 """(forward, backward) fraction of the 16-bit dense peak a FlashAttention-2 kernel reaches at long
 sequences, head dim 128. A100: "up to 73% of the theoretical max throughput in the forward pass,
 and up to 63% in the backward pass" (Dao 2023, "FlashAttention-2", arXiv:2307.08691, sec. 4.1:
-a published kernel benchmark, attention alone, not a training-throughput table). H100: "only 35%
-utilization" for FlashAttention-2 on H100 (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608,
-abstract), forward; backward scaled by A100's 63/73. PyTorch's sdpa runs FlashAttention-2 for 16-bit
-inputs on sm80+. Other GPUs take the row of their generation (Hopper: H100; the rest: A100)."""
+a published kernel benchmark, attention alone, not a training-throughput table). H100 forward: "only
+35% utilization" for FlashAttention-2 on H100 (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608,
+abstract); backward 0.334, what makes forward + 2.5 x forward at (0.35, b) the 33.9% forward+backward
+that FlashAttention-2 measured on H100 (H100_FA2_FWD_BWD). Until 2026-12-03 the H100 backward was
+0.30, A100's 63/73 applied to 35%: an extrapolation where the same paper has an H100 measurement.
+PyTorch's sdpa runs FlashAttention-2 for 16-bit inputs on sm80+. Other GPUs take the row of their
+generation (Hopper: H100; the rest: A100)."""
+
+ATTENTION_KERNELS = {"flash2": (1.0, 1.0), "triton": (1.4, 2.0)}
+"""(forward, backward) time of a flash-attention kernel relative to FlashAttention-2's (FLASH_EFFICIENCY).
+flash2: FlashAttention-2 itself (flash-attn >= 2; PyTorch's sdpa flash path since torch 2.2). triton:
+FlashAttention in Triton (flash-attn's flash_attn_triton.py, which llm-foundry copied as its
+`attn_impl: triton`): "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in the
+forward pass and around 2x faster in the backward pass" (Dao 2023, FlashAttention-2, arXiv:2307.08691,
+sec. 4.1, A100); 1.4 is the middle of the stated forward range. Applied to every GPU (measured on A100
+only). The kernel is a fact of the framework that ran, not of the GPU: Runtime.attention_kernel."""
 
 EFFICIENT_KERNEL_SCALE = 0.5
 """sdpa's memory-efficient kernel (xformers cutlass; what sdpa runs below sm80 or in fp32):
@@ -166,15 +184,26 @@ def attention_efficiency(key: tuple, phase: str, head_dim: int, s_kv: int, causa
     return e if flash else e * EFFICIENT_KERNEL_SCALE
 
 
-def attention_s(op: Op, key: tuple, sustained: float) -> float:
+def attention_s(op: Op, key: tuple, sustained: float, kernel: str = "flash2") -> float:
     """One sdpa kernel (seconds). FLOPs as the flash kernels count their own speed: 4 b h s_q s_kv d
     forward, halved under a causal mask, backward 2.5x forward (Dao-AILab/flash-attention
-    benchmarks/benchmark_flash_attention.py `flops`); bytes at achieved HBM as the floor."""
+    benchmarks/benchmark_flash_attention.py `flops`); bytes at achieved HBM as the floor. `kernel`:
+    which flash kernel runs (ATTENTION_KERNELS).
+
+    `sustained` is not applied. FLASH_EFFICIENCY is the kernel benchmarked at a training step's own
+    shapes (FlashAttention-2 sec. 4.1: 16k tokens per batch, hidden 2048, head dim 128: MPT-1B's
+    attention), so it already is what a step gets; `sustained` is the share of MAMF, a maximum over
+    a sweep of GEMM shapes, that a step's GEMMs keep. Until 2026-12-03 both were scaled by it, and
+    long-sequence steps, where attention is most of the time, came out too slow on H100 once the
+    kernel that ran was priced (docs/costmodel.md, "Long sequences")."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel {kernel!r}: one of {', '.join(ATTENTION_KERNELS)}")
     b, h, s_q, s_kv, d, causal = op.shape
     fwd = 4.0 * b * h * s_q * s_kv * d / (2 if causal else 1)
     flops = fwd if op.phase == "fwd" else 2.5 * fwd
+    slower = ATTENTION_KERNELS[kernel][0 if op.phase == "fwd" else 1]
     peak = key[1]
-    return max(flops / (peak * attention_efficiency(key, op.phase, d, s_kv, causal) * sustained),
+    return max(flops * slower / (peak * attention_efficiency(key, op.phase, d, s_kv, causal)),
                op.nbytes / _hbm(key)) + LAUNCH_S
 
 
@@ -200,13 +229,20 @@ class ComputePrice:
 
 
 @cache
-def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.0) -> ComputePrice:
-    """Price every distinct op once, times its count (cached per profile, depth, GPU, sustained)."""
+def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.0,
+          attention_kernel: str = "flash2") -> ComputePrice:
+    """Price every distinct op once, times its count (cached per profile, depth, GPU, sustained,
+    attention kernel)."""
+    def cost(op: Op) -> float:
+        if op.cls == "attention":
+            return attention_s(op, key, sustained, attention_kernel)
+        return OP_PRICE[op.cls](op, key, sustained)
+
     per = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0}
     ops = profile.ops(num_layers)
     for op, n in ops.items():  # priced by class, reported by term (eager attention under attention)
-        per[op.term or op.cls] += n * OP_PRICE[op.cls](op, key, sustained)
-    fwd = sum(n * OP_PRICE[op.cls](op, key, sustained) for op, n in profile.layer if op.phase == "fwd")
+        per[op.term or op.cls] += n * cost(op)
+    fwd = sum(n * cost(op) for op, n in profile.layer if op.phase == "fwd")
     kernels = sum(ops.values())
     return ComputePrice(gemm=per["gemm"], attention=per["attention"], elementwise=per["elementwise"],
                         layer_forward=fwd, kernels=kernels)
@@ -221,10 +257,11 @@ def _profile(spec: ModelSpec, implementation: str, precision: str, attention: st
 
 
 def micro_step_price(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
-                     seq_len: int, key: tuple, sustained: float = 1.0) -> ComputePrice:
-    """Forward+backward of one micro step of `spec` on the GPU `key` (gpu_key), op by op (cached)."""
+                     seq_len: int, key: tuple, sustained: float = 1.0, attention_kernel: str = "flash2") -> ComputePrice:
+    """Forward+backward of one micro step of `spec` on the GPU `key` (gpu_key), op by op (cached);
+    `attention_kernel`: the flash kernel the framework runs (ATTENTION_KERNELS)."""
     profile = _profile(spec, implementation, precision, attention, micro_batch, seq_len)
-    return price(profile, spec.num_layers, key, sustained)
+    return price(profile, spec.num_layers, key, sustained, attention_kernel)
 
 
 def step_flops(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
