@@ -93,6 +93,13 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.autotp_size > 1:
+        # AutoTP: the tp ranks of a group see one batch, so the global batch is micro x dp x grad accum
+        # (autotune/parallel.py). train_batch_size is left out: DeepSpeed 0.19.8 checks it against the
+        # whole world before AutoTP makes its groups (runtime/config.py _batch_assertion, no mpu yet) and
+        # derives it from the other two when absent (_configure_train_batch_size).
+        del ds["train_batch_size"]
+        ds["tensor_parallel"] = {"autotp_size": cfg.autotp_size}
     if cfg.grad_accum_dtype != "auto":
         ds["data_types"] = {"grad_accum_dtype": cfg.grad_accum_dtype}
     if cfg.precision == "bf16":

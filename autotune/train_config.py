@@ -24,6 +24,7 @@ from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
 from autotune.models.hf_config import attentions
+from autotune.parallel import check_parallel
 
 Precision = Literal["fp32", "fp16", "bf16"]
 
@@ -164,6 +165,11 @@ class TrainConfig:
                                                  "of a node (ZeRO-3, multi-node, GPUs)")
     """ZeRO++ hpZ (arXiv:2306.10209, sec. 3.2): a second copy of the weights partitioned within a node,
     so the backward all-gather stays on NVLink; costs pb*P/hpz bytes per GPU."""
+    autotp_size: int = _setting(1, space=(1,), minimum=1,
+                                help="tensor-parallel ranks (DeepSpeed AutoTP training; 1: off)")
+    """DeepSpeed's `tensor_parallel.autotp_size` (runtime/tensor_parallel/config.py): the model's linears
+    sharded over this many ranks, which see the same batch; ZeRO then shards over world / tp
+    (autotune/parallel.py checks it, docs/parallelism.md)."""
     seq_len: int = _setting(2048, space=("auto",), minimum=1, help="sequence length (default: min(2048, model max))")
     """Tokens per sequence. A search axis (`seq_len: [2048, 4096, 8192]` in a space); `auto`, the
     default, is the study's `--seq-len` (min(2048, the model's maximum) when not given)."""
@@ -395,3 +401,4 @@ def check_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> None:
                         f"the {cluster.gpus_per_node} GPUs per node (hpZ partitions within a node)")
     if cfg.optimizer == "adamw8bit" and cluster.gpu.is_cpu:
         raise SpecError("8-bit AdamW (bitsandbytes) needs a GPU; CPU ranks can run adamw")
+    check_parallel(cfg, model, cluster)

@@ -22,7 +22,7 @@ MEMORY_LAYERS: tuple[tuple[str, ...], ...] = (
     ("tracer",),                                 # fake tensors and LiveBytes (torch)
     ("seq_family",),                             # one build replayed over sequence lengths
     ("code_trace",),                             # the programs of transformers' or a factory's code
-    ("activations", "overhead"),                 # terms that need nothing else of memory/
+    ("activations", "overhead", "tensor_parallel"),   # terms that need nothing else of memory/; AutoTP's shard
     ("buffers",),                                # gradients and DeepSpeed's buffers
     ("model_states",),                           # parameters, master weights, optimizer states
     ("host", "lora"),                            # host RAM; LoRA's phases from the full ones

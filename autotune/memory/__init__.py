@@ -20,6 +20,7 @@ from __future__ import annotations
 from autotune.hardware import Cluster
 from autotune.memory.analytic import MemoryEstimate, builtin, phases as _phases  # noqa: F401 - the public names
 from autotune.memory.host import host_bytes_per_node
+from autotune.memory.tensor_parallel import local_view
 from autotune.memory.overhead import overhead_terms
 from autotune.memory.traced import trace
 from autotune.models import ModelSpec
@@ -33,15 +34,18 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
     (`model.implementation` hf or factory) are traced from the module itself on fake tensors
     (traced.trace via code_trace.py; the small programs are cached, so a second config of the same
     model, precision, attention, sequence length and micro batch costs milliseconds)."""
-    if builtin(model):
-        phases = _phases(model, cluster, cfg)
+    # autotp_size > 1: one tp rank's shard, ZeRO over dp (memory/tensor_parallel.py); the host side counts every
+    # rank of a node (no offload with tp: autotune/parallel.py), the report the whole model's parameters
+    shard, dp, local = local_view(model, cluster, cfg)
+    if builtin(shard):
+        phases = _phases(shard, dp, local)
     else:
-        phases = trace(model, cluster, cfg).phases
+        phases = trace(shard, dp, local).phases
     totals = {name: sum(t.values()) for name, t in phases.items()}
     peak_phase = max(totals, key=totals.get)
     peak = totals[peak_phase]
     over = overhead_terms(cluster, peak)
-    host = host_bytes_per_node(model, cluster, cfg)
+    host = host_bytes_per_node(shard, cluster, local)
     return MemoryEstimate(num_params=model.num_params, tensor_peak_bytes=peak, overhead_bytes=sum(over.values()),
                           capacity_bytes=cluster.capacity_bytes, phase=peak_phase, terms=phases[peak_phase],
                           overhead=over, phases=totals, host_bytes=host,

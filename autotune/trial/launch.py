@@ -233,6 +233,17 @@ def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES, rank: int | None = 
     return "\n".join(own + ["--- last lines of all ranks ---"] + all_lines[-(lines // 4):])
 
 
+def _parallel_runs(requests: list[TrialRequest]) -> list[list[TrialRequest]]:
+    """`requests` cut where the tensor-parallel degree changes, in order."""
+    runs: list[list[TrialRequest]] = []
+    for req in requests:
+        if runs and runs[-1][-1].config.autotp_size == req.config.autotp_size:
+            runs[-1].append(req)
+        else:
+            runs.append([req])
+    return runs
+
+
 def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int = 1,
              master_addr: str = "127.0.0.1", master_port: int | None = None,
              threads: int | None = None, fresh: bool = True) -> list[NodeOutcome]:
@@ -244,6 +255,11 @@ def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int
     (the Ray driver) has done so already. `master_addr`/`master_port` are rank 0's, for several nodes;
     one node always meets on 127.0.0.1 (loopback_store).
     """
+    if num_nodes == 1 and len(runs := _parallel_runs(requests)) > 1:
+        # DeepSpeed keeps its tensor-parallel groups for the life of the process (utils/groups.py
+        # _init_tp_mesh_device returns early once _TENSOR_MODEL_PARALLEL_GROUP is set, and ZeRO then uses
+        # its data-parallel group): each tp degree runs in a process group of its own.
+        return [o for run in runs for o in run_node(run, threads=threads, fresh=fresh)]
     for req in requests:
         if fresh:
             prepare(req)

@@ -258,7 +258,10 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
     sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
     ds_cfg = deepspeed_config(cfg, req.model, cluster)
-    gen = torch.Generator().manual_seed(1000 + rank)  # a fixed batch per rank: the loss must fall
+    # A fixed batch per data-parallel rank (the loss must fall). The tp ranks of one group must see the same
+    # batch (DeepSpeed asserts it at the first forward, engine.py check_dataloader_inputs_same_across_ranks);
+    # its mesh is (dp, tp), tp innermost (utils/groups.py _init_tp_mesh_device), so rank // tp is the dp rank.
+    gen = torch.Generator().manual_seed(1000 + rank // cfg.autotp_size)
     batch = torch.randint(0, req.model.vocab_size, (cfg.micro_batch, cfg.seq_len + 1), generator=gen)
     data = (batch.to(device),)  # (b, s+1): the implementation's loss takes inputs and targets from it
     del batch

@@ -1,0 +1,83 @@
+"""Tensor parallelism (DeepSpeed AutoTP) as the memory model sees it: one rank of a tp group holds a narrower
+model, and ZeRO shards that over the dp = world / tp ranks. `local_view` turns (model, cluster, cfg) with
+autotp_size > 1 into that rank's own (model, cluster, cfg) with autotp_size 1, which every other term of
+memory/ then prices unchanged (memory/__init__.estimate calls it first).
+
+What AutoTP shards (deepspeed 0.19.8, engine._apply_autotp_partitioning, from the model's HF tp_plan, e.g.
+transformers' LlamaConfig.base_model_tp_plan; measured: the parameter shapes after deepspeed.initialize on 2
+CPU ranks, docs/parallelism.md):
+- q, k, v and the MLP's up/gate projections column-wise (their outputs and biases split by tp), o and down
+  projections row-wise (their inputs split; a row-wise bias stays whole): the local model has heads / tp,
+  key/value heads / tp and intermediate / tp, hidden unchanged, so its residual activations stay whole;
+- norms stay whole (replicated), each rank holding every norm weight;
+- an untied LM head column-wise with its output gathered (tp_plan `colwise_rep`): the head's weight is
+  V / tp x h, the logits the loss sees are whole; the input embedding stays whole;
+- a tied head and embedding vocabulary-parallel (AutoTP's auto vocab_parallel_lm_head, "supersedes the
+  configured 'skip' partitioning for tied embedding"): both V / tp x h, logits V / tp, DeepSpeed's
+  vocabulary-parallel cross entropy (sequence/cross_entropy.py) on them: the local model has vocab V / tp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+from autotune.errors import SpecError
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig
+
+SHARDED_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+"""The Hugging Face config keys a rank's shard divides by tp (the families AutoTP trains here: Llama,
+Qwen2 and their kin; GPT-2-style configs are refused before this, autotune/parallel.py)."""
+
+
+def local_view(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[ModelSpec, Cluster, TrainConfig]:
+    """One tp rank's model, the dp ranks ZeRO shards over, and cfg without tensor parallelism."""
+    tp = cfg.autotp_size
+    if tp == 1:
+        return model, cluster, cfg
+    return local_model(model, tp), dp_cluster(cluster, tp), dataclasses.replace(cfg, autotp_size=1)
+
+
+def dp_cluster(cluster: Cluster, tp: int) -> Cluster:
+    """The cluster as ZeRO sees it: world / tp ranks of the same device (only the world size and the
+    device enter the memory terms). tp within a node (the usual layout, DeepSpeed's mesh puts tp innermost:
+    utils/groups.py _init_tp_mesh_device) leaves gpus_per_node / tp ranks per node."""
+    if cluster.gpus_per_node % tp == 0:
+        return dataclasses.replace(cluster, gpus_per_node=cluster.gpus_per_node // tp)
+    return dataclasses.replace(cluster, num_nodes=cluster.world_size // tp, gpus_per_node=1)
+
+
+@cache   # a ModelSpec is hashable (hf_config is left out of its hash); one meta build per (model, tp)
+def local_model(model: ModelSpec, tp: int) -> ModelSpec:
+    """The model one tp rank holds, as a ModelSpec of the narrower Hugging Face config with its exact
+    parameter count (the meta-device build of autotune.models.hf_config.spec_from_config)."""
+    from transformers import AutoConfig
+
+    from autotune.models.hf_config import config_dict, spec_from_config
+
+    d = dict(config_dict(model))
+    missing = [k for k in SHARDED_KEYS if k not in d]
+    if missing:
+        raise SpecError(f"model {model.name}: autotune prices AutoTP from the config keys {', '.join(SHARDED_KEYS)}; "
+                        f"its {d.get('model_type')} config lacks {', '.join(missing)}")
+    d["head_dim"] = model.head_dim   # kept whole: the heads are split, not narrowed
+    d["num_attention_heads"] = model.num_heads // tp
+    d["num_key_value_heads"] = model.num_kv_heads // tp
+    d["intermediate_size"] = -(-d["intermediate_size"] // tp)   # an uneven split: the largest shard
+    if model.tied_embeddings:
+        d["vocab_size"] = -(-model.vocab_size // tp)
+    mtype = d.pop("model_type")
+    local = spec_from_config(AutoConfig.for_model(mtype, **_without_derived(d)), name=f"{model.name} (tp {tp} shard)",
+                             source=model.source)
+    if not model.tied_embeddings:
+        # the built local model has the whole V x h head; AutoTP's is V / tp x h (colwise_rep)
+        head = model.vocab_size * model.hidden_size
+        local = dataclasses.replace(local, param_count=local.num_params - head + -(-head // tp))
+    return local
+
+
+def _without_derived(d: dict) -> dict:
+    """The config dict without keys PretrainedConfig.to_dict() adds that for_model must not get back."""
+    return {k: v for k, v in d.items() if k not in ("transformers_version", "architectures", "_name_or_path")}

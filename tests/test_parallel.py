@@ -1,0 +1,106 @@
+"""Tensor parallelism (DeepSpeed AutoTP training): the setting, its refusals, the DeepSpeed JSON, the
+rank's shard the memory model prices, and one real tp 2 trial on 2 CPU ranks (docs/parallelism.md)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+from autotune.deepspeed_config import deepspeed_config
+from autotune.errors import SpecError
+from autotune.hardware import parse_gpus
+from autotune.memory import estimate
+from autotune.memory.tensor_parallel import local_model, local_view
+from autotune.models import resolve_model
+from autotune.parallel import data_parallel_size, global_batch
+from autotune.train_config import TrainConfig, check_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from hf_memory import spec_of  # noqa: E402
+
+TWO, FOUR = parse_gpus("2xcpu"), parse_gpus("4xcpu")
+
+
+def test_default_is_off_and_json_has_no_section():
+    cfg = TrainConfig()
+    assert cfg.autotp_size == 1
+    ds = deepspeed_config(cfg, spec_of("llama"), TWO)
+    assert "tensor_parallel" not in ds and ds["train_batch_size"] == 2
+
+
+def test_json_and_batch_arithmetic():
+    cfg = TrainConfig(autotp_size=2, micro_batch=3, grad_accum=2)
+    ds = deepspeed_config(cfg, spec_of("llama"), FOUR)
+    assert ds["tensor_parallel"] == {"autotp_size": 2}
+    # left for DeepSpeed to derive: its check runs against the whole world before the tp groups exist
+    assert "train_batch_size" not in ds
+    assert data_parallel_size(cfg, 4) == 2 and global_batch(cfg, 4) == 3 * 2 * 2
+
+
+@pytest.mark.parametrize("family,cluster,kw,says", [
+    ("llama", parse_gpus("3xcpu"), {}, "must divide the world size 3"),
+    ("llama", TWO, dict(method="lora"), "drops lora_A/lora_B"),
+    ("llama", TWO, dict(zero_stage=2, offload_optimizer=True), "offload"),
+    ("gpt2", TWO, dict(seq_len=64), "AutoTP not supported for model"),
+    ("mistral", parse_gpus("3xcpu"), dict(autotp_size=3), "key/value heads"),   # 6 heads, 2 kv
+    ("llama", parse_gpus("3xcpu"), dict(autotp_size=3), "divide the 8 attention heads"),
+])
+def test_refusals(family, cluster, kw, says):
+    cfg = TrainConfig(**{"autotp_size": 2, **kw})
+    with pytest.raises(SpecError, match=says):
+        check_config(cfg, spec_of(family), cluster)
+
+
+def test_refused_for_code_without_a_tp_plan():
+    with pytest.raises(SpecError, match="tp_plan"):
+        check_config(TrainConfig(autotp_size=2), replace(resolve_model("tiny-llama"), implementation="builtin"), TWO)
+
+
+def test_cli_exit_code_2(capsys):
+    code = main(["estimate", "--model", "gpt2", "--gpus", "2xcpu", "--autotp-size", "2"])
+    assert code == 2 and "AutoTP" in capsys.readouterr().err
+
+
+def test_local_shard_shapes():
+    """The shard the estimate prices: measured shapes of deepspeed.initialize's AutoTP at tp 2 (2 CPU ranks,
+    docs/parallelism.md): Llama q (64, 128), k/v (16, 128), gate/up (168, 128), embedding whole (2048, 128),
+    head (1024, 128); Qwen2's tied embedding and head vocabulary-parallel (832, 128)."""
+    llama, qwen = local_model(spec_of("llama"), 2), local_model(spec_of("qwen2"), 2)
+    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.ffn_hidden_size) == (4, 1, 16, 168)
+    layer = 64 * 128 + 2 * 16 * 128 + 128 * 64 + 3 * 168 * 128 + 2 * 128
+    assert llama.num_params == 4 * layer + 2048 * 128 + 128 + 1024 * 128
+    assert qwen.vocab_size == 832
+    qlayer = 64 * 128 + 64 + 2 * (32 * 128 + 32) + 128 * 64 + 3 * 160 * 128 + 2 * 128
+    assert qwen.num_params == 3 * qlayer + 832 * 128 + 128
+
+
+def test_zero_shards_over_dp():
+    model, cluster, cfg = local_view(spec_of("llama"), FOUR, TrainConfig(autotp_size=2, zero_stage=3))
+    assert cluster.world_size == 2 and cfg.autotp_size == 1 and model.num_params < spec_of("llama").num_params
+    big = estimate(spec_of("llama"), TWO, TrainConfig(zero_stage=0, seq_len=64))
+    small = estimate(spec_of("llama"), TWO, TrainConfig(zero_stage=0, seq_len=64, autotp_size=2))
+    assert small.tensor_peak_bytes < big.tensor_peak_bytes and small.num_params == big.num_params
+
+
+@pytest.mark.slow
+def test_real_tp2_trial_matches_the_estimate(tmp_path):
+    """Llama at tp 2, ZeRO-1 bf16, on 2 gloo ranks: it trains, each rank holds the shard local_model prices
+    (to the byte), and the estimate meets the bar against the steady peak (tests/steady.py)."""
+    from steady import steady_peak
+
+    from autotune.trial import run_trials
+    from autotune.trial.record import TrialRequest
+
+    spec, cfg = spec_of("llama"), TrainConfig(autotp_size=2, zero_stage=1, micro_batch=2, seq_len=64)
+    check_config(cfg, spec, TWO)
+    res = run_trials([TrialRequest(model=spec, cluster=TWO, config=cfg, steps=2, warmup_steps=1, timeout_s=300,
+                                   out_dir=tmp_path / "t")])[0]
+    assert res.status == "ok", res.reason + res.log_tail
+    assert res.losses[-1] < res.losses[0]
+    assert res.param_bytes_per_rank == [2 * local_model(spec, 2).num_params] * 2
+    err = estimate(spec, TWO, cfg).tensor_peak_bytes / steady_peak(res) - 1
+    assert -0.01 <= err <= 0.03, err
