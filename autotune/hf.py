@@ -32,6 +32,29 @@ def checkpoint_first_layers(model, k: int) -> None:
         layer.gradient_checkpointing = i < k
 
 
+VOCAB_PARALLEL_LOSS = "autotune_vocab_parallel_loss"
+"""A config attribute the memory model sets on one tensor-parallel rank's shard of a tied model
+(memory/tensor_parallel.py): its loss is DeepSpeed's vocabulary-parallel cross entropy, as AutoTP installs it."""
+
+
+def _vocab_parallel_loss(model, vocab_size: int) -> None:
+    """DeepSpeed's vocabulary-parallel causal-LM loss on `model`, as engine._apply_autotp_partitioning installs it
+    for a tied, vocabulary-sharded head (sequence/cross_entropy.py configure_vocab_parallel_loss ->
+    VocabParallelCausalLMLoss.__call__ -> vocab_parallel_cross_entropy, reduction mean): the same tensors, without
+    its tp group (no all-reduce) and without its target-range check, whose .item() a fake-tensor trace cannot run."""
+    from deepspeed.sequence.cross_entropy import _VocabParallelCrossEntropy
+
+    def loss_function(logits, labels=None, vocab_size=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        shift_labels = labels[..., 1:].contiguous()
+        logits = logits[..., :-1, :].contiguous()
+        loss = _VocabParallelCrossEntropy.apply(logits, shift_labels, None, 0, vocab_size_, -100)
+        valid_tokens = (shift_labels != -100).sum().to(dtype=loss.dtype)
+        return loss.sum() / valid_tokens.clamp_min(1)
+
+    vocab_size_ = vocab_size
+    model.loss_function = loss_function
+
+
 class HfImpl:
     """`hf`: AutoModelForCausalLM.from_config, random init by the model's own _init_weights."""
 
@@ -50,6 +73,8 @@ class HfImpl:
             raise SpecError(f"{type(model).__name__}: num_hidden_layers {num_layers} built "
                             f"{built} decoder layers; autotune traces a model of fewer layers "
                             "than it has by setting num_hidden_layers, which this config does not follow")
+        if getattr(config, VOCAB_PARALLEL_LOSS, False):
+            _vocab_parallel_loss(model, config.vocab_size)
         return model.train()  # from_config's model is in eval mode: the config's dropout is real here
 
     def layers(self, model) -> list:
