@@ -29,6 +29,7 @@ from __future__ import annotations
 from autotune.hardware import Cluster
 from autotune.memory.buffers import (  # noqa: F401 - offload_accumulates_on_host re-exported
     offload_accumulates_on_host, offload_fp32_partition, partition_elements)
+from autotune.memory.tensor_parallel import ZERO3_LARGEST_GROUP
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, dtype_bytes
 
@@ -221,7 +222,8 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
                 "optimizer_temporaries": int(2 * 4 * p / n) if not fused_optimizer else 0}
     stepped = largest_param(spec) if z == 0 else p / n
     if z == 3:
-        stepped = min(stepped, STAGE3_SUB_GROUP_SIZE)
+        # an AutoTP shard's larger group (memory/tensor_parallel.py ZERO3_LARGEST_GROUP), else the partition
+        stepped = min(ZERO3_LARGEST_GROUP.get(spec, p) / n, STAGE3_SUB_GROUP_SIZE)
     if fused_optimizer or cfg.optimizer == "adamw8bit":
         temps = 0
     elif z == 0:

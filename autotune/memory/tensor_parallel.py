@@ -38,7 +38,53 @@ def local_view(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[Mo
     tp = cfg.autotp_size
     if tp == 1:
         return model, cluster, cfg
-    return local_model(model, tp), dp_cluster(cluster, tp), dataclasses.replace(cfg, autotp_size=1)
+    local = local_model(model, tp)
+    if cfg.zero_stage == 3:
+        r = replicated_params(model, local, tp)
+        local = dataclasses.replace(local, param_count=zero3_partitioned(model, local, tp))
+        ZERO3_LARGEST_GROUP[local] = local.num_params - -(-r // tp)
+    return local, dp_cluster(cluster, tp), dataclasses.replace(cfg, autotp_size=1)
+
+
+ZERO3_LARGEST_GROUP: dict[ModelSpec, int] = {}
+"""ZeRO-3 shard spec (local_view) -> the elements of its larger flat partition group, priced by model_states.step_terms.
+Stage 3 keeps the parameters AutoTP shards (partitioned over dp) and those it leaves whole (partitioned over the
+world) in separate groups and steps them one after the other, so AdamW's temporaries and the fp32 gradient copy are
+those of the larger group, not of the whole partition (measured: Llama tp 2 ZeRO-3 on 2 CPU ranks, the optimizer
+phase's sqrt and div 1,884,160 B each = 4 B x 471,040, the shard without its replicated 131,648 elements).
+A side table, not a ModelSpec field: only this module makes such specs, and only estimate() reads them."""
+
+
+def zero3_world_gathered(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+    """Bytes of the parameters AutoTP leaves whole, gathered and held by ZeRO-3 when dp is 1: the rest of memory/
+    sees one rank (nothing partitioned, nothing gathered), but these are partitioned over the tp ranks of the
+    world and gathered in forward, held through backward with the default reuse distance (measured: Llama tp 2
+    ZeRO-3 on 2 CPU ranks, backward peak 522,769 B above the one-rank estimate; the embedding and norms, 263,296
+    elements in bf16, are 526,592 B). With dp > 1 model_states.zero3_gathered counts them, whole, already."""
+    tp = cfg.autotp_size
+    if tp == 1 or cfg.zero_stage != 3 or cluster.world_size != tp:
+        return 0
+    from autotune.train_config import dtype_bytes
+
+    return dtype_bytes(cfg.precision) * replicated_params(model, local_model(model, tp), tp)
+
+
+def replicated_params(model: ModelSpec, local: ModelSpec, tp: int) -> int:
+    """Elements every tp rank holds whole (embedding of an untied model, norms, row-wise biases): with P the
+    model's count and L one rank's, L = S / tp + R and P = S + R, so R = (tp L - P) / (tp - 1)."""
+    return (tp * local.num_params - model.num_params) // (tp - 1)
+
+
+def zero3_partitioned(model: ModelSpec, local: ModelSpec, tp: int) -> int:
+    """ZeRO-3's count of one rank's shard as dp ranks partition it: the model is built under zero.Init before
+    AutoTP makes its groups, so the parameters AutoTP leaves whole stay partitioned over the whole world, and
+    only those it replaces (its shards) are partitioned again over dp (engine._apply_autotp_partitioning:
+    "AutoTP replaces the weights it shards when the model was built under zero.Init"). Per rank that is
+    S / (tp dp) + R / (tp dp): as a count partitioned over dp, L - R + R / tp. Measured: the Llama of
+    benchmarks/hf_memory.py at tp 2, ZeRO-3, 2 CPU ranks holds 602,688 partitioned elements per rank (its
+    embedding's ds_tensor 131,072 of 262,144, each norm's 64 of 128), L - R / 2 exactly."""
+    r = replicated_params(model, local, tp)
+    return local.num_params - r + -(-r // tp)
 
 
 def dp_cluster(cluster: Cluster, tp: int) -> Cluster:

@@ -105,6 +105,8 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     elif cfg.zero_stage in (1, 2):
         sizes, what = [part], f"the flat {master} partition ({part:,} elements)"
     else:
+        # an AutoTP shard steps its larger group (memory/tensor_parallel.py ZERO3_LARGEST_GROUP)
+        part = math.ceil(model_states.ZERO3_LARGEST_GROUP.get(spec, trained) / cluster.world_size)
         sizes = [min(part, model_states.STAGE3_SUB_GROUP_SIZE)]
         what = f"one {master} sub-group ({sizes[0]:,} elements)"
     kind = "fused=True (in place, as FusedAdam)" if fused else "foreach=False"
