@@ -24,6 +24,7 @@ from importlib import resources
 
 import yaml
 
+from autotune.costops.parallel import tp_comm_s
 from autotune.errors import SpecError
 from autotune.hardware import Cluster, GpuSpec
 from autotune.models import ModelSpec
@@ -422,6 +423,8 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
         "overlap": -overlap,
         "optimizer": optimizer_s(model, cfg, cluster, rt),
         "offload": offload_s(model, cfg, cluster)}
+    if cfg.autotp_size > 1:   # AutoTP's per-layer all-reduces and the gathered head, on the tp group's link
+        parts["tp_comm"] = ga * tp_comm_s(gathered, cfg, cluster, link_bytes_per_s, dtype_bytes(cfg.precision))
     if scope == "end_to_end":
         parts["host"] = ga * HOST_STEP_S  # a batch is fetched per micro step
     step_s = sum(parts.values())

@@ -104,3 +104,17 @@ def test_real_tp2_trial_matches_the_estimate(tmp_path):
     assert res.param_bytes_per_rank == [2 * local_model(spec, 2).num_params] * 2
     err = estimate(spec, TWO, cfg).tensor_peak_bytes / steady_peak(res) - 1
     assert -0.01 <= err <= 0.03, err
+
+
+def test_tp_comm_prices_four_allreduces_per_layer_and_the_gathered_head():
+    from autotune.costmodel import link_bytes_per_s, simulate
+    from autotune.costops.parallel import tp_comm_s
+
+    model, cluster = resolve_model("llama-3-8b"), parse_gpus("8xH100")
+    cfg = TrainConfig(zero_stage=1, autotp_size=2, micro_batch=1, seq_len=4096)
+    link = link_bytes_per_s(replace(cluster, gpus_per_node=2))
+    act = 4096 * model.hidden_size * 2
+    want = (model.num_layers * 4 * 2 * act / 2 + 4096 * model.vocab_size * 2 / 2) / link
+    assert tp_comm_s(model, cfg, cluster, link_bytes_per_s, 2) == pytest.approx(want)
+    assert simulate(model, cluster, cfg).breakdown_s["tp_comm"] == pytest.approx(want)
+    assert "tp_comm" not in simulate(model, cluster, replace(cfg, autotp_size=1)).breakdown_s
