@@ -49,7 +49,9 @@ TINY_HF = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "nu
 def killed_and_resumed(tmp_path_factory):
     """One real search through the CLI, as a user runs it: Ray + DeepSpeed trials of a tiny transformers
     Llama on two CPU ranks under a 12 MiB cap (micro batch 16 with k < L is estimated over it, the rest
-    fit), killed with SIGTERM after its first completed trial, then resumed to 3 runs. What
+    fit), killed with SIGTERM after its first completed trial, then resumed to 3 runs (--exhaustive
+    both times: the stopping rule may end this space after 2, and what is tested here is the budget
+    across a kill and a resume). What
     test_search checks of the runs and test_report_pictures draws from their study (one search for
     both: about 90 s)."""
     root = tmp_path_factory.mktemp("e2e")
@@ -60,7 +62,8 @@ def killed_and_resumed(tmp_path_factory):
     env = {**os.environ, "AUTOTUNE_TRIALS_DIR": str(trials), "DS_ACCELERATOR": "cpu"}
     space = Path(__file__).resolve().parents[1] / "search_spaces" / "tiny-cpu.yaml"
     base = [sys.executable, "-m", "autotune", "search", "--model", str(cfg), "--gpus", "2xcpu@12MiB",
-            "--seq-len", "64", "--space", str(space), "--study", "e2e", "--n-trials", "3", "--no-progress"]
+            "--seq-len", "64", "--space", str(space), "--study", "e2e", "--n-trials", "3", "--exhaustive",
+            "--no-progress"]
     db = trials / "e2e" / "study.db"
     first = subprocess.Popen(base, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     end = time.monotonic() + 240
@@ -71,7 +74,7 @@ def killed_and_resumed(tmp_path_factory):
     out1, _ = first.communicate(timeout=120)
     done_before = {json.dumps(r["config"], sort_keys=True) for r in finished_runs(db) if r["state"] == "COMPLETE"}
     second = subprocess.run([sys.executable, "-m", "autotune", "search", "--resume", "--study", "e2e",
-                             "--n-trials", "3", "--no-progress"], env=env, cwd=root, capture_output=True,
+                             "--n-trials", "3", "--exhaustive", "--no-progress"], env=env, cwd=root, capture_output=True,
                             text=True, timeout=400)
     return types.SimpleNamespace(root=root, trials=trials, env=env, db=db, first=first, out1=out1,
                                  done_before=done_before, second=second)

@@ -14,6 +14,8 @@ other node tasks of that trial are cancelled (force), and their ranks die with t
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -87,6 +89,10 @@ class RayExecutor(Executor):
         self._trials: dict[str, _Trial] = {}
         self._connected = False
         if not ray.is_initialized():
+            # ray.init replaces the driver's SIGTERM handler with its own `sys.exit(15)` (ray/_private/
+            # worker.py, `init`): the search's own handler (cli/search.py: SIGTERM ends a search as Ctrl-C
+            # does, its running trials recorded as interrupted) is put back once Ray is up.
+            on_sigterm = signal.getsignal(signal.SIGTERM)
             # Quiet and fast: no usage stats, no dashboard. Authentication stays on (docs/security.md).
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             if ray_address:
@@ -100,6 +106,8 @@ class RayExecutor(Executor):
                 ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                          object_store_memory=OBJECT_STORE_BYTES, logging_level="warning", log_to_driver=False)
             self._connected = True
+            if threading.current_thread() is threading.main_thread() and on_sigterm is not None:
+                signal.signal(signal.SIGTERM, on_sigterm)
         # the smallest node's cores, split among the ranks of the trials that may share them
         cores = min(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n["Alive"])
         self.cpus_per_rank = cpu_threads_per_rank(cluster.gpus_per_node, concurrent_trials, cores)
