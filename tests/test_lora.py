@@ -212,9 +212,11 @@ def test_autotune_export_writes_the_lora_config_beside_the_deepspeed_json(tmp_pa
 
 @pytest.mark.slow
 def test_recorded_lora_runs_stay_within_the_bar():
-    """The 28 real DeepSpeed + peft runs recorded by benchmarks/lora_memory.py (2 CPU ranks; GPT-2,
-    Llama, Qwen2 and GPT-NeoX shapes no other test uses), estimated again by today's code: the issue's
-    bar, median |error| at most 2% and worst at most 5%. A change of a shared ZeRO term once put
+    """The 48 real DeepSpeed + peft runs recorded by benchmarks/lora_memory.py (2 CPU ranks; GPT-2,
+    Llama, Qwen2 and GPT-NeoX shapes no other test uses, ZeRO 0-3, attention-only and all-linear
+    adapters, every layer checkpointed at ZeRO-3), estimated again by today's code, held to the bar of
+    docs/memory.md: median |error| at most 1%, worst at most 3%, never under by more than 1% (an
+    under-estimate keeps a candidate that runs out of memory). A change of a shared ZeRO term once put
     the four grad_accum 2 runs at ZeRO-2 20-28% over and no test saw it."""
     import importlib.util
     import statistics
@@ -229,9 +231,11 @@ def test_recorded_lora_runs_stay_within_the_bar():
         rows = bench.rows_with_estimates()
     finally:
         sys.path.remove(str(path.parent))
-    errors = {f"{r['family']} {r['cfg'].short()}": 100 * abs(r["err"]) for r in rows}
-    assert len(errors) == 28
-    assert statistics.median(errors.values()) <= 2 and max(errors.values()) <= 5, errors
+    errors = {f"{r['family']} {r['cfg'].short()}": 100 * r["err"] for r in rows}
+    assert len(errors) == 48
+    assert statistics.median(abs(e) for e in errors.values()) <= 1, errors
+    assert max(abs(e) for e in errors.values()) <= 3, errors
+    assert min(errors.values()) >= -1, errors
 
 
 def test_lora_under_zero_3_is_traced_with_deepspeeds_linear():
