@@ -23,7 +23,6 @@ and told its result, an ordinary trial of the study.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,14 +43,12 @@ from autotune.models import ModelSpec
 from autotune.search_space import SearchSpace, expand
 from autotune.search_order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
 from autotune.stopping import KNOWN_ERROR, Bounded, error_distance
-from autotune.train_config import TrainConfig, searched_fields
+from autotune.train_config import TrainConfig
 from autotune.units import fmt_bytes
 
 
 OBJECTIVES = {"samples": "samples_per_s", "tokens": "tokens_per_s"}
 """What a search maximises (`--objective`): samples/s, or tokens/s, which differ once seq_len varies."""
-ORDERED = ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "seq_len")
-"""Searched settings with a distance of their own in PriorGuided; every other one is categorical."""
 
 
 class Corrector(Protocol):
@@ -95,46 +92,6 @@ def default_prior(model: ModelSpec, cluster: Cluster, configs: list[TrainConfig]
             return 1.0
 
     return prior
-
-
-class PriorGuided:
-    """Pick the candidate with the best prior, corrected by what nearby measurements showed.
-
-    The correction is a Nadaraya-Watson kernel regression of log(measured / prior) over the
-    measured candidates, with a Gaussian kernel exp(-d^2 / 2). The distance counts one unit per
-    step along an ordered axis (a ZeRO stage, a doubling of micro batch, accumulation or sequence
-    length, a quarter of the layers checkpointed: each changes the step time by a comparable tens of
-    percent in the cost model) and 2 units (4 squared) for any other setting that differs, which makes such a
-    neighbour's weight e^-2 = 0.14: a different precision or optimizer shares little of the residual.
-    `shrink` is a pseudo-weight of a zero residual at the candidate itself: one measurement at
-    distance 0 (weight 1) moves the prior by 1 / 1.3 = 77% of its residual, not all of it, because
-    one measurement is noisy (on shared 2-core machines the same trial's throughput varied up to 2x
-    between runs: docs/platform.md); 0.3 is a judgement, not a fit.
-    """
-
-    def __init__(self, prior: Callable[[TrainConfig], float], num_layers: int, shrink: float = 0.3):
-        self.prior, self.layers, self.shrink = prior, num_layers, shrink
-        self.seen: list[tuple[TrainConfig, float]] = []   # (config, log(measured / prior))
-
-    def observe(self, cfg: TrainConfig, samples_per_s: float) -> None:
-        if samples_per_s and samples_per_s > 0:
-            self.seen.append((cfg, math.log(samples_per_s / self.prior(cfg))))
-
-    def _dist2(self, a: TrainConfig, b: TrainConfig) -> float:
-        d = ((a.zero_stage - b.zero_stage) ** 2 + math.log2(a.micro_batch / b.micro_batch) ** 2
-             + (4 * (a.ckpt_layers - b.ckpt_layers) / max(self.layers, 1)) ** 2
-             + math.log2(a.grad_accum / b.grad_accum) ** 2 + math.log2(a.seq_len / b.seq_len) ** 2)
-        return d + 4 * sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields()
-                           if f.name not in ORDERED)
-
-    def score(self, cfg: TrainConfig) -> float:
-        ws = [(math.exp(-self._dist2(cfg, c) / 2), r) for c, r in self.seen]
-        total = sum(w for w, _ in ws)
-        return math.log(self.prior(cfg)) + sum(w * r for w, r in ws) / (total + self.shrink)
-
-    def pick(self, cands: list[Candidate]) -> Candidate | None:
-        # Ties (equal scores) go to the earlier candidate of the space's fixed order.
-        return max(cands, key=lambda c: self.score(c.cfg), default=None)
 
 
 # ---- structure: groups, dominance, implied out-of-memory --------------------------------------------

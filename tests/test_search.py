@@ -24,7 +24,7 @@ from autotune.trial.record import TrialResult
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import SpecError, from_hf_config
-from autotune.search import PriorGuided, Search
+from autotune.search import Search
 from autotune.search_space import expand, parse_space
 from autotune.train_config import TrainConfig
 from autotune.units import MiB
@@ -244,17 +244,6 @@ def test_global_batch_sets_grad_accum(env):
     _search(env, ex, global_batch=8).run(progress=False)
     assert ex.seen and all(c.micro_batch * c.grad_accum * 2 == 8 for c in ex.seen)
     assert {c.micro_batch for c in ex.seen} <= {1, 2, 4}                # 8 x 2 ranks does not divide 8
-
-
-def test_prior_guided_moves_away_from_a_bad_neighbourhood():
-    flat = PriorGuided(lambda c: 1.0, num_layers=4)
-    a = TrainConfig(zero_stage=0, micro_batch=4, seq_len=SEQ)
-    b = TrainConfig(zero_stage=3, micro_batch=4, seq_len=SEQ)
-    assert flat.score(a) == flat.score(b) == 0.0
-    flat.observe(TrainConfig(zero_stage=0, micro_batch=2, seq_len=SEQ), 0.25)   # 4x below the prior
-    # weight exp(-1/2) at distance 1 (one octave of micro batch): log(0.25) * 0.607 / (0.607 + 0.3)
-    assert flat.score(a) == pytest.approx(-1.3863 * 0.6065 / 0.9065, rel=1e-3)
-    assert flat.score(b) > flat.score(a)
 
 
 def _cli(env, *args) -> int:
