@@ -56,17 +56,21 @@ A side table, not a ModelSpec field: only this module makes such specs, and only
 
 
 def zero3_world_gathered(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
-    """Bytes of the parameters AutoTP leaves whole, gathered and held by ZeRO-3 when dp is 1: the rest of memory/
-    sees one rank (nothing partitioned, nothing gathered), but these are partitioned over the tp ranks of the
-    world and gathered in forward, held through backward with the default reuse distance (measured: Llama tp 2
-    ZeRO-3 on 2 CPU ranks, backward peak 522,769 B above the one-rank estimate; the embedding and norms, 263,296
-    elements in bf16, are 526,592 B). With dp > 1 model_states.zero3_gathered counts them, whole, already."""
+    """Bytes of the parameters AutoTP leaves whole that ZeRO-3 gathers and holds beyond what the rest of memory/
+    counts for the shard. Those R elements are partitioned over the world and gathered whole in forward, held
+    through backward with the default reuse distance. With dp 1 the rest of memory/ sees one rank and counts no
+    gather: all R is added (measured: Llama tp 2 ZeRO-3 on 2 CPU ranks, backward peak 522,769 B above the one-rank
+    estimate; its embedding and norms, 263,296 elements in bf16, are 526,592 B). With dp > 1,
+    model_states.zero3_gathered counts the shard's partitioned count (zero3_partitioned: R / tp of them), so the
+    other R - R / tp are added (measured: Llama tp 2 x dp 2 ZeRO-3 on 4 CPU ranks, forward and backward peaks
+    262,285 and 262,289 B above that estimate; 131,648 elements in bf16 are 263,296 B)."""
     tp = cfg.autotp_size
-    if tp == 1 or cfg.zero_stage != 3 or cluster.world_size != tp:
+    if tp == 1 or cfg.zero_stage != 3:
         return 0
     from autotune.train_config import dtype_bytes
 
-    return dtype_bytes(cfg.precision) * replicated_params(model, local_model(model, tp), tp)
+    r = replicated_params(model, local_model(model, tp), tp)
+    return dtype_bytes(cfg.precision) * (r if cluster.world_size == tp else r - -(-r // tp))
 
 
 def replicated_params(model: ModelSpec, local: ModelSpec, tp: int) -> int:
