@@ -20,7 +20,7 @@ from __future__ import annotations
 from autotune.hardware import Cluster
 from autotune.memory.analytic import MemoryEstimate, builtin, phases as _phases  # noqa: F401 - the public names
 from autotune.memory.host import host_bytes_per_node
-from autotune.memory.tensor_parallel import local_view, zero3_world_gathered
+from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_world_gathered
 from autotune.memory.overhead import overhead_terms
 from autotune.memory.traced import trace
 from autotune.models import ModelSpec
@@ -41,6 +41,7 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
         phases = _phases(shard, dp, local)
     else:
         phases = trace(shard, dp, local).phases
+    phases = sharded_head(model, cfg, phases)
     if held := zero3_world_gathered(model, cluster, cfg):
         phases = {name: terms if name == "optimizer" else {**terms, "tp_replicated_gathered": held}
                   for name, terms in phases.items()}

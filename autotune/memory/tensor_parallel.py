@@ -73,6 +73,20 @@ def zero3_world_gathered(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     return dtype_bytes(cfg.precision) * (r if cluster.world_size == tp else r - -(-r // tp))
 
 
+def sharded_head(model: ModelSpec, cfg: TrainConfig, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """`phases` with the LM head's gradient of an untied model's shard: the traced shard has the whole V x h head
+    (its gathered logits are whole, as AutoTP's are) but AutoTP's head is V / tp x h, so is its weight gradient
+    (the `head_gradient` term, buffers.head_gradient_bytes or the trace's). Measured: Llama tp 2 x dp 2, ZeRO-2
+    fp32, 4 CPU ranks: with V x h x 4 B = 1,048,576 B for it the backward (head) phase was priced 1.07% over the
+    measured peak, which is every rank's loss backward (11,767,968 B; the estimate's backward (loss) 11,768,720 B);
+    the head's weight there is (1024, 128) (the parameter shapes after deepspeed.initialize), its gradient half."""
+    tp = cfg.autotp_size
+    if tp == 1 or model.tied_embeddings:
+        return phases
+    return {name: {k: (-(-v // tp) if k == "head_gradient" else v) for k, v in terms.items()}
+            for name, terms in phases.items()}
+
+
 def replicated_params(model: ModelSpec, local: ModelSpec, tp: int) -> int:
     """Elements every tp rank holds whole (embedding of an untied model, norms, row-wise biases): with P the
     model's count and L one rank's, L = S / tp + R and P = S + R, so R = (tp L - P) / (tp - 1)."""
