@@ -100,6 +100,9 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
         # derives it from the other two when absent (_configure_train_batch_size).
         del ds["train_batch_size"]
         ds["tensor_parallel"] = {"autotp_size": cfg.autotp_size}
+    if cfg.deepcompile:
+        # compile.deepcompile (deepspeed/compile/config.py CompileConfig); the trial then calls engine.compile()
+        ds["compile"] = {"deepcompile": True}
     if cfg.grad_accum_dtype != "auto":
         ds["data_types"] = {"grad_accum_dtype": cfg.grad_accum_dtype}
     if cfg.precision == "bf16":

@@ -28,7 +28,11 @@ def global_batch(cfg, world_size: int) -> int:
 
 
 def check_parallel(cfg, model, cluster) -> None:
-    """Raise SpecError unless `cfg`'s tensor parallelism can run `model` on `cluster`."""
+    """Raise SpecError unless `cfg`'s tensor parallelism (and DeepCompile) can run `model` on `cluster`."""
+    if cfg.deepcompile and cluster.gpu.is_cpu:
+        raise SpecError("deepcompile runs on CUDA only (deepspeed/compile/util.py is_deepcompile_supported: torch >= 2.6 "
+                        "and a cuda accelerator); CPU ranks cannot run it (it is still estimated and simulated for GPUs, "
+                        "as without it)")
     tp = cfg.autotp_size
     if tp == 1:
         return

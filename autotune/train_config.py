@@ -170,6 +170,11 @@ class TrainConfig:
     """DeepSpeed's `tensor_parallel.autotp_size` (runtime/tensor_parallel/config.py): the model's linears
     sharded over this many ranks, which see the same batch; ZeRO then shards over world / tp
     (autotune/parallel.py checks it, docs/parallelism.md)."""
+    deepcompile: bool = _setting(False, space=(False,),
+                                 help="DeepSpeed's DeepCompile (ZeRO 1-3, CUDA, torch >= 2.6); not priced: estimated as without")
+    """DeepSpeed's `compile.deepcompile` plus engine.compile() (deepspeed/compile/, runtime/engine.py compile):
+    ZeRO 1-3 only (stage 0 "Falling back to the torch compiler"), CUDA only (compile/util.py
+    is_deepcompile_supported). Memory and speed are priced as without it (docs/parallelism.md)."""
     seq_len: int = _setting(2048, space=("auto",), minimum=1, help="sequence length (default: min(2048, model max))")
     """Tokens per sequence. A search axis (`seq_len: [2048, 4096, 8192]` in a space); `auto`, the
     default, is the study's `--seq-len` (min(2048, the model's maximum) when not given)."""
@@ -223,6 +228,9 @@ class TrainConfig:
         if zpp and z != 3:
             raise SpecError("ZeRO++ (zero_quantized_weights, zero_quantized_gradients, zero_hpz_partition_size) "
                             "is built on ZeRO stage 3 (stage3.py); choose --zero 3")
+        if self.deepcompile and z == 0:
+            raise SpecError("deepcompile needs ZeRO stage 1-3: at stage 0 DeepSpeed falls back to the torch compiler "
+                            "('Currently DeepCompile supports ZeRO stage 1, 2, or 3 only', runtime/engine.py)")
         if self.allgather_bucket_size % 2:
             raise SpecError("allgather_bucket_size must be even: DeepSpeed asserts a multiple of "
                             "nccl_start_alignment_factor 2 (stage_1_and_2.py)")

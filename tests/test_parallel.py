@@ -118,3 +118,15 @@ def test_tp_comm_prices_four_allreduces_per_layer_and_the_gathered_head():
     assert tp_comm_s(model, cfg, cluster, link_bytes_per_s, 2) == pytest.approx(want)
     assert simulate(model, cluster, cfg).breakdown_s["tp_comm"] == pytest.approx(want)
     assert "tp_comm" not in simulate(model, cluster, replace(cfg, autotp_size=1)).breakdown_s
+
+
+def test_deepcompile_is_a_json_section_refused_on_cpu_and_at_zero_0():
+    cfg = TrainConfig(zero_stage=1, deepcompile=True)
+    assert deepspeed_config(cfg, spec_of("llama"), parse_gpus("8xH100"))["compile"] == {"deepcompile": True}
+    check_config(cfg, spec_of("llama"), parse_gpus("8xH100"))
+    with pytest.raises(SpecError, match="CUDA only"):
+        check_config(cfg, spec_of("llama"), TWO)
+    with pytest.raises(SpecError, match="ZeRO stage 1-3"):
+        TrainConfig(zero_stage=0, deepcompile=True)
+    assert estimate(spec_of("llama"), parse_gpus("8xH100"), cfg).tensor_peak_bytes == \
+        estimate(spec_of("llama"), parse_gpus("8xH100"), replace(cfg, deepcompile=False)).tensor_peak_bytes

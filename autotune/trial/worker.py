@@ -286,6 +286,8 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
             trainable = (p for p in model.parameters() if p.requires_grad)
             engine = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg,
                                           optimizer=client_optimizer(req, model))[0]
+            if cfg.deepcompile:   # DeepSpeed runs without DeepCompile until compile() is called (engine.forward)
+                engine.compile()
         timings["init_s"] = time.perf_counter() - t0
         param_bytes = local_param_bytes(engine.module)
         init_peak_gpu = phases.peaks.pop("init", None)
