@@ -428,12 +428,13 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     if scope == "end_to_end":
         parts["host"] = ga * HOST_STEP_S  # a batch is fetched per micro step
     step_s = sum(parts.values())
-    tok_s = cfg.tokens_per_micro_batch * ga / step_s
+    tok_s = cfg.tokens_per_micro_batch * ga / step_s / cfg.autotp_size   # a tp group's ranks share one micro batch
     flops = (model_flops_per_token(gathered, cfg, rt.implementation) if cfg.method == "full"
              else gathered.flops_per_token(cfg.seq_len)) * tok_s
     if cfg.method != "full":  # frozen weights: 4N, not 6N (no weight gradients), plus the adapters' 6
         flops += (6.0 * model.num_params - 2.0 * gathered.num_params) * tok_s
-    return SimulatedStep(step_time_s=step_s, samples_per_s=cfg.micro_batch * ga * cluster.world_size / step_s,
+    dp = cluster.world_size // cfg.autotp_size
+    return SimulatedStep(step_time_s=step_s, samples_per_s=cfg.micro_batch * ga * dp / step_s,
                          tokens_per_s_per_gpu=tok_s, tflops_per_gpu=flops / TFLOPS,
                          mfu=flops / peak_flops(cluster.gpu, cfg.precision), breakdown_s=parts)
 

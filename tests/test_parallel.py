@@ -134,3 +134,13 @@ def test_deepcompile_is_a_json_section_refused_on_cpu_and_at_zero_0():
         TrainConfig(zero_stage=0, deepcompile=True)
     assert estimate(spec_of("llama"), parse_gpus("8xH100"), cfg).tensor_peak_bytes == \
         estimate(spec_of("llama"), parse_gpus("8xH100"), replace(cfg, deepcompile=False)).tensor_peak_bytes
+
+
+def test_throughput_counts_a_tp_groups_batch_once():
+    """The tp ranks of a group train one micro batch: samples/s over dp ranks, tokens/s per GPU shared by tp."""
+    from autotune.costmodel import simulate
+
+    model, cluster = resolve_model("llama-3-8b"), parse_gpus("8xH100")
+    s = simulate(model, cluster, TrainConfig(zero_stage=1, autotp_size=2, micro_batch=1, seq_len=4096))
+    assert s.samples_per_s == pytest.approx(1 * 4 / s.step_time_s)
+    assert s.tokens_per_s_per_gpu == pytest.approx(4096 / s.step_time_s / 2)
