@@ -144,3 +144,12 @@ def test_throughput_counts_a_tp_groups_batch_once():
     s = simulate(model, cluster, TrainConfig(zero_stage=1, autotp_size=2, micro_batch=1, seq_len=4096))
     assert s.samples_per_s == pytest.approx(1 * 4 / s.step_time_s)
     assert s.tokens_per_s_per_gpu == pytest.approx(4096 / s.step_time_s / 2)
+
+
+def test_global_batch_counts_data_parallel_ranks():
+    from autotune.search_space import SearchSpace, expand
+
+    space = SearchSpace.of(autotp_size=(1, 2), zero_stage=(1,), micro_batch=(2,), ckpt_layers=(0,))
+    exp = expand(space, spec_of("llama"), FOUR, seq_len=64, global_batch=16)
+    accum = {c.autotp_size: c.grad_accum for c in exp.candidates}
+    assert accum == {1: 16 // (2 * 4), 2: 16 // (2 * 2)}
