@@ -103,6 +103,7 @@ def test_real_tp2_trial_matches_the_estimate(tmp_path):
                                           out_dir=tmp_path / str(c.autotp_size)) for c in (cfg, replace(cfg, autotp_size=1))])
     assert res.status == "ok", res.reason + res.log_tail
     assert res.losses[-1] < res.losses[0]
+    assert res.samples_per_s == pytest.approx(2 * 1 / res.step_time_s)   # micro batch x dp 1 x grad accum
     assert res.param_bytes_per_rank == [2 * local_model(spec, 2).num_params] * 2
     err = estimate(spec, TWO, cfg).tensor_peak_bytes / steady_peak(res) - 1
     assert -0.01 <= err <= 0.03, err

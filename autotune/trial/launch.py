@@ -393,7 +393,8 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
         times = [max(ts) for ts in zip(*timed)]  # a step ends when its slowest rank does
         res.step_time_s = statistics.median(times)
         res.step_time_spread_s = max(times) - min(times)
-        res.samples_per_s = cfg.micro_batch * cfg.grad_accum * world / res.step_time_s
+        # the tp ranks of a group train one batch: samples come from the world / tp data-parallel ranks
+        res.samples_per_s = cfg.micro_batch * cfg.grad_accum * (world // cfg.autotp_size) / res.step_time_s
         res.tokens_per_s = res.samples_per_s * cfg.seq_len
         peak = req.cluster.gpu.peak_flops(cfg.precision)
         # on GPUs the model FLOPs of MFU, as the simulated step counts them (an MoE's routed experts,
