@@ -43,8 +43,10 @@ def pick_trial(study: optuna.Study, number: int | None = None) -> FrozenTrial:
     return t
 
 
-def export(study: optuna.Study, out: Path, number: int | None = None) -> tuple[FrozenTrial, TrainConfig, str]:
-    """Write the DeepSpeed JSON of the chosen trial to `out`; return the trial, its config, and usage text."""
+def export(study: optuna.Study, out: Path, number: int | None = None,
+           accelerate_config: Path | None = None) -> tuple[FrozenTrial, TrainConfig, str]:
+    """Write the DeepSpeed JSON of the chosen trial to `out` (and, given `accelerate_config`, an
+    `accelerate launch` config file that points at it); return the trial, its config, and usage text."""
     trial = pick_trial(study, number)
     model, cluster, _ = st.specs_of(study)
     record = st.record_of(trial)
@@ -60,7 +62,12 @@ def export(study: optuna.Study, out: Path, number: int | None = None) -> tuple[F
         lora_path = lora_config_path(out)
         lora_path.write_text(lora_config_json(model, cfg))
         head += f"\nwrote {lora_path}: its peft LoraConfig"
-    return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out)
+    if accelerate_config is not None:
+        accelerate_config = Path(accelerate_config)
+        accelerate_config.parent.mkdir(parents=True, exist_ok=True)
+        accelerate_config.write_text(accelerate_config_yaml(cfg, cluster, out))
+        head += f"\nwrote {accelerate_config}: an `accelerate launch` config that starts DeepSpeed with it"
+    return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out, accelerate_config)
 
 
 def lora_config_path(ds_path: Path) -> Path:
@@ -104,7 +111,65 @@ def _lora_lines(cfg: TrainConfig, path: Path) -> list[str]:
     return lines
 
 
-def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path) -> str:
+def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) -> str:
+    """An `accelerate launch --config_file` YAML (accelerate/commands/config/config_args.py ClusterConfig,
+    the file `accelerate config` writes) that starts the exported JSON with DeepSpeed on `cluster`.
+
+    - deepspeed_config_file is the JSON's absolute path: the ranks read it from their working directory.
+    - No mixed_precision key: the JSON's bf16 / fp16 section decides it. `accelerate config` leaves it out
+      beside a deepspeed_config_file (commands/config/cluster.py), and one given in the file is refused at
+      launch (commands/launch.py launch_command adds it to ACCELERATE_CONFIG_DS_FIELDS, which
+      utils/dataclasses.py DeepSpeedPlugin._deepspeed_config_checks rejects: "When using
+      `deepspeed_config_file`, the following accelerate config variables will be ignored").
+    - zero3_init_flag at ZeRO-3: the model is built under deepspeed.zero.Init, as the trials built it.
+    - Several nodes: the `standard` (torchrun) multi-node launcher; main_process_ip and each node's
+      machine_rank are the user's to fill in.
+    """
+    import yaml
+
+    ds: dict = {"deepspeed_config_file": str(Path(ds_path).resolve()), "zero3_init_flag": cfg.zero_stage == 3}
+    conf: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "deepspeed_config": ds,
+                  "num_machines": cluster.num_nodes, "num_processes": cluster.world_size, "machine_rank": 0,
+                  "rdzv_backend": "static", "same_network": True, "main_training_function": "main",
+                  "use_cpu": cluster.gpu.is_cpu, "debug": False}
+    if cluster.num_nodes > 1:
+        ds["deepspeed_multinode_launcher"] = "standard"
+        conf.update(main_process_ip="MAIN_NODE_IP", main_process_port=29500)
+    prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[cfg.precision]
+    head = (f"# autotune export: {cfg.short()} on {cluster.world_size} ranks"
+            + (f", tensor parallel {cfg.autotp_size}" if cfg.autotp_size > 1 else "") + "\n"
+            f"# precision ({prec}) comes from the DeepSpeed JSON: accelerate refuses mixed_precision here\n"
+            + ("# on every node: set main_process_ip to the first node's address and machine_rank to the "
+               "node's index\n" if cluster.num_nodes > 1 else "")
+            + "# accelerate launch --config_file THIS_FILE train.py\n")
+    return head + yaml.safe_dump(conf, sort_keys=False)
+
+
+def _tp_lines(cfg: TrainConfig, cluster: Cluster) -> list[str]:
+    """What AutoTP asks of the training script, checked against transformers 5.24, accelerate 1.16 and
+    deepspeed 0.19.8 (tests/test_export_parallel.py trains the Trainer on it)."""
+    tp = cfg.autotp_size
+    if tp == 1:
+        return []
+    dp = cluster.world_size // tp
+    return [
+        f"Tensor parallelism (AutoTP {tp}, dp = {cluster.world_size} / {tp} = {dp}): the JSON's "
+        f"\"tensor_parallel\": {{\"autotp_size\": {tp}}} is all the Trainer needs.",
+        f"  The Trainer shards the model itself (transformers integrations/deepspeed.py deepspeed_init: "
+        f"deepspeed.tp_model_init(model, tp_size={tp}, ...) before deepspeed.initialize), and accelerate gives",
+        f"  the {tp} ranks of a tp group the same batches (data_loader.py prepare_data_loader: process index // {tp}).",
+        f"  Global batch = per_device_train_batch_size x dp x gradient_accumulation_steps = "
+        f"{cfg.micro_batch} x {dp} x {cfg.grad_accum} = {cfg.micro_batch * dp * cfg.grad_accum} sequences.",
+        "  train_batch_size is left out of the JSON on purpose: DeepSpeed 0.19.8 checks it against the whole world "
+        "(runtime/config.py _batch_assertion), not dp.",
+        "  Every rank must start from the same weights (from_pretrained does; a random init needs one seed everywhere).",
+        f"  With deepspeed.initialize yourself: the JSON alone shards the model (engine._apply_autotp_partitioning); "
+        f"feed rank r the batches of data-parallel rank r // {tp}.",
+    ]
+
+
+def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path,
+          accelerate_config: Path | None = None) -> str:
     nodes = f" --num_nodes {cluster.num_nodes} --hostfile HOSTFILE" if cluster.num_nodes > 1 else ""
     prec = {"bf16": ", bf16=True", "fp16": ", fp16=True", "fp32": ""}[cfg.precision]
     # The Trainer refuses a DeepSpeed config whose optimizer values differ from its own arguments
@@ -124,6 +189,9 @@ def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path) -> s
         f"gradient_accumulation_steps={cfg.grad_accum}, gradient_checkpointing={full}{prec}{opt})",
         f"  (transformers >= 5 names it activation_checkpointing; seq len {cfg.seq_len})",
     ]
+    if accelerate_config is not None:
+        lines.append(f"  started by accelerate: accelerate launch --config_file {accelerate_config} train.py")
+    lines += _tp_lines(cfg, cluster)
     lines += _ckpt_lines(cfg, model)
     lines += _lora_lines(cfg, path)
     if cfg.optimizer == "adamw8bit":
