@@ -48,28 +48,51 @@ CONFIGS = [
     (2, "bf16", 0, 2, 96, "attention", 16, 0.1, 1),
     (3, "fp32", 1, 2, 128, "attention", 8, 0.0, 1),
 ]
+# Issue 30 at wider shapes (hidden 384, intermediate 1024-1536, vocab 4096-6000): the recompute's peak
+# of ZeRO-3 with every layer checkpointed, where DeepSpeed has released an untied LM head after its
+# backward (lora.held_parameters; the FAMILIES shapes peak in the loss's backward, before it)
+WIDE: dict[str, dict] = {
+    "llama": dict(model_type="llama", num_hidden_layers=4, hidden_size=384, num_attention_heads=6,
+                  num_key_value_heads=2, intermediate_size=1536, vocab_size=4096, max_position_embeddings=512),
+    "gpt2": dict(model_type="gpt2", n_layer=4, n_embd=384, n_head=6, vocab_size=4096, n_positions=512,
+                 bos_token_id=4095, eos_token_id=4095),
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=4, hidden_size=384, num_attention_heads=6,
+                  num_key_value_heads=2, intermediate_size=1024, vocab_size=6000, max_position_embeddings=512,
+                  tie_word_embeddings=True),
+}
+# (family, zero stage, precision, checkpointed layers (-1: all), micro batch, seq len, targets, rank, dropout,
+#  grad_accum, attention)
+WIDE_CONFIGS = [
+    ("llama", 3, "fp32", -1, 2, 256, "all-linear", 16, 0.05, 1, "sdpa"),
+    ("gpt2", 3, "fp32", -1, 2, 256, "all-linear", 16, 0.05, 1, "sdpa"),
+    ("qwen2", 3, "bf16", -1, 2, 256, "all-linear", 16, 0.05, 1, "sdpa"),
+    ("llama", 3, "fp32", -1, 2, 256, "all-linear", 16, 0.0, 1, "sdpa"),
+    ("llama", 3, "bf16", -1, 2, 256, "all-linear", 16, 0.05, 1, "sdpa"),
+    ("llama", 3, "fp32", -1, 1, 512, "all-linear", 64, 0.1, 1, "eager"),
+    ("qwen2", 3, "fp32", -1, 4, 128, "all-linear", 8, 0.0, 2, "sdpa"),
+]
 FIELDS = ("zero_stage", "precision", "ckpt_layers", "micro_batch", "seq_len", "lora_targets", "lora_rank",
-          "lora_dropout", "grad_accum")
+          "lora_dropout", "grad_accum", "attention")
 
 
-def cases() -> list[tuple[str, TrainConfig]]:
-    out = []
-    for family in LORA_FAMILIES:
-        layers = spec_of(family).num_layers
-        for z, p, k, mb, s, targets, r, d, ga in CONFIGS:
-            out.append((family, TrainConfig(method="lora", zero_stage=z, precision=p,
-                                            ckpt_layers=layers if k < 0 else k, micro_batch=mb, seq_len=s,
-                                            lora_targets=targets, lora_rank=r, lora_dropout=d, grad_accum=ga)))
-    return out
+def cases() -> list[tuple[str, dict, TrainConfig]]:
+    """(family, its transformers config, the trial's config) of every recorded run."""
+    def one(family, shape, z, p, k, mb, s, targets, r, d, ga, attention="sdpa"):
+        layers = spec_of(family, shape).num_layers
+        return (family, shape, TrainConfig(method="lora", zero_stage=z, precision=p, ckpt_layers=layers if k < 0 else k,
+                                           micro_batch=mb, seq_len=s, lora_targets=targets, lora_rank=r,
+                                           lora_dropout=d, grad_accum=ga, attention=attention))
+    return ([one(f, FAMILIES[f], *c) for f in LORA_FAMILIES for c in CONFIGS]
+            + [one(f, WIDE[f], *c) for f, *c in WIDE_CONFIGS])
 
 
 def train_config(row: dict) -> TrainConfig:
-    kinds = {"precision": str, "lora_targets": str, "lora_dropout": float}
+    kinds = {"precision": str, "lora_targets": str, "lora_dropout": float, "attention": str}
     return TrainConfig(method="lora", **{f: kinds.get(f, int)(row[f]) for f in FIELDS})
 
 
-def _key(family: str, cfg: TrainConfig) -> tuple:
-    return (family, *(str(getattr(cfg, f)) for f in FIELDS))
+def _key(family: str, shape: dict, cfg: TrainConfig) -> tuple:
+    return (family, json.dumps(shape, sort_keys=True), *(str(getattr(cfg, f)) for f in FIELDS))
 
 
 def measure_all(only_new: bool = False) -> None:
@@ -88,22 +111,22 @@ def measure_all(only_new: bool = False) -> None:
     if only_new and CSV.exists():
         with CSV.open() as f:
             kept = list(csv.DictReader(f))
-        have = {_key(r["family"], train_config(r)) for r in kept}
-        todo = [(f, c) for f, c in todo if _key(f, c) not in have]
+        have = {_key(r["family"], json.loads(r["hf_config"]), train_config(r)) for r in kept}
+        todo = [(f, h, c) for f, h, c in todo if _key(f, h, c) not in have]
     versions = (f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers "
                 f"{transformers.__version__}, peft {peft.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
-        reqs = [TrialRequest(model=spec_of(f), cluster=cluster, config=c, steps=2, warmup_steps=1,
-                             out_dir=Path(tmp) / f"{i}-{f}") for i, (f, c) in enumerate(todo)]
+        reqs = [TrialRequest(model=spec_of(f, h), cluster=cluster, config=c, steps=2, warmup_steps=1,
+                             out_dir=Path(tmp) / f"{i}-{f}") for i, (f, h, c) in enumerate(todo)]
         t0 = time.perf_counter()
         results = run_trials(reqs)
         print(f"{len(reqs)} trials on {RANKS} CPU ranks in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = list(kept)
-    for (family, c), res in zip(todo, results):
+    for (family, shape, c), res in zip(todo, results):
         if res.status != "ok" or not res.peak_bytes:
             print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
             continue
-        rows.append({"family": family, "hf_config": json.dumps(FAMILIES[family], sort_keys=True), "ranks": RANKS,
+        rows.append({"family": family, "hf_config": json.dumps(shape, sort_keys=True), "ranks": RANKS,
                      **{f: getattr(c, f) for f in FIELDS}, "measured_bytes": res.peak_bytes,
                      "first_loss": res.losses[0], "last_loss": res.losses[-1],
                      "measured_by": f"run_trials, {RANKS} CPU ranks (gloo), steps 2 after 1 warm-up, "

@@ -212,9 +212,10 @@ def test_autotune_export_writes_the_lora_config_beside_the_deepspeed_json(tmp_pa
 
 @pytest.mark.slow
 def test_recorded_lora_runs_stay_within_the_bar():
-    """The 48 real DeepSpeed + peft runs recorded by benchmarks/lora_memory.py (2 CPU ranks; GPT-2,
+    """The 55 real DeepSpeed + peft runs recorded by benchmarks/lora_memory.py (2 CPU ranks; GPT-2,
     Llama, Qwen2 and GPT-NeoX shapes no other test uses, ZeRO 0-3, attention-only and all-linear
-    adapters, every layer checkpointed at ZeRO-3), estimated again by today's code, held to the bar of
+    adapters, every layer checkpointed at ZeRO-3, seven of those at hidden 384 where the recompute
+    peaks after DeepSpeed has released an untied LM head), estimated again by today's code, held to the bar of
     docs/memory.md: median |error| at most 1%, worst at most 3%, never under by more than 1% (an
     under-estimate keeps a candidate that runs out of memory). A change of a shared ZeRO term once put
     the four grad_accum 2 runs at ZeRO-2 20-28% over and no test saw it."""
@@ -232,7 +233,7 @@ def test_recorded_lora_runs_stay_within_the_bar():
     finally:
         sys.path.remove(str(path.parent))
     errors = {f"{r['family']} {r['cfg'].short()}": 100 * r["err"] for r in rows}
-    assert len(errors) == 48
+    assert len(errors) == 55
     assert statistics.median(abs(e) for e in errors.values()) <= 1, errors
     assert max(abs(e) for e in errors.values()) <= 3, errors
     assert min(errors.values()) >= -1, errors

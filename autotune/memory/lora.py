@@ -177,6 +177,18 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         elements = spec.num_params - keep_base - released + adapters - keep_adapters
         reuse = bucket_sizes(spec, cfg)["stage3_max_reuse_distance"]
         out["_gathered"] = int(gathered * min(1.0, reuse / elements)) if n > 1 and elements > 0 else 0
+        # ... less, once its backward has run, an untied frozen LM head: no module after it in the
+        # step's trace uses its weight, so DeepSpeed's post-backward hook releases it (parameter_
+        # offload.py _post_backward_module_hook -> partitioned_param_coordinator.py release_sub_module,
+        # __params_to_release keeps only parameters that reoccur in __submodule_order[step_id:]). A
+        # tied head's weight is the input embedding's, held on. Measured on transformers' Llama (h 384,
+        # i 1536, V 4096, 4 layers, ZeRO-3 fp32, every layer checkpointed, all-linear r 16, mb 2, seq
+        # 256, 2 CPU ranks): the recompute's peak holds every layer's gathered weights and adapters
+        # and the embedding, not the head (+6.32% over with it; docs/memory.md, Issue 30).
+        head = spec.vocab_size * spec.hidden_size
+        after = head if n > 1 and not spec.tied_embeddings and head >= threshold else 0
+        out["_gathered_after_head"] = int(max(0, gathered - pb * after) * min(1.0, reuse / max(1, elements - after))) \
+            if n > 1 and elements > after else 0
     else:
         out["frozen_parameters"] = int(base)
         out["adapter_parameters"] = pb * adapters
@@ -187,6 +199,11 @@ def input_embedding_params(spec: ModelSpec) -> int:
     """The input embeddings' parameters: tokens, and learned positions where the model has them."""
     return spec.vocab_size * spec.hidden_size + (spec.max_seq_len * spec.hidden_size if spec.position == "learned" else 0)
 
+
+AFTER_HEAD_BACKWARD = ("backward (layers)", "backward (recompute first)", "backward (recompute last)",
+                       "backward (end)")
+"""The phases after the LM head's backward (segments.PHASE_POINTS; the analytic tier's ZeRO-3 has
+no 'backward (layers)'), where ZeRO-3 has released an untied frozen head (`held_parameters`)."""
 
 FROZEN_DROPPED = ("embedding_gradient", "head_gradient")
 """Full fine-tuning terms with no LoRA counterpart: the frozen embedding and LM head make no gradient."""
@@ -202,14 +219,15 @@ def lora_phases(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, full_phases
     phases = full_phases(view, cluster, plain)
     held = held_parameters(spec, cluster, cfg)
     gathered = held.pop("_gathered", 0)
-    stepping = {k: v for k, v in held_parameters(spec, cluster, cfg, stepping=True).items() if k != "_gathered"}
+    after_head = held.pop("_gathered_after_head", gathered)
+    stepping = {k: v for k, v in held_parameters(spec, cluster, cfg, stepping=True).items() if not k.startswith("_gathered")}
     dequant = dtype_bytes(cfg.precision) * quantized_weights(spec, cfg)[1] if cfg.method == "qlora" else 0
     out = {}
     for name, terms in phases.items():
         t = {k: v for k, v in terms.items() if k not in FROZEN_DROPPED and k != "parameters"}
         t = {**(stepping if name == "optimizer" else held), **t}
         if "zero3_gathered_params" in terms:
-            t["zero3_gathered_params"] = gathered
+            t["zero3_gathered_params"] = after_head if name in AFTER_HEAD_BACKWARD else gathered
         if dequant and name != "optimizer":
             t["dequantized_weight"] = dequant
         out[name] = {k: v for k, v in t.items() if v}
