@@ -15,16 +15,22 @@ from autotune.deepspeed_config import ADAMW
 from autotune.hf import checkpoint_first_layers, decoder_layers
 
 
-def main(config_dir: str, ds_path: str, k: int, out_dir: str) -> None:
+def trainer_args(ds_path: str, out_dir: str) -> TrainingArguments:
+    """The TrainingArguments `autotune export` prints for the JSON at `ds_path`, for 2 logged CPU steps
+    (also tests/test_export_parallel.py's ranks)."""
     ds = json.loads(open(ds_path).read())
-    # Before the model: with ZeRO-3 in the JSON, TrainingArguments keeps the HfDeepSpeedConfig that
-    # makes from_config build under deepspeed.zero.Init (transformers' "non-Trainer integration" docs).
-    args = TrainingArguments(
+    return TrainingArguments(
         output_dir=out_dir, deepspeed=ds_path, per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
         gradient_accumulation_steps=ds["gradient_accumulation_steps"], bf16=ds.get("bf16", {}).get("enabled", False),
         learning_rate=ADAMW["lr"], adam_beta1=ADAMW["betas"][0], adam_beta2=ADAMW["betas"][1],
         adam_epsilon=ADAMW["eps"], weight_decay=ADAMW["weight_decay"], max_grad_norm=1.0,
         max_steps=2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+
+
+def main(config_dir: str, ds_path: str, k: int, out_dir: str) -> None:
+    # Before the model: with ZeRO-3 in the JSON, TrainingArguments keeps the HfDeepSpeedConfig that
+    # makes from_config build under deepspeed.zero.Init (transformers' "non-Trainer integration" docs).
+    args = trainer_args(ds_path, out_dir)
     # The Trainer's own device setup (accelerate) joins the process group; zero.Init below needs the
     # world size, and the Trainer would run this setup first too.
     print(f"rank {args.process_index}/{args.world_size} on {args.device}", flush=True)

@@ -218,17 +218,11 @@ def test_trainer_trains_2_steps_with_the_exported_tp2_config(tmp_path, monkeypat
 def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
     """One rank: the Trainer with the exported JSON and the TrainingArguments `autotune export` prints."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 
-    from autotune.deepspeed_config import ADAMW
+    from hf_trainer_run import trainer_args   # a sibling: the script's folder is on sys.path
 
-    ds = json.loads(Path(ds_path).read_text())
-    args = TrainingArguments(
-        output_dir=out_dir, deepspeed=ds_path, per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
-        gradient_accumulation_steps=ds["gradient_accumulation_steps"], bf16=ds.get("bf16", {}).get("enabled", False),
-        learning_rate=ADAMW["lr"], adam_beta1=ADAMW["betas"][0], adam_beta2=ADAMW["betas"][1],
-        adam_epsilon=ADAMW["eps"], weight_decay=ADAMW["weight_decay"], max_grad_norm=1.0,
-        max_steps=2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    args = trainer_args(ds_path, out_dir)
     import deepspeed.ops
 
     # As the trial worker does: skip compiling DeepSpeed's shared-memory comm op (not used by the JSON)
