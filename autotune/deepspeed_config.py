@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
+from autotune.parallel import global_batch
 from autotune.train_config import TrainConfig
 
 # Optimizer hyper-parameters written into the config. They do not change memory or speed;
@@ -87,7 +88,9 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
     ds: dict = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
         "gradient_accumulation_steps": cfg.grad_accum,
-        "train_batch_size": cfg.micro_batch * cfg.grad_accum * cluster.world_size,
+        # micro x grad accum x dp (autotune/parallel.py): with sequence_parallel_size DeepSpeed divides the world
+        # by it before checking (runtime/config.py DeepSpeedConfig.__init__)
+        "train_batch_size": global_batch(cfg, cluster.world_size),
         "gradient_clipping": GRADIENT_CLIPPING,
         "zero_optimization": zero_section(cfg, model),
         "steps_per_print": 10**9,
@@ -100,6 +103,11 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
         # derives it from the other two when absent (_configure_train_batch_size).
         del ds["train_batch_size"]
         ds["tensor_parallel"] = {"autotp_size": cfg.autotp_size}
+    if cfg.sequence_parallel_size > 1:
+        # Ulysses (runtime/sequence_parallel/ulysses_sp.py): the key DeepSpeed's config reads to divide the world
+        # (runtime/config.py DeepSpeedConfig.__init__, "HF zero.init case where there is no mpu"); the groups
+        # themselves come from the mpu that register_with_transformers returns (autotune/trial/worker.py)
+        ds["sequence_parallel_size"] = cfg.sequence_parallel_size
     if cfg.deepcompile:
         # compile.deepcompile (deepspeed/compile/config.py CompileConfig); the trial then calls engine.compile()
         ds["compile"] = {"deepcompile": True}

@@ -1,7 +1,8 @@
-"""Tensor parallelism (DeepSpeed AutoTP training) against a model and a cluster: what runs, what DeepSpeed
-refuses, and the data-parallel degree ZeRO shards over. train_config.check_config calls `check_parallel`.
+"""Tensor parallelism (DeepSpeed AutoTP training) and Ulysses sequence parallelism (DeepSpeed ALST) against a
+model and a cluster: what runs, what DeepSpeed refuses, and the data-parallel degree ZeRO shards over.
+train_config.check_config calls `check_parallel`.
 
-Every refusal below was found by running deepspeed 0.19.8 on 2 CPU ranks (gloo); docs/parallelism.md
+Every refusal below was found by running deepspeed 0.19.8 on 2 or 4 CPU ranks (gloo); docs/parallelism.md
 has the runs. This module imports no other of autotune's but errors, so train_config can import it.
 """
 
@@ -16,10 +17,18 @@ container policy for model exists."; measured on GPT-2 at ZeRO 0-3, tp 2, 2 CPU 
 
 
 def data_parallel_size(cfg, world_size: int) -> int:
-    """Ranks ZeRO shards over and that see different batches: world / tp. The tp ranks of one group
-    see one batch (DeepSpeed checks it: engine.py _configure_tensor_parallel_states,
-    check_dataloader_inputs_same_across_ranks), so the global batch is micro x dp x grad accum."""
-    return world_size // cfg.autotp_size
+    """Ranks ZeRO shards over and that see different batches: world / (tp x sp).
+
+    The tp ranks of one group see one batch (DeepSpeed checks it: engine.py _configure_tensor_parallel_states,
+    check_dataloader_inputs_same_across_ranks). The sp ranks of one Ulysses group share one micro batch too:
+    `UlyssesSPDataLoaderAdapter` (runtime/sequence_parallel/ulysses_sp.py refill) gathers one batch from each of
+    the sp ranks and hands them out one per micro step, each split along the sequence, so one micro step of a
+    group covers micro_batch sequences, each rank holding micro_batch x seq / sp tokens of them (and a rank's
+    data loader advances once per sp micro steps: sp batches of micro_batch samples per sp micro steps).
+    DeepSpeed counts the same way: its config divides the world by sequence_parallel_size for the batch
+    arithmetic (runtime/config.py DeepSpeedConfig.__init__: world / mpu.get_sequence_parallel_world_size()).
+    So the global batch is micro x dp x grad accum."""
+    return world_size // (cfg.autotp_size * cfg.sequence_parallel_size)
 
 
 def global_batch(cfg, world_size: int) -> int:
@@ -33,6 +42,7 @@ def check_parallel(cfg, model, cluster) -> None:
         raise SpecError("deepcompile runs on CUDA only (deepspeed/compile/util.py is_deepcompile_supported: torch >= 2.6 "
                         "and a cuda accelerator); CPU ranks cannot run it (it is still estimated and simulated for GPUs, "
                         "as without it)")
+    check_sequence_parallel(cfg, model, cluster)
     tp = cfg.autotp_size
     if tp == 1:
         return
@@ -71,3 +81,54 @@ def _check_heads(tp: int, model) -> None:
                         "DeepSpeed gives the extra ranks no attention shard (their attention work and memory "
                         "differ from the others', and attention does not scale); choose a divisor of "
                         f"{model.num_kv_heads}")
+
+
+SP_NO_KV_HEADS = ("gpt2", "gpt_neox")
+"""Measured: register_with_transformers reads `num_key_value_heads` of the model's text config
+(runtime/sequence_parallel/ulysses_sp.py), which GPT2Config and GPTNeoXConfig lack (AttributeError)."""
+
+
+def check_sequence_parallel(cfg, model, cluster) -> None:
+    """Raise SpecError unless `cfg`'s Ulysses sequence parallelism (DeepSpeed 0.19.8, UlyssesSPAttentionHF) can run
+    `model` on `cluster`. Each refusal cites where DeepSpeed says so; docs/parallelism.md has the runs."""
+    sp = cfg.sequence_parallel_size
+    if sp == 1:
+        return
+    tp, world = cfg.autotp_size, cluster.world_size
+    if world % (tp * sp):
+        raise SpecError(f"sequence_parallel_size {sp} x autotp_size {tp} must divide the world size {world} "
+                        f"(dp = world / (tp x sp) = {world / (tp * sp):g} is not whole)")
+    if model.implementation != "hf":
+        raise SpecError(f"sequence_parallel_size {sp}: Ulysses replaces a Hugging Face model's attention function "
+                        "(UlyssesSPAttentionHF.register_with_transformers overrides transformers' "
+                        f"ALL_ATTENTION_FUNCTIONS); the {model.implementation} code does not call it (use --impl hf)")
+    model_type = (model.hf_config or {}).get("model_type") or model.family
+    if model_type in SP_NO_KV_HEADS:
+        raise SpecError(f"sequence_parallel_size {sp}: DeepSpeed's Ulysses reads the config's num_key_value_heads "
+                        f"(ulysses_sp.py register_with_transformers), which {model_type} configs lack "
+                        "(measured: AttributeError); use sequence_parallel_size 1")
+    if cfg.attention == "eager":
+        raise SpecError(f"sequence_parallel_size {sp} with eager attention: DeepSpeed refuses it ('eager "
+                        "attn_implementation isn't currently supported by Ulysses sequence parallelism because it "
+                        "requires a 4D attention_mask', ulysses_sp.py register_with_transformers); use sdpa")
+    if model.num_heads % sp:
+        raise SpecError(f"sequence_parallel_size {sp} must divide the {model.num_heads} attention heads (after "
+                        "the all-to-all each rank attends over heads / sp: 'Attention head count ... is not "
+                        "divisible by SP size', ulysses_sp.py UlyssesSPAttentionHF.__init__)")
+    kv = model.num_kv_heads
+    if kv % sp and sp % kv:
+        raise SpecError(f"sequence_parallel_size {sp} and the {kv} key/value heads must divide one another ('KV "
+                        "attention head count ... is not divisible by SP size or vice versa', ulysses_sp.py "
+                        "UlyssesSPAttentionHF.__init__)")
+    if cfg.seq_len % sp:
+        raise SpecError(f"sequence_parallel_size {sp} must divide seq_len {cfg.seq_len} (\"batch's seqlen isn't "
+                        "divisible by sp-size\", ulysses_sp.py UlyssesSPDataLoaderAdapter.refill)")
+    if tp > 1:
+        raise SpecError(f"sequence_parallel_size {sp} with autotp_size {tp}: not run together here "
+                        "(DeepSpeed 0.19.8 builds AutoTP's groups and Ulysses' groups apart); use one of the two")
+    if cfg.method != "full":
+        raise SpecError(f"method {cfg.method} with sequence_parallel_size {sp}: not measured here; use "
+                        "sequence_parallel_size 1")
+    if cfg.offload_param != "none" or cfg.offload_optimizer:
+        raise SpecError(f"sequence_parallel_size {sp} with ZeRO offload is not measured here (autotune prices "
+                        "Ulysses on the device only); use sequence_parallel_size 1 to offload")

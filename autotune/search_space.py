@@ -252,8 +252,8 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     """Every valid TrainConfig of `space`, in a fixed order; drops what check_config refuses.
     `seq_len` is what the space's `auto` sequence length means (the study's --seq-len).
 
-    Under `global_batch`, grad_accum = global / (micro * dp), dp = world / autotp_size; micro batches that do
-    not divide it are left out, as DeepSpeed requires train_batch = micro * accum * dp exactly.
+    Under `global_batch`, grad_accum = global / (micro * dp), dp = world / (autotp_size x sequence_parallel_size);
+    micro batches that do not divide it are left out, as DeepSpeed requires train_batch = micro * accum * dp exactly.
     """
     world = cluster.world_size
     excluded: dict[str, int] = {}
@@ -262,12 +262,14 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     seen: set[tuple] = set()
     for combo in itertools.product(*(space.resolved(n, model, cluster, seq_len) for n in names)):
         values = dict(zip(names, combo))
-        if global_batch is not None and world % values["autotp_size"] == 0:   # else check_config says why
-            # the tp ranks of a group share a batch: data-parallel ranks are world / tp (autotune/parallel.py)
-            mb, dp = values["micro_batch"], world // values["autotp_size"]
+        model_ranks = values["autotp_size"] * values["sequence_parallel_size"]
+        if global_batch is not None and world % model_ranks == 0:   # else check_config says why
+            # the tp (and sp) ranks of a group share a batch: data-parallel ranks are world / (tp x sp)
+            # (autotune/parallel.py data_parallel_size)
+            mb, dp = values["micro_batch"], world // model_ranks
             if global_batch % (mb * dp):
-                why = (f"micro batch {mb} x {dp} data-parallel ranks (tp {values['autotp_size']}) does not divide "
-                       f"--global-batch {global_batch}")
+                why = (f"micro batch {mb} x {dp} data-parallel ranks (tp {values['autotp_size']}, sp "
+                       f"{values['sequence_parallel_size']}) does not divide --global-batch {global_batch}")
                 excluded[why] = excluded.get(why, 0) + 1
                 continue
             values["grad_accum"] = global_batch // (mb * dp)

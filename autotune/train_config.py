@@ -170,6 +170,12 @@ class TrainConfig:
     """DeepSpeed's `tensor_parallel.autotp_size` (runtime/tensor_parallel/config.py): the model's linears
     sharded over this many ranks, which see the same batch; ZeRO then shards over world / tp
     (autotune/parallel.py checks it, docs/parallelism.md)."""
+    sequence_parallel_size: int = _setting(1, space=(1,), minimum=1,
+                                           help="Ulysses sequence-parallel ranks (DeepSpeed ALST; 1: off)")
+    """DeepSpeed's Ulysses sequence parallelism (`sequence_parallel_size` in its JSON, runtime/config.py; the
+    attention of runtime/sequence_parallel/ulysses_sp.py UlyssesSPAttentionHF): each sequence is split over this
+    many ranks, which see the same micro batch; ZeRO shards over world / (tp x sp) data-parallel ranks
+    (autotune/parallel.py checks it, docs/parallelism.md)."""
     deepcompile: bool = _setting(False, space=(False,),
                                  help="DeepSpeed's DeepCompile (ZeRO 1-3, CUDA, torch >= 2.6); not priced: estimated as without")
     """DeepSpeed's `compile.deepcompile` plus engine.compile() (deepspeed/compile/, runtime/engine.py compile):
@@ -265,6 +271,10 @@ class TrainConfig:
                 continue
             if f.name == "seq_len":
                 continue    # printed beside the config where it matters ("seq N"), or a report column
+            if f.name == "sequence_parallel_size":
+                if v != 1:
+                    parts.append(f"sp{v}")
+                continue
             if f.metadata["column"] == "varying" and v != f.default:
                 parts.append(f.name.replace("_optimizer", "") if v is True else str(v))
         return " ".join(parts)

@@ -32,6 +32,7 @@ import psutil
 from torch.distributed import TCPStore
 
 from autotune.deepspeed_config import deepspeed_config
+from autotune.parallel import data_parallel_size
 from autotune.trial.record import NodeOutcome, RankReport, TrialRequest, TrialResult
 from autotune.trial.threads import cpu_threads_per_rank
 from autotune.trial.worker import EXIT_ABANDON, MARK
@@ -234,10 +235,11 @@ def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES, rank: int | None = 
 
 
 def _parallel_runs(requests: list[TrialRequest]) -> list[list[TrialRequest]]:
-    """`requests` cut where the tensor-parallel degree changes, in order."""
+    """`requests` cut where the tensor- or sequence-parallel degree changes, in order."""
     runs: list[list[TrialRequest]] = []
+    degree = lambda r: (r.config.autotp_size, r.config.sequence_parallel_size)  # noqa: E731
     for req in requests:
-        if runs and runs[-1][-1].config.autotp_size == req.config.autotp_size:
+        if runs and degree(runs[-1][-1]) == degree(req):
             runs[-1].append(req)
         else:
             runs.append([req])
@@ -258,7 +260,9 @@ def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int
     if num_nodes == 1 and len(runs := _parallel_runs(requests)) > 1:
         # DeepSpeed keeps its tensor-parallel groups for the life of the process (utils/groups.py
         # _init_tp_mesh_device returns early once _TENSOR_MODEL_PARALLEL_GROUP is set, and ZeRO then uses
-        # its data-parallel group): each tp degree runs in a process group of its own.
+        # its data-parallel group), and its Ulysses groups too (sequence_parallel/parallel_state_sp.py keeps them
+        # in module globals, and transformers' ALL_ATTENTION_FUNCTIONS keeps the wrapped attention): each
+        # (tp, sp) degree runs in a process group of its own.
         return [o for run in runs for o in run_node(run, threads=threads, fresh=fresh)]
     for req in requests:
         if fresh:
@@ -393,8 +397,9 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
         times = [max(ts) for ts in zip(*timed)]  # a step ends when its slowest rank does
         res.step_time_s = statistics.median(times)
         res.step_time_spread_s = max(times) - min(times)
-        # the tp ranks of a group train one batch: samples come from the world / tp data-parallel ranks
-        res.samples_per_s = cfg.micro_batch * cfg.grad_accum * (world // cfg.autotp_size) / res.step_time_s
+        # the tp (or sp) ranks of a group train one micro batch: samples come from the world / (tp x sp)
+        # data-parallel ranks (autotune/parallel.py data_parallel_size)
+        res.samples_per_s = cfg.micro_batch * cfg.grad_accum * data_parallel_size(cfg, world) / res.step_time_s
         res.tokens_per_s = res.samples_per_s * cfg.seq_len
         peak = req.cluster.gpu.peak_flops(cfg.precision)
         # on GPUs the model FLOPs of MFU, as the simulated step counts them (an MoE's routed experts,
