@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 from pathlib import Path
 
@@ -198,6 +199,84 @@ def inject(fault: str | None, rank: int) -> None:
         os._exit(FAULT_EXIT_CODE)
 
 
+def device_of(tokens):
+    return tokens.device if hasattr(tokens, "device") else tokens["input_ids"].device
+
+
+# ---- Ulysses sequence parallelism (DeepSpeed ALST, runtime/sequence_parallel/ulysses_sp.py) ------------------
+def sequence_parallel_attention(req):
+    """Wrap the model's attention with Ulysses and make DeepSpeed's sequence-parallel groups; the `mpu` for
+    deepspeed.initialize and what `sequence_parallel_release` restores. register_with_transformers replaces
+    transformers' ALL_ATTENTION_FUNCTIONS[attention] with its all-to-all wrapper (a process-wide change) and makes
+    the groups in parallel_state_sp's module globals, which it asserts are unset ("sequence parallel group is already
+    initialized"): a later config of this process gets both back as a fresh process has them."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from autotune.models.hf_config import config_object
+
+    cfg = req.config
+    own = ALL_ATTENTION_FUNCTIONS._local_mapping.get(cfg.attention)
+    # the model's config, as a built model carries it (register_with_transformers reads `.config`; a bare
+    # config would be taken for a hub name): made before the model, outside the trial's memory window
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=types.SimpleNamespace(config=config_object(req.model)), core_attn_implementation=cfg.attention,
+        sequence_parallel_size=cfg.sequence_parallel_size, micro_batch_size=cfg.micro_batch, seq_length_is_variable=True)
+    return mpu, (cfg.attention, own)
+
+
+def sequence_parallel_release(saved) -> None:
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name, own = saved
+    if own is None:
+        del ALL_ATTENTION_FUNCTIONS[name]
+    else:
+        ALL_ATTENTION_FUNCTIONS[name] = own
+    parallel_state_sp._release_sequence_parallel_groups()
+
+
+def sequence_parallel_batch(tokens, device, mpu):
+    """This rank's share of a (b, s+1) batch, the way UlyssesSPDataLoaderAdapter hands it out: the Trainer's
+    input_ids = labels = tokens[:, :-1] and position_ids 0..s-1, gathered over the sp group and cut along the
+    sequence; the labels come back shifted as `shift_labels` (the next token, -100 after the last), cut the same
+    way. The ranks of a group hold the same batch (seeded by rank // (tp x sp)), so the first micro batch the
+    adapter yields is the group's batch and serves every step (a trial trains on a fixed batch)."""
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    x = tokens[:, :-1]
+    batch = {"input_ids": x, "labels": x.clone(),
+             "position_ids": torch.arange(x.shape[1], device=x.device).expand_as(x).contiguous()}
+    # the groups of register_with_transformers' mpu (deepspeed.utils.groups returns the same once initialize has it)
+    adapter = UlyssesSPDataLoaderAdapter([batch], sp_rank=mpu.get_sequence_parallel_rank(),
+                                         sp_group=mpu.get_sequence_parallel_group(),
+                                         sp_world_size=mpu.get_sequence_parallel_world_size(), device=device)
+    shard = next(iter(adapter))
+    return {k: v.to(device).contiguous() for k, v in shard.items() if torch.is_tensor(v)}   # cut: strided
+
+
+def sequence_parallel_loss(engine, shard):
+    """This rank's share of the sp group's token-weighted mean loss: the sum of its tokens' cross entropy over the
+    group's count of labelled tokens (all-reduced without grad), by transformers' own ForCausalLMLoss
+    (num_items_in_batch: reduction "sum" then the division, loss/loss_utils.py fixed_cross_entropy). Summed over
+    the group it is the sequence's mean, and each rank backpropagates its own share, which gives the gradients of
+    that mean: DeepSpeed sums, not averages, the gradients over the sp ranks (engine.py allreduce_bucket divides
+    by the seq-data-parallel world / sequence_parallel_size). torch.distributed.nn.functional.all_gather of the
+    losses, the tutorial's way, fails in backward on gloo with sp < world ("Global rank 0 is not part of group").
+    `labels` must be given for the model to compute a loss at all (modeling_llama.py: `if labels is not None`);
+    `shift_labels` is what it uses then (loss_utils.py ForCausalLMLoss)."""
+    import torch
+    from deepspeed.utils import groups
+
+    labels = shard["shift_labels"]
+    count = (labels != -100).sum().to(torch.float32)
+    torch.distributed.all_reduce(count, group=groups._get_sequence_parallel_group())
+    return engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"], labels=labels,
+                  shift_labels=labels, num_items_in_batch=count).loss
+
+
 def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dict:
     """Warm-up then measured optimizer steps on a fixed batch; the loss is averaged over ranks."""
     import torch
@@ -205,7 +284,9 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
 
     from autotune.impl import impl_for
 
-    cfg, tokens, loss_of = req.config, data[0], impl_for(req.model, req.config).loss
+    cfg, tokens = req.config, data[0]
+    # Ulysses: data[1] is this rank's share of the token-weighted loss (sequence_parallel_loss)
+    loss_of = data[1] if len(data) > 1 else impl_for(req.model, req.config).loss
     losses, times, step_peaks, step_ends = [], [], [], []
     for step in range(req.warmup_steps + req.steps):
         measured = step >= req.warmup_steps
@@ -215,7 +296,7 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
         sync()
         t0 = time.perf_counter()
         with record_function(f"autotune.step{step}"):
-            total = torch.zeros((), dtype=torch.float64, device=tokens.device)
+            total = torch.zeros((), dtype=torch.float64, device=device_of(tokens))
             for _ in range(cfg.grad_accum):
                 with phases("forward"):
                     loss = loss_of(engine, tokens)
@@ -233,7 +314,8 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
             if phases.gpu_mem is not None:
                 step_ends.append(phases.gpu_mem.live())
         torch.distributed.all_reduce(total)
-        losses.append(total.item() / cfg.grad_accum / world)
+        # each sp rank holds its share of its group's mean (their sum): the mean over the world / sp groups
+        losses.append(total.item() / cfg.grad_accum / (world // cfg.sequence_parallel_size))
         if not math.isfinite(losses[-1]):
             break
     return {"losses": losses, "step_times_s": times, "gpu_step_phase_peaks": step_peaks, "gpu_step_ends": step_ends}
@@ -261,10 +343,17 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     # A fixed batch per data-parallel rank (the loss must fall). The tp ranks of one group must see the same
     # batch (DeepSpeed asserts it at the first forward, engine.py check_dataloader_inputs_same_across_ranks);
     # its mesh is (dp, tp), tp innermost (utils/groups.py _init_tp_mesh_device), so rank // tp is the dp rank.
-    gen = torch.Generator().manual_seed(1000 + rank // cfg.autotp_size)
+    # The sp ranks of a Ulysses group share one batch too (UlyssesSPDataLoaderAdapter cuts it along the sequence),
+    # its groups of consecutive ranks (sequence_parallel/parallel_state_sp.py initialize_sequence_parallel).
+    sp = cfg.sequence_parallel_size
+    gen = torch.Generator().manual_seed(1000 + rank // (cfg.autotp_size * sp))
     batch = torch.randint(0, req.model.vocab_size, (cfg.micro_batch, cfg.seq_len + 1), generator=gen)
     data = (batch.to(device),)  # (b, s+1): the implementation's loss takes inputs and targets from it
     del batch
+    mpu = sp_saved = None
+    if sp > 1:   # before the window, as the plain batch is: this rank's share of it is not the step's memory
+        mpu, sp_saved = sequence_parallel_attention(req)
+        data = (sequence_parallel_batch(data[0], device, mpu), sequence_parallel_loss)
     # On CPU the profiler IS the memory measurement. torch.autograd.profiler.profile rather than
     # torch.profiler.profile: the latter's first start imports torch._inductor (measured: 1.2-4 s of
     # CPU per rank on 2 cores) for a CUDA-graphs flag a trial never uses.
@@ -285,7 +374,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
             # fp32 parameters, 5 MB, still live at the next config's start after a ZeRO-1 fp32 one).
             trainable = (p for p in model.parameters() if p.requires_grad)
             engine = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg,
-                                          optimizer=client_optimizer(req, model))[0]
+                                          optimizer=client_optimizer(req, model), mpu=mpu)[0]
             if cfg.deepcompile:   # DeepSpeed runs without DeepCompile until compile() is called (engine.forward)
                 engine.compile()
         timings["init_s"] = time.perf_counter() - t0
@@ -315,6 +404,8 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
         out["overflow_count"] = int(engine.skipped_steps)
     t3 = time.perf_counter()
     release(engine)
+    if sp_saved is not None:
+        sequence_parallel_release(sp_saved)
     del engine, model, prof
     gc.collect()
     if on_gpu:
