@@ -363,3 +363,28 @@ def test_bulk_pruned_records_read_back_as_add_trials_writes_them(tmp_path, monke
     assert [view(t) for t in bulk] == [view(t) for t in one]
     assert [t.number for t in bulk if t.state.name == "PRUNED"] == list(range(1, len(cfgs) + 1))
     assert [st.record_of(t).config for t in bulk[1:-1]] == cfgs
+
+
+def test_records_read_from_the_rows_equal_optunas_trials(tmp_path, monkeypatch):
+    """st.records reads an RDB study's rows in three queries instead of through Study.get_trials: every
+    kind of trial (pruned in bulk, complete with a result, failed, running, one left running by a dead
+    process) reads back as record_of(FrozenTrial) reads it."""
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
+    cfgs = [TrainConfig(zero_stage=z, micro_batch=b) for z in (0, 2) for b in (1, 4)]
+    dists = st.distributions(cfgs)
+    study = st.create_study("rows", None, {"x": 1}, sampler=st.ChosenSampler())
+    st.add_finished(study, [st.pruned_record(c, dists, {"pruned_by": "memory", "reason": "r", "estimate": {"total_bytes": 7}})
+                            for c in cfgs[:2]])
+    ok = st.start_trial(study, cfgs[2], dists, st.running_attrs(cfgs[2], {"estimate": {"total_bytes": 9}}))
+    for k, v in st.result_attrs(TrialResult(status="ok", samples_per_s=3.25, step_time_s=0.5)).items():
+        ok.set_user_attr(k, v)
+    study.tell(ok, 3.25)
+    failed = st.start_trial(study, cfgs[3], dists, st.running_attrs(cfgs[3], {}))
+    study.tell(failed, state=optuna.trial.TrialState.FAIL)
+    st.start_trial(study, cfgs[1], dists, st.running_attrs(cfgs[1], {}))     # still running
+    fresh = st.load_study("rows")
+    slow = [st.record_of(t) for t in sorted(fresh.get_trials(deepcopy=False), key=lambda t: t.number)]
+    fast = st.records(fresh)
+    assert fast == slow and len(fast) == 5 and st.records(study) == fast
+    assert [r.status for r in fast][:3] == ["pruned", "pruned", "ok"] and fast[2].value == 3.25
+    assert fast[2].result.samples_per_s == 3.25 and fast[4].state == optuna.trial.TrialState.RUNNING
