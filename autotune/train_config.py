@@ -194,16 +194,19 @@ class TrainConfig:
             object.__setattr__(self, "lora_dropout", float(self.lora_dropout))  # YAML's 0 is an int
         for name in _FIELD_NAMES:
             check_value(name, getattr(self, name))
+        self.check_combination()
+
+    def check_combination(self) -> None:
+        """Refuse combinations of valid values. It reads attributes only, so `search_space.expand` runs it
+        on a plain namespace of a combination before it builds the frozen config (most of a large
+        space's product is refused here)."""
         if self.offload_optimizer and self.zero_stage == 0:
             raise SpecError("offload_optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads the "
                             "partitioned optimizer only)")
         if self.offload_optimizer and self.optimizer == "adamw8bit":
             raise SpecError("offload_optimizer runs DeepSpeed's CPU Adam, which has no 8-bit states; "
                             "choose one of the two")
-        self._check_knobs()
-
-    def _check_knobs(self) -> None:
-        """Refuse combinations DeepSpeed refuses or ignores, so no two candidates run the same job."""
+        # then the knobs: combinations DeepSpeed refuses or ignores, so no two candidates run the same job
         z = self.zero_stage
         if self.grad_accum_dtype == "fp32" and self.precision == "fp32":
             raise SpecError("grad_accum_dtype fp32 with fp32 training is the default (auto); drop it")
