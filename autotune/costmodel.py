@@ -24,7 +24,7 @@ from importlib import resources
 
 import yaml
 
-from autotune.costops.parallel import tp_comm_s
+from autotune.costops.parallel import sequence_parallel_size, shard_price, tp_comm_s, ulysses_comm_s
 from autotune.errors import SpecError
 from autotune.hardware import Cluster, GpuSpec
 from autotune.models import ModelSpec
@@ -153,16 +153,18 @@ class SimulatedStep:
     elementwise, recompute (forward+backward of all micro steps, priced op by op); under LoRA,
     adapters (their GEMMs) and, under QLoRA, dequantize; grad_reduce,
     param_gather, stage3_gather (ZeRO communication); overlap (the communication hidden behind
-    compute, negative); optimizer; offload; host (end to end only). `terms()` groups them."""
+    compute, negative); optimizer; offload; tp_comm (AutoTP's all-reduces), sp_comm (Ulysses'
+    all-to-alls), each only where that parallelism is on; host (end to end only). `terms()` groups them."""
     source: str = "simulated"
 
     def terms(self) -> dict[str, float]:
         """The per-term view (seconds per step): compute, attention, elementwise, recompute,
-        communication exposed (collectives less what hides under compute), optimizer (with
+        communication exposed (collectives less what hides under compute, tensor and sequence parallelism's
+        included), optimizer (with
         offload), host. LoRA's adapter GEMMs count as compute, QLoRA's dequantisation (a memory-bound
         kernel) as elementwise: the terms sum to the step time."""
         b = self.breakdown_s
-        comm = sum(b.get(k, 0.0) for k in ("grad_reduce", "param_gather", "stage3_gather", "overlap"))
+        comm = sum(b.get(k, 0.0) for k in ("grad_reduce", "param_gather", "stage3_gather", "overlap", "tp_comm", "sp_comm"))
         return {"compute": b["compute"] + b.get("adapters", 0.0), "attention": b["attention"],
                 "elementwise": b["elementwise"] + b.get("dequantize", 0.0),
                 "recompute": b["recompute"], "communication exposed": comm,
@@ -211,11 +213,12 @@ def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: 
     """Forward+backward seconds of one micro step, per op class, priced op by op from the traced
     step of `rt.implementation` (autotune/costops/): GEMMs (weights and LM head: `compute`),
     attention kernels, element-wise and reduction kernels (norms, activations, loss, casts, eager
-    scores); `recompute` reruns the forward of each checkpointed block in backward."""
-    from autotune.costops import micro_step_price
-
-    p = micro_step_price(model, rt.implementation, cfg.precision, cfg.attention, cfg.micro_batch, cfg.seq_len,
-                         price_key(gpu, cfg.precision), c.for_gpu(gpu.name), rt.attention_kernel)
+    scores); `recompute` reruns the forward of each checkpointed block in backward.
+    Under tensor or sequence parallelism it is one rank's step (costops.parallel.shard_price): the tp shard's
+    ops on seq / sp tokens, attention over the whole sequence for heads / sp."""
+    p = shard_price(model, cfg.autotp_size, sequence_parallel_size(cfg), rt.implementation, cfg.precision,
+                    cfg.attention, cfg.micro_batch, cfg.seq_len, price_key(gpu, cfg.precision), c.for_gpu(gpu.name),
+                    rt.attention_kernel)
     return {"compute": p.gemm, "attention": p.attention, "elementwise": p.elementwise,
             "recompute": cfg.ckpt_layers * p.layer_forward}
 
@@ -398,18 +401,31 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
         raise ValueError(f"scope {scope!r}: end_to_end or engine_timers")
     rt = runtime or runtime_for(cfg, model)
     ga, L = cfg.grad_accum, model.num_layers
+    tp, sp = cfg.autotp_size, sequence_parallel_size(cfg)
+    # What one rank holds and the ranks ZeRO shards it over: under AutoTP the tp shard over world / tp ranks
+    # (autotune/memory/tensor_parallel.py local_model, dp_cluster). Ulysses ranks hold the same parameters, and
+    # ZeRO partitions and reduces over the data and sequence parallel ranks together (deepspeed utils/groups.py
+    # _get_sequence_data_parallel_group: "the process group for zero sharding and gradient allreduce must be
+    # across both dimensions of data and sequence parallelism"; engine.py passes seq_data_parallel_group as
+    # the ZeRO optimizer's dp_process_group), so still world / tp ranks.
+    shard, zc = model, cluster
+    if tp > 1:
+        from autotune.memory.tensor_parallel import dp_cluster, local_model
+
+        shard, zc = local_model(model, tp), dp_cluster(cluster, tp)
     micro = compute_s(model, cfg, cluster.gpu, rt, constants or Constants())
-    gathered = model  # what ZeRO-3 gathers: the whole module
+    gathered = trained = shard  # what ZeRO-3 gathers (the rank's whole module) and what is reduced and stepped
     if cfg.method != "full":  # frozen base: its compute here, and only the adapters reduced and stepped
-        micro = lora_compute_s(model, cfg, cluster.gpu, micro, (constants or Constants()).for_gpu(cluster.gpu.name))
-        model, rt = lora_trained(model, cfg, rt)
+        mine = dataclasses.replace(cfg, seq_len=cfg.seq_len // sp) if sp > 1 else cfg   # the rank's tokens
+        micro = lora_compute_s(model, mine, cluster.gpu, micro, (constants or Constants()).for_gpu(cluster.gpu.name))
+        trained, rt = lora_trained(model, cfg, rt)
     fwd_bwd = sum(micro.values())
     # DeepSpeed reduces gradients on every micro step at ZeRO-2/3 and only on the accumulation
     # boundary at ZeRO-0/1 (engine.py allreduce_gradients; stage_1_and_2.py
     # reduce_ready_partitions_and_remove_grads).
-    reduce = grad_reduce_s(model, cfg, cluster, rt)
+    reduce = grad_reduce_s(trained, cfg, zc, rt)
     # the part of the stage-3 gathers fetched on demand stays on the critical path (stage3_prefetched)
-    per_micro = stage3_gather_s(gathered, cfg, cluster) * stage3_prefetched(gathered, cfg) + \
+    per_micro = stage3_gather_s(gathered, cfg, zc) * stage3_prefetched(gathered, cfg) + \
         (reduce if cfg.zero_stage >= 2 else 0.0)
     boundary_reduce = reduce if cfg.zero_stage < 2 else 0.0
     # A micro step's collectives hide under its forward+backward; the boundary reduction only under
@@ -418,22 +434,27 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
         hidden_s(boundary_reduce, fwd_bwd * 2 / 3, L, rt.overlap_comm)
     parts = {k: ga * v for k, v in micro.items()} | {
         "grad_reduce": reduce * (ga if cfg.zero_stage >= 2 else 1),
-        "param_gather": param_gather_s(model, cfg, cluster),
-        "stage3_gather": ga * stage3_gather_s(gathered, cfg, cluster),
+        "param_gather": param_gather_s(trained, cfg, zc),
+        "stage3_gather": ga * stage3_gather_s(gathered, cfg, zc),
         "overlap": -overlap,
-        "optimizer": optimizer_s(model, cfg, cluster, rt),
-        "offload": offload_s(model, cfg, cluster)}
-    if cfg.autotp_size > 1:   # AutoTP's per-layer all-reduces and the gathered head, on the tp group's link
-        parts["tp_comm"] = ga * tp_comm_s(gathered, cfg, cluster, link_bytes_per_s, dtype_bytes(cfg.precision))
+        "optimizer": optimizer_s(trained, cfg, zc, rt),
+        "offload": offload_s(trained, cfg, zc)}
+    if tp > 1:   # AutoTP's per-layer all-reduces and the gathered head, on the tp group's link
+        parts["tp_comm"] = ga * tp_comm_s(model, cfg, cluster, link_bytes_per_s, dtype_bytes(cfg.precision))
+    if sp > 1:   # Ulysses' per-layer all-to-alls, on the sp group's link
+        parts["sp_comm"] = ga * ulysses_comm_s(model, cfg, cluster, link_bytes_per_s, dtype_bytes(cfg.precision))
     if scope == "end_to_end":
         parts["host"] = ga * HOST_STEP_S  # a batch is fetched per micro step
     step_s = sum(parts.values())
-    tok_s = cfg.tokens_per_micro_batch * ga / step_s / cfg.autotp_size   # a tp group's ranks share one micro batch
-    flops = (model_flops_per_token(gathered, cfg, rt.implementation) if cfg.method == "full"
-             else gathered.flops_per_token(cfg.seq_len)) * tok_s
+    # A tp group's ranks train one micro batch, and an sp group's ranks one micro batch's sequences, each rank
+    # seq / sp of their tokens (UlyssesSPDataLoaderAdapter): tokens per GPU are the group's over tp x sp GPUs,
+    # and the sequences of a step come from world / (tp x sp) groups.
+    tok_s = cfg.tokens_per_micro_batch * ga / step_s / (tp * sp)
+    flops = (model_flops_per_token(model, cfg, rt.implementation) if cfg.method == "full"
+             else model.flops_per_token(cfg.seq_len)) * tok_s
     if cfg.method != "full":  # frozen weights: 4N, not 6N (no weight gradients), plus the adapters' 6
-        flops += (6.0 * model.num_params - 2.0 * gathered.num_params) * tok_s
-    dp = cluster.world_size // cfg.autotp_size
+        flops += (6.0 * trained.num_params - 2.0 * model.num_params) * tok_s
+    dp = cluster.world_size // (tp * sp)
     return SimulatedStep(step_time_s=step_s, samples_per_s=cfg.micro_batch * ga * dp / step_s,
                          tokens_per_s_per_gpu=tok_s, tflops_per_gpu=flops / TFLOPS,
                          mfu=flops / peak_flops(cluster.gpu, cfg.precision), breakdown_s=parts)

@@ -228,15 +228,20 @@ class ComputePrice:
     kernels: int
 
 
+def op_s(op: Op, key: tuple, sustained: float = 1.0, attention_kernel: str = "flash2") -> float:
+    """Seconds of one op on the GPU `key`, by its class (OP_PRICE; attention with the flash kernel run)."""
+    if op.cls == "attention":
+        return attention_s(op, key, sustained, attention_kernel)
+    return OP_PRICE[op.cls](op, key, sustained)
+
+
 @cache
 def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.0,
           attention_kernel: str = "flash2") -> ComputePrice:
     """Price every distinct op once, times its count (cached per profile, depth, GPU, sustained,
     attention kernel)."""
     def cost(op: Op) -> float:
-        if op.cls == "attention":
-            return attention_s(op, key, sustained, attention_kernel)
-        return OP_PRICE[op.cls](op, key, sustained)
+        return op_s(op, key, sustained, attention_kernel)
 
     per = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0}
     ops = profile.ops(num_layers)
