@@ -270,10 +270,20 @@ def all_gather_s(nbytes: float, cluster: Cluster) -> float:
     return (n - 1) / n * nbytes / link_bytes_per_s(cluster) if n > 1 else 0.0
 
 
+SEQ_PARALLEL_REDUCE_BYTES = 4
+"""Bytes per gradient element DeepSpeed reduces in once sequence parallelism is on: the engine sets its
+communication_data_type to `seq_parallel_communication_data_type` (runtime/engine.py, where it reads
+sequence_parallel_size), whose default is "fp32" (runtime/constants.py SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT,
+set to "fp32" whatever the NCCL version in deepspeed 0.19.8), and ZeRO 1-3 reduce in that dtype (stage_1_and_2.py
+gradient_reduction_w_predivide, stage3.py). autotune's JSON does not set the key."""
+
+
 def grad_reduce_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runtime) -> float:
     """One reduction of all gradients. ZeRO-0 all-reduces (2 Psi moved); ZeRO >= 1 reduce-scatters
-    (Psi) (Rajbhandari et al. 2020, "ZeRO", sec. 7.2), unless ZeRO-1/2 falls back to all-reduce."""
-    nbytes = model.num_params * dtype_bytes(cfg.precision)
+    (Psi) (Rajbhandari et al. 2020, "ZeRO", sec. 7.2), unless ZeRO-1/2 falls back to all-reduce.
+    Under Ulysses the gradients travel in fp32 (SEQ_PARALLEL_REDUCE_BYTES)."""
+    nbytes = model.num_params * (SEQ_PARALLEL_REDUCE_BYTES if sequence_parallel_size(cfg) > 1
+                                 else dtype_bytes(cfg.precision))
     if cfg.zero_quantized_gradients:
         nbytes /= 4   # qgZ: int4 all-to-all, 1/4 of bf16 (ZeRO++ arXiv:2306.10209, sec. 3.3)
     if cfg.zero_stage == 0 or (cfg.zero_stage in (1, 2) and not rt.contiguous_gradients):

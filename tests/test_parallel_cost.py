@@ -101,9 +101,11 @@ def test_sp_ranks_split_the_tokens_and_the_heads():
     short_attn = short.breakdown_s["attention"] / 3.5
     assert quarter.breakdown_s["recompute"] == pytest.approx(
         short.breakdown_s["recompute"] - short_attn + fwd_attn / 4, rel=0.01)
-    # ZeRO shards over data and sequence parallel ranks together (world / tp = 8): same collectives
-    for term in ("grad_reduce", "stage3_gather", "optimizer"):
+    # ZeRO shards over data and sequence parallel ranks together (world / tp = 8): the same collectives, but the
+    # gradients reduced in fp32 (seq_parallel_communication_data_type's default), twice bf16's bytes
+    for term in ("stage3_gather", "optimizer"):
         assert quarter.breakdown_s[term] == pytest.approx(whole.breakdown_s[term])
+    assert quarter.breakdown_s["grad_reduce"] == pytest.approx(2 * whole.breakdown_s["grad_reduce"])
 
 
 def test_sp_throughput_counts_one_sample_per_group():
