@@ -569,6 +569,30 @@ def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path,
     assert "WARNING: rank" in text and "stability risk" in text
 
 
+def test_bf16_states_run_where_they_save_recomputation(tmp_path, monkeypatch):
+    """A space listing bf16_optimizer_states [false, true] accepts them: in a group (search_order), fewer
+    checkpointed layers come before fp32 states, so 13B at ZeRO-3, micro batch 2 on 4 x A100 runs bf16
+    states with no layer checkpointed (fp32 states need 20 to fit), the faster of the two by the cost model;
+    where fp32 states fit with as few layers (micro batch 1), they run and bf16 states are dominated."""
+    from autotune import report
+    from autotune.costmodel import simulate
+
+    model, cluster = resolve_model("13b"), parse_gpus("4xA100")
+    fp32_0, fp32_20, bf16_0 = (TrainConfig(zero_stage=3, micro_batch=2, ckpt_layers=k, **kw) for k, kw in
+                               ((0, {}), (20, {}), (0, dict(bf16_master_weights_and_grads=True,
+                                                            bf16_optimizer_states=True))))
+    assert not estimate(model, cluster, fp32_0).fits and estimate(model, cluster, fp32_20).fits
+    assert estimate(model, cluster, bf16_0).fits
+    assert simulate(model, cluster, bf16_0).samples_per_s > simulate(model, cluster, fp32_20).samples_per_s
+    space = ("zero_stage: [3]\nmicro_batch: [1, 2]\nckpt_layers: [0, 20, 40]\n"
+             "bf16_master_weights_and_grads: [false, true]\nbf16_optimizer_states: [false, true]\n")
+    df = report.trials_frame(simulated_search(tmp_path, monkeypatch, space, exhaustive=True))
+    ok = df[df["status"] == "ok"].set_index("micro_batch")
+    assert sorted(ok.index) == [1, 2]
+    assert ok.loc[2, "ckpt_layers"] == 0 and bool(ok.loc[2, "bf16_optimizer_states"])
+    assert ok.loc[1, "ckpt_layers"] == 0 and not bool(ok.loc[1, "bf16_optimizer_states"])
+
+
 @pytest.mark.slow   # the whole 13B space, traced
 def test_full_space_knobs_do_not_multiply_the_trials():
     """search_spaces/full.yaml searches every knob; 13B on 4 x A100: its 48,996 candidates fall into 48
