@@ -26,7 +26,7 @@ MEMORY_LAYERS: tuple[tuple[str, ...], ...] = (
     ("buffers",),                                # gradients and DeepSpeed's buffers
     ("model_states",),                           # parameters, master weights, optimizer states
     ("host", "lora"),                            # host RAM; LoRA's phases from the full ones
-    ("analytic",),                               # the analytic phases, MemoryEstimate
+    ("analytic", "sequence_parallel"),           # the analytic phases, MemoryEstimate; Ulysses' terms
     ("traced",),                                 # the traced tier: traced activations + those terms
     ("__init__",),                               # estimate()
     ("baselines", "correction", "grid", "limits"),   # users of estimate()

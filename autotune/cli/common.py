@@ -62,8 +62,10 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, Train
     if values["seq_len"] is None:
         values["seq_len"] = default_seq_len(model)
     pick = values["attention"] is None   # what transformers picks for the class, once the rest is valid
-    cfg = TrainConfig(**{**values, "attention": "eager" if pick else values["attention"]})
-    check_config(cfg, model, cluster)    # fast: looks up no class for eager
+    # fast: looks up no class for eager; Ulysses refuses eager (autotune/parallel.py), so sdpa stands in there
+    stand_in = "sdpa" if values["sequence_parallel_size"] > 1 else "eager"
+    cfg = TrainConfig(**{**values, "attention": stand_in if pick else values["attention"]})
+    check_config(cfg, model, cluster)
     if pick:
         cfg = dataclasses.replace(cfg, attention=default_attention(model))
         check_config(cfg, model, cluster)

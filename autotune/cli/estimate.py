@@ -138,6 +138,11 @@ def _run(args, model, cluster, cfg) -> int:
         what = k.removeprefix("max_").replace("_", " ")
         bound = (" = the model's max_seq_len: its code runs no longer sequences (position table or ALiBi)"
                  if k == "max_seq_len" and v == model.max_seq_len and model.position != "rotary" else "")
+        if k == "max_seq_len" and v > model.max_seq_len and model.position == "rotary":
+            # not capped: rotary code runs any length, and long context (sequence parallelism) is the point of going
+            # past it; what the model was trained for is the config's max_position_embeddings
+            bound = (f" (memory's answer: past the model's max_position_embeddings {model.max_seq_len}, which it was "
+                     "trained for, it needs RoPE scaling, e.g. rope_scaling in its config, to model such lengths well)")
         print(f"largest {what} that fits (with {other}): {v}{bound}" if v else f"no {what} fits (with {other})")
     if args.trace:
         from autotune.memory.traced import compare, trace

@@ -20,6 +20,7 @@ from __future__ import annotations
 from autotune.hardware import Cluster
 from autotune.memory.analytic import MemoryEstimate, builtin, phases as _phases  # noqa: F401 - the public names
 from autotune.memory.host import host_bytes_per_node
+from autotune.memory.sequence_parallel import all_to_all_terms, local_view as sp_local_view
 from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_world_gathered
 from autotune.memory.overhead import overhead_terms
 from autotune.memory.traced import trace
@@ -34,9 +35,11 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
     (`model.implementation` hf or factory) are traced from the module itself on fake tensors
     (traced.trace via code_trace.py; the small programs are cached, so a second config of the same
     model, precision, attention, sequence length and micro batch costs milliseconds)."""
-    # autotp_size > 1: one tp rank's shard, ZeRO over dp (memory/tensor_parallel.py); the host side counts every
-    # rank of a node (no offload with tp: autotune/parallel.py), the report the whole model's parameters
-    shard, dp, local = local_view(model, cluster, cfg)
+    # autotp_size > 1: one tp rank's shard, ZeRO over dp (memory/tensor_parallel.py); sequence_parallel_size > 1:
+    # the whole model at seq / sp tokens, ZeRO over the world (memory/sequence_parallel.py; tp and sp are not
+    # combined, autotune/parallel.py). The host side counts every rank of a node (no offload with either), the
+    # report the whole model's parameters
+    shard, dp, local = local_view(*sp_local_view(model, cluster, cfg))
     if builtin(shard):
         phases = _phases(shard, dp, local)
     else:
@@ -45,6 +48,9 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
     if held := zero3_world_gathered(model, cluster, cfg):
         phases = {name: terms if name == "optimizer" else {**terms, "tp_replicated_gathered": held}
                   for name, terms in phases.items()}
+    for name, extra in all_to_all_terms(model, cfg).items():   # Ulysses' all-to-alls (memory/sequence_parallel.py)
+        if name in phases:
+            phases = {**phases, name: {**phases[name], **extra}}
     totals = {name: sum(t.values()) for name, t in phases.items()}
     peak_phase = max(totals, key=totals.get)
     peak = totals[peak_phase]

@@ -1,0 +1,111 @@
+"""Ulysses sequence parallelism (DeepSpeed ALST, runtime/sequence_parallel/ulysses_sp.py) as the memory model sees
+it: each of the sp ranks of a group holds every parameter and runs the whole model on seq / sp tokens of each
+sequence; only attention, between two all-to-alls, sees the whole sequence, for heads / sp of the heads.
+`local_view` turns (model, cluster, cfg) with sequence_parallel_size > 1 into that rank's own (model, cluster, cfg)
+with the sequence cut to seq / sp and sequence_parallel_size 1, which every other term of memory/ then prices
+unchanged (memory/__init__.estimate calls it beside tensor_parallel.local_view); `all_to_all_terms` adds what the
+all-to-alls hold beyond that.
+
+What a rank holds, measured rank by rank (profiler live bytes, benchmarks/parallel_memory.py, docs/parallelism.md):
+- parameters, gradients and optimizer states as a plain rank's: ZeRO shards over the sequence-data-parallel group,
+  which with tp 1 is the whole world (engine.py: `seq_data_parallel_group` is ZeRO's dp_process_group; its
+  allreduce divides by world / sp, summing over the sp ranks), so the cluster is unchanged;
+- every activation of the residual stream, the MLP, the norms and the projections at seq / sp tokens;
+- attention after the all-to-all: q, k, v at the whole sequence for heads / sp (and KV heads / sp) of the heads,
+  the same element count as all heads at seq / sp (UlyssesSPAttentionHF._combine_local_sequences), and sdpa's
+  output and log-sum-exp the same: the trace at seq / sp counts them;
+- the logits and the loss at seq / sp: each rank computes cross entropy on its own shift_labels (the adapter's
+  next tokens, cut with the sequence) and backpropagates its share of the group's token-weighted mean
+  (autotune/trial/worker.py sequence_parallel_loss: two scalars more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autotune.hardware import Cluster
+from autotune.models import ModelSpec
+from autotune.train_config import TrainConfig
+
+
+def local_view(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[ModelSpec, Cluster, TrainConfig]:
+    """One sp rank's model (whole), the ranks ZeRO shards over (all of them with tp 1), and cfg at seq / sp tokens
+    without sequence parallelism. seq_len is a multiple of sp (autotune/parallel.py refuses others)."""
+    sp = cfg.sequence_parallel_size
+    if sp == 1:
+        return model, cluster, cfg
+    return model, cluster, dataclasses.replace(cfg, seq_len=-(-cfg.seq_len // sp), sequence_parallel_size=1)
+
+
+ACTIVATION_PHASES = ("forward", "forward (prefetch)", "backward (loss)", "backward (head)", "backward (layers)")
+"""The phases that hold the layers' saved activations (memory/analytic.py, memory/traced.py)."""
+
+RECOMPUTE_PHASES = ("backward (recompute first)", "backward (recompute last)")
+"""One checkpointed layer recomputed, its saved set live (memory/analytic.py phases)."""
+
+COMM_DTYPE_BYTES = 4
+"""DeepSpeed reduces gradients in `seq_parallel_communication_data_type` once Ulysses is on (runtime/engine.py
+_configure_distributed_model: `self.communication_data_type = self._config.seq_parallel_communication_data_type`),
+default "fp32" (runtime/constants.py SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT)."""
+
+ALLREDUCE_BUCKET = 500_000_000
+"""ZeRO-0's gradient all-reduce bucket in elements (runtime/engine.py allreduce_gradients' MEMORY_OPT_ALLREDUCE_SIZE,
+buffered_allreduce_fallback)."""
+
+
+def all_to_all_terms(model: ModelSpec, cfg: TrainConfig) -> dict[str, dict[str, int]]:
+    """Bytes Ulysses adds per phase beyond the trace at seq / sp, {phase: {term: bytes}}; each measured against
+    the same model without sp at seq / sp on the same ranks (Llama of benchmarks/hf_memory.py, micro batch 2, seq
+    128 at sp 2 against seq 64, 2 CPU ranks, bf16, the profiler's live tensors by allocating op):
+
+    - `sp_attention_output`: o_proj's input, per layer that saves its activations (not checkpointed). Without
+      sp it is sdpa's own output, which sdpa saves too (one tensor); with sp it is a copy, the second all-to-all's
+      output made contiguous (UlyssesSPAttentionHF._partition_global_sequence, then forward's reshape), while sdpa
+      saves its output at heads / sp over the whole sequence: b x seq / sp x heads x head_dim elements more per
+      layer. The rest balances: sdpa saves the gathered q, k, v (aten::clone < contiguous, 196,608 B over 4 layers)
+      instead of the rotary outputs and v_proj's output (163,840 + 32,768 B). Measured +131,072 B = 4 x 2 x 64 x 128
+      x 2 B in forward (+133,112 in all at ZeRO-1). Only when o_proj's weight trains (method full): a frozen base
+      o_proj saves no input (LoRA measured without it), and every checkpointed layer saves only its input, one
+      layer at a time in its recompute.
+    - `sp_kv_replicated`: with sp above the KV heads, each rank repeats its k and v to sp heads before the all-to-all
+      (`kv_replication_factor`, ulysses_sp.py _combine_local_sequences) and sdpa saves them: 2 x (sp - kv) x b x
+      seq / sp x head_dim elements more per saved layer (read from the code; docs/parallelism.md says whether a
+      run measured it).
+    - `sp_all_to_all_grad`: the last all-to-all's gradient (the first layer's q, b x seq / sp x heads x head_dim)
+      stays live past backward into the optimizer step and the next forward (measured: 32,768 B of
+      GeneratedBackwardFor_deepspeed_dim_zero_all_to_all_default in every phase's table).
+    - `sp_fp32_allreduce`: ZeRO-0 with 16-bit training: the engine all-reduces the flat gradient bucket in fp32
+      (COMM_DTYPE_BYTES), a copy of min(trainable, ALLREDUCE_BUCKET) elements at backward's end (runtime/engine.py
+      allreduce_bucket: `tensor.to(self.communication_data_type)`; measured +4,820,632 B at backward's end on
+      1,205,376 parameters, 4,821,504 B in fp32).
+    """
+    sp = cfg.sequence_parallel_size
+    if sp == 1:
+        return {}
+    from autotune.train_config import dtype_bytes
+
+    a = dtype_bytes(cfg.precision)
+    tokens = cfg.micro_batch * -(-cfg.seq_len // sp)
+    q = tokens * model.num_heads * model.head_dim * a
+    saved_layers = model.num_layers - cfg.ckpt_layers
+    per_layer = (q if cfg.method == "full" else 0) + 2 * max(0, sp - model.num_kv_heads) * tokens * model.head_dim * a
+    out: dict[str, dict[str, int]] = {}
+    for phase in ACTIVATION_PHASES:
+        out[phase] = {"sp_attention_output": saved_layers * per_layer}
+    for name in RECOMPUTE_PHASES:
+        out[name] = {"sp_attention_output": per_layer}
+    for terms in out.values():
+        terms["sp_all_to_all_grad"] = q
+    out["backward (end)"] = {"sp_all_to_all_grad": q}
+    out["optimizer"] = {"sp_all_to_all_grad": q}
+    if cfg.zero_stage == 0 and a < COMM_DTYPE_BYTES:
+        out["backward (end)"]["sp_fp32_allreduce"] = min(trainable_params(model, cfg), ALLREDUCE_BUCKET) * COMM_DTYPE_BYTES
+    return out
+
+
+def trainable_params(model: ModelSpec, cfg: TrainConfig) -> int:
+    if cfg.method == "full":
+        return model.num_params
+    from autotune.memory.lora import adapter_params
+
+    return adapter_params(model, cfg)
