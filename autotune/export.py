@@ -124,6 +124,9 @@ def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) ->
     - zero3_init_flag at ZeRO-3: the model is built under deepspeed.zero.Init, as the trials built it.
     - Several nodes: the `standard` (torchrun) multi-node launcher; main_process_ip and each node's
       machine_rank are the user's to fill in.
+    - Ulysses (sequence_parallel_size > 1): a `parallelism_config` section (parallelism_config_yaml), which
+      `accelerate launch` turns into the PARALLELISM_CONFIG_* environment an Accelerator built without a
+      ParallelismConfig reads.
     """
     import yaml
 
@@ -135,14 +138,92 @@ def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) ->
     if cluster.num_nodes > 1:
         ds["deepspeed_multinode_launcher"] = "standard"
         conf.update(main_process_ip="MAIN_NODE_IP", main_process_port=29500)
+    if cfg.sequence_parallel_size > 1:
+        conf["parallelism_config"] = parallelism_config_yaml(cfg, cluster)
     prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[cfg.precision]
     head = (f"# autotune export: {cfg.short()} on {cluster.world_size} ranks"
-            + (f", tensor parallel {cfg.autotp_size}" if cfg.autotp_size > 1 else "") + "\n"
+            + (f", tensor parallel {cfg.autotp_size}" if cfg.autotp_size > 1 else "")
+            + (f", sequence parallel {cfg.sequence_parallel_size}" if cfg.sequence_parallel_size > 1 else "") + "\n"
             f"# precision ({prec}) comes from the DeepSpeed JSON: accelerate refuses mixed_precision here\n"
             + ("# on every node: set main_process_ip to the first node's address and machine_rank to the "
                "node's index\n" if cluster.num_nodes > 1 else "")
             + "# accelerate launch --config_file THIS_FILE train.py\n")
     return head + yaml.safe_dump(conf, sort_keys=False)
+
+
+def parallelism_config_yaml(cfg: TrainConfig, cluster: Cluster) -> dict:
+    """The `parallelism_config` section of an accelerate config file for Ulysses, with the keys accelerate 1.16 reads:
+    `accelerate launch` copies each key of the file's sections onto its arguments (commands/launch.py
+    _validate_launch_command: "Copy defaults.somedict.somearg to args.somearg"), whose names are these
+    (launch_command_parser's --parallelism_config_* options, the keys `accelerate config` writes:
+    commands/config/cluster.py), and a non-empty section sets use_parallelism_config. For DeepSpeed,
+    utils/launch.py prepare_deepspeed_cmd_env then calls prepare_extend_env_parallelism_config, which exports
+    ACCELERATE_USE_PARALLELISM_CONFIG and PARALLELISM_CONFIG_SP_SIZE, _SP_BACKEND, _DP_SHARD_SIZE,
+    _SP_SEQ_LENGTH_IS_VARIABLE, _SP_ATTN_IMPLEMENTATION; Accelerator(parallelism_config=None) builds
+    ParallelismConfig() from them (accelerator.py), and DeepSpeedSequenceParallelConfig reads its three from the
+    same environment (utils/dataclasses.py). `accelerate launch --use_parallelism_config` on the command line is
+    refused without FSDP2; the file's section is not (the check runs before the file is read)."""
+    sp = cfg.sequence_parallel_size
+    p = "parallelism_config_"
+    return {p + "sp_backend": "deepspeed", p + "sp_size": sp,
+            p + "dp_shard_size": cluster.world_size // (cfg.autotp_size * sp),
+            p + "sp_seq_length_is_variable": True,
+            p + "sp_attn_implementation": cfg.attention}
+
+
+def parallelism_config_code(cfg: TrainConfig, cluster: Cluster) -> list[str]:
+    """Python lines that build Accelerate's ParallelismConfig for Ulysses as the trials ran it (accelerate >= 1.12;
+    accelerate/parallelism_config.py ParallelismConfig, accelerate/utils/dataclasses.py
+    DeepSpeedSequenceParallelConfig, both exported by accelerate.utils): sp_backend "deepspeed", sp_size,
+    dp_shard_size = world / sp and the handler's variable-length flag (the trials register Ulysses with
+    seq_length_is_variable=True, so no sp_seq_length: the handler reads one only when the length is fixed) and
+    attention implementation."""
+    y = parallelism_config_yaml(cfg, cluster)
+    p = "parallelism_config_"
+    return ["from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig",
+            f"parallelism_config = ParallelismConfig(sp_backend=\"deepspeed\", sp_size={y[p + 'sp_size']}, "
+            f"dp_shard_size={y[p + 'dp_shard_size']}, sp_handler=DeepSpeedSequenceParallelConfig("
+            "sp_seq_length_is_variable=True, "
+            f"sp_attn_implementation=\"{y[p + 'sp_attn_implementation']}\"))"]
+
+
+def _sp_lines(cfg: TrainConfig, cluster: Cluster, accelerate_config: Path | None) -> list[str]:
+    """What Ulysses asks of the training script, read from transformers 5.24, accelerate 1.16 and deepspeed 0.19.8."""
+    sp = cfg.sequence_parallel_size
+    if sp == 1:
+        return []
+    dp = cluster.world_size // (cfg.autotp_size * sp)
+    lines = [
+        f"Sequence parallelism (Ulysses {sp}, dp = {cluster.world_size} / {sp} = {dp}): the JSON's "
+        f"\"sequence_parallel_size\": {sp} sets DeepSpeed's batch arithmetic; the Trainer takes Ulysses from "
+        "Accelerate's ParallelismConfig (accelerate >= 1.12):",
+        *("  " + line for line in parallelism_config_code(cfg, cluster)),
+        "  TrainingArguments(..., as above, parallelism_config=parallelism_config)",
+        "  accelerate then registers DeepSpeed's Ulysses attention (UlyssesSPAttentionHF.register_with_transformers) "
+        "and cuts each batch along the sequence (UlyssesSPDataLoaderAdapter: accelerator.py _prepare_deepspeed, "
+        "deepspeed_ulysses_dl_adapter);",
+        "  the Trainer weights each rank's loss by its tokens (transformers integrations/deepspeed.py "
+        "deepspeed_sp_compute_loss).",
+        f"  Each batch must carry position_ids (UlyssesSPDataLoaderAdapter refuses one without them) and a length "
+        f"that {sp} divides; load the model with attn_implementation=\"{cfg.attention}\".",
+        f"  dp_shard_size={dp}: accelerate rewrites train_batch_size as micro x grad accum x dp_replicate x dp_shard "
+        "(accelerator.py _prepare_deepspeed), which DeepSpeed checks against world / sp.",
+        f"  Global batch = per_device_train_batch_size x dp x gradient_accumulation_steps = "
+        f"{cfg.micro_batch} x {dp} x {cfg.grad_accum} = {cfg.micro_batch * dp * cfg.grad_accum} sequences of "
+        f"{cfg.seq_len} tokens (the {sp} ranks of a group share each sequence).",
+    ]
+    if accelerate_config is not None:
+        lines.append(f"  {accelerate_config} carries the same settings (parallelism_config section): a script whose "
+                     "Accelerator or Trainer gets no parallelism_config takes them from accelerate launch.")
+    lines.append(
+        "  With deepspeed.initialize yourself (as the trials do): mpu = deepspeed.runtime.sequence_parallel.ulysses_sp."
+        f"UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="
+        f"\"{cfg.attention}\", sequence_parallel_size={sp}, micro_batch_size={cfg.micro_batch}, "
+        "seq_length_is_variable=True) before deepspeed.initialize(..., mpu=mpu); wrap the data loader in "
+        "UlyssesSPDataLoaderAdapter(dl, sp_rank=mpu.get_sequence_parallel_rank(), sp_group=mpu.get_sequence_parallel_group(), "
+        "sp_world_size=mpu.get_sequence_parallel_world_size(), device=...), and weight each rank's loss by its share "
+        "of the group's labelled tokens.")
+    return lines
 
 
 def _tp_lines(cfg: TrainConfig, cluster: Cluster) -> list[str]:
@@ -192,6 +273,7 @@ def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path,
     if accelerate_config is not None:
         lines.append(f"  started by accelerate: accelerate launch --config_file {accelerate_config} train.py")
     lines += _tp_lines(cfg, cluster)
+    lines += _sp_lines(cfg, cluster, accelerate_config)
     lines += _ckpt_lines(cfg, model)
     lines += _lora_lines(cfg, path)
     if cfg.optimizer == "adamw8bit":
