@@ -1,13 +1,17 @@
-"""Tensor parallelism (DeepSpeed AutoTP training): the estimate against real DeepSpeed runs on CPU ranks.
+"""Tensor parallelism (DeepSpeed AutoTP training) and Ulysses sequence parallelism: the estimate against real
+DeepSpeed runs on CPU ranks.
 
     python benchmarks/parallel_memory.py            # the recorded runs (benchmarks/data/parallel_memory_runs.csv)
                                                     # against today's estimate: median / worst / worst under
     python benchmarks/parallel_memory.py --measure  # run them again (2 and 4 CPU ranks, ~12 min on 2 cores)
     python benchmarks/parallel_memory.py --measure --world 4   # only the 4-rank ones (the others' rows kept)
+    python benchmarks/parallel_memory.py --sp                  # only the Ulysses rows (sequence_parallel_size 2)
+    python benchmarks/parallel_memory.py --measure --sp        # run only those again
 
 The recorded set: hf_memory.py's Llama (GQA 8/2 heads, untied head), Qwen2 (4/2 heads, tied embeddings,
 q/k/v biases) and Mistral (6/2 heads) shapes at tp 2 on 2 ranks (dp 1) under ZeRO 0-3, and on 4 ranks
-(tp 2 x dp 2) under ZeRO 1-3, bf16 and fp32, with and without checkpointed layers. Each row is one real trial (autotune.trial.run_trials: 1 warm-up and 2
+(tp 2 x dp 2) under ZeRO 1-3, bf16 and fp32, with and without checkpointed layers; the same shapes at sp 2 on 2
+ranks under ZeRO 0-3 and sp 2 x dp 2 on 4 ranks under ZeRO 1-3 (SP_CONFIGS), and LoRA at sp 2. Each row is one real trial (autotune.trial.run_trials: 1 warm-up and 2
 measured steps, profiler live bytes); `measured_bytes` is the highest rank's lowest step peak, as the tests
 judge (tests/steady.py). The bar (issue 31): median |error| at most 1%, worst at most 3%, never more than 1%
 under.
@@ -46,16 +50,36 @@ CONFIGS = [
     (4, 2, 2, "fp32", 1, 1, 96),
     (4, 2, 3, "bf16", 0, 2, 64),
 ]
-FIELDS = ("autotp_size", "zero_stage", "precision", "ckpt_layers", "micro_batch", "seq_len")
+# Ulysses sequence parallelism: (world, sequence_parallel_size, zero stage, precision, checkpointed layers (-1: all),
+# micro batch, seq len, method)
+SP_CONFIGS = [
+    (2, 2, 0, "bf16", 0, 2, 128, "full"),
+    (2, 2, 1, "fp32", 0, 2, 96, "full"),
+    (2, 2, 2, "bf16", 1, 2, 128, "full"),
+    (2, 2, 3, "bf16", -1, 2, 96, "full"),
+    # sp 2 x dp 2: ZeRO shards over all 4 ranks (the sequence-data-parallel group)
+    (4, 2, 1, "bf16", 0, 2, 64, "full"),
+    (4, 2, 2, "fp32", 1, 1, 96, "full"),
+    (4, 2, 3, "bf16", 0, 2, 64, "full"),
+]
+SP_LORA = [(2, 2, 0, "bf16", 0, 2, 128, "lora")]
+"""LoRA at sp 2 on Llama only."""
+FIELDS = ("autotp_size", "sequence_parallel_size", "zero_stage", "precision", "ckpt_layers", "micro_batch", "seq_len",
+          "method")
+DEFAULTS = {"sequence_parallel_size": 1, "method": "full"}
+"""Columns the first (tp) rows were recorded without."""
 
 
-def cases() -> list[tuple[str, int, TrainConfig]]:
+def cases(sp_only: bool = False) -> list[tuple[str, int, TrainConfig]]:
     out = []
     for family in TP_FAMILIES:
         layers = spec_of(family).num_layers
-        for world, tp, z, p, k, mb, s in CONFIGS:
+        for world, tp, z, p, k, mb, s in ([] if sp_only else CONFIGS):
             out.append((family, world, TrainConfig(autotp_size=tp, zero_stage=z, precision=p, micro_batch=mb,
                                                    ckpt_layers=layers if k < 0 else k, seq_len=s)))
+        for world, sp, z, p, k, mb, s, method in SP_CONFIGS + (SP_LORA if family == "llama" else []):
+            out.append((family, world, TrainConfig(sequence_parallel_size=sp, zero_stage=z, precision=p, micro_batch=mb,
+                                                   ckpt_layers=layers if k < 0 else k, seq_len=s, method=method)))
     return out
 
 
@@ -63,9 +87,9 @@ def cluster(world: int):
     return parse_gpus(f"{world}xcpu")
 
 
-def measure_all(only_world: int | None = None) -> None:
-    """Run every case (of one world size, if given) as a real trial, one process group per world size, and
-    rewrite the CSV (keeping the rows of the other world sizes when only one is measured)."""
+def measure_all(only_world: int | None = None, sp_only: bool = False) -> None:
+    """Run every case (of one world size, if given; only the sequence-parallel ones with sp_only) as a real trial,
+    one process group per world size, and rewrite the CSV (keeping the rows not measured again)."""
     import deepspeed
     import torch
     import transformers
@@ -74,11 +98,12 @@ def measure_all(only_world: int | None = None) -> None:
     from autotune.trial.record import TrialRequest
 
     versions = f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
-    todo = [(f, w, c) for f, w, c in cases() if only_world in (None, w)]
+    todo = [(f, w, c) for f, w, c in cases(sp_only) if only_world in (None, w)]
     rows = []
-    if only_world is not None and CSV.exists():
+    if (only_world is not None or sp_only) and CSV.exists():
         with CSV.open() as f:
-            rows = [r for r in csv.DictReader(f) if int(r["world"]) != only_world]
+            rows = [{**DEFAULTS, **r} for r in csv.DictReader(f)
+                    if not (only_world in (None, int(r["world"])) and (not sp_only or int(r.get("sequence_parallel_size") or 1) > 1))]
     for world in sorted({w for _, w, _ in todo}):
         mine = [(f, c) for f, w, c in todo if w == world]
         with tempfile.TemporaryDirectory() as tmp:
@@ -98,36 +123,71 @@ def measure_all(only_world: int | None = None) -> None:
                          "measured_by": f"run_trials, {world} CPU ranks (gloo), steps 2 after 1 warm-up, profiler "
                                         f"peak, the highest rank's lowest step (tests/steady.py); {versions}"})
     with CSV.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=["family", "hf_config", "world", *FIELDS, "measured_bytes", "largest_step_bytes",
+                                          "measured_by"])
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {len(rows)} rows to {CSV}")
 
 
+OPEN = {
+    ("llama", 4, 2, "fp32", 1): "plain ZeRO-2 fp32 on 4 CPU ranks misses as much without sp (-6.6%, measured): gloo's "
+                                "all_gather_into_tensor after the step holds a temporary of the whole flat model, which the "
+                                "estimate prices only where it equals the update's temporaries (2 ranks)",
+    ("mistral", 4, 1, "bf16", 0): "ZeRO-1 with sp reduces gradients in fp32 (stage_1_and_2.py allreduce_bucket: "
+                                  "`if ... self.sequence_parallel_size > 1: communication_data_type = torch.float32`); "
+                                  "one rank's peak at the end of backward holds that copy, not priced yet",
+}
+"""Ulysses rows under the bar, (family, world, zero stage, precision, checkpointed layers) -> why; docs/parallelism.md."""
+
+
+def open_reason(row: dict) -> str | None:
+    c = train_config(row)
+    if c.sequence_parallel_size == 1:
+        return None
+    return OPEN.get((row["family"], int(row["world"]), c.zero_stage, c.precision, c.ckpt_layers))
+
+
 def train_config(row: dict) -> TrainConfig:
-    return TrainConfig(**{f: (str if f == "precision" else int)(row[f]) for f in FIELDS})
+    row = {**DEFAULTS, **{k: v for k, v in row.items() if v not in (None, "")}}
+    return TrainConfig(**{f: (str if f in ("precision", "method") else int)(row[f]) for f in FIELDS})
 
 
-def report() -> dict:
-    """Print every recorded case and the summary (estimated against measured); return the summary."""
+def report(sp_only: bool = False) -> dict:
+    """Print every recorded case (or the Ulysses ones) and the summary (estimated against measured); return it."""
     with CSV.open() as f:
-        rows = list(csv.DictReader(f))
-    print(f"== AutoTP on transformers' code: estimated vs measured ({len(rows)} runs, {CSV.name}) ==")
-    errors = []
+        rows = [r for r in csv.DictReader(f) if not sp_only or int(r.get("sequence_parallel_size") or 1) > 1]
+    print(f"== AutoTP and Ulysses on transformers' code: estimated vs measured ({len(rows)} runs, {CSV.name}) ==")
+    errors, by_kind, closed = [], {"tp": [], "sp": []}, []
     for row in rows:
         spec, cfg = spec_of(row["family"], json.loads(row["hf_config"])), train_config(row)
         measured = int(row["measured_bytes"])
         est = estimate(spec, cluster(int(row["world"])), cfg).tensor_peak_bytes
         errors.append(est / measured - 1)
-        print(f"  {row['family']:<8} world {row['world']} tp {cfg.autotp_size} {cfg.short():<24} s{cfg.seq_len:<4} "
-              f"measured {measured:>12,}  estimated {est:>12,}  {100 * errors[-1]:+7.3f}%")
+        by_kind["sp" if cfg.sequence_parallel_size > 1 else "tp"].append(errors[-1])
+        why = open_reason(row)
+        if cfg.sequence_parallel_size > 1 and not why:
+            closed.append(errors[-1])
+        print(f"  {row['family']:<8} world {row['world']} tp {cfg.autotp_size} sp {cfg.sequence_parallel_size} "
+              f"{cfg.short():<28} s{cfg.seq_len:<4} measured {measured:>12,}  estimated {est:>12,}  {100 * errors[-1]:+7.3f}%"
+              + (f"  (open: {why.split(':')[0]})" if why else ""))
+    for kind, errs in by_kind.items():
+        if errs:
+            k = summary(errs)
+            print(f"  {kind} ({len(errs)} runs): median |error| {k['median']:.3f}%, worst {k['max']:.3f}%, "
+                  f"worst under {k['under']:.3f}%")
+    if closed and len(closed) < len(by_kind["sp"]):
+        k = summary(closed)
+        print(f"  sp without the {len(by_kind['sp']) - len(closed)} open rows (OPEN): median |error| {k['median']:.3f}%, "
+              f"worst {k['max']:.3f}%, worst under {k['under']:.3f}%")
     s = summary(errors)
-    print(f"  median |error| {s['median']:.3f}%, worst {s['max']:.3f}%, worst under {s['under']:.3f}% "
+    print(f"  all: median |error| {s['median']:.3f}%, worst {s['max']:.3f}%, worst under {s['under']:.3f}% "
           f"(bar: 1%, 3%, 1%)")
-    return s
+    return {**s, "sp": summary(by_kind["sp"]) if by_kind["sp"] else None, "sp_closed": summary(closed) if closed else None}
 
 
 if __name__ == "__main__":
     if "--measure" in sys.argv:
-        measure_all(int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else None)
-    report()
+        measure_all(int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else None,
+                    sp_only="--sp" in sys.argv)
+    report(sp_only="--sp" in sys.argv)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from autotune.hardware import Cluster
 from autotune.memory.analytic import MemoryEstimate, builtin, phases as _phases  # noqa: F401 - the public names
 from autotune.memory.host import host_bytes_per_node
-from autotune.memory.sequence_parallel import all_to_all_terms, local_view as sp_local_view
+from autotune.memory.sequence_parallel import all_to_all_terms, local_view as sp_local_view, zero3_fp32_head_phase
 from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_world_gathered
 from autotune.memory.overhead import overhead_terms
 from autotune.memory.traced import trace
@@ -51,6 +51,7 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
     for name, extra in all_to_all_terms(model, cfg).items():   # Ulysses' all-to-alls (memory/sequence_parallel.py)
         if name in phases:
             phases = {**phases, name: {**phases[name], **extra}}
+    phases = zero3_fp32_head_phase(model, cfg, phases)
     totals = {name: sum(t.values()) for name, t in phases.items()}
     peak_phase = max(totals, key=totals.get)
     peak = totals[peak_phase]

@@ -1,0 +1,140 @@
+"""Ulysses sequence parallelism (DeepSpeed ALST, `sequence_parallel_size`): the setting, its refusals, the DeepSpeed
+JSON, the batch arithmetic, the per-rank memory terms, the recorded runs' bar, and one real sp 2 trial on 2 CPU ranks
+(docs/parallelism.md)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+from autotune.deepspeed_config import deepspeed_config
+from autotune.errors import SpecError
+from autotune.hardware import parse_gpus
+from autotune.memory import estimate
+from autotune.memory.sequence_parallel import all_to_all_terms, local_view
+from autotune.models import resolve_model
+from autotune.parallel import data_parallel_size, global_batch
+from autotune.train_config import TrainConfig, check_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from hf_memory import spec_of  # noqa: E402
+
+TWO, FOUR = parse_gpus("2xcpu"), parse_gpus("4xcpu")
+
+
+def test_default_is_off_and_json_has_no_key():
+    cfg = TrainConfig()
+    assert cfg.sequence_parallel_size == 1
+    ds = deepspeed_config(cfg, spec_of("llama"), FOUR)
+    assert "sequence_parallel_size" not in ds and ds["train_batch_size"] == 4
+
+
+def test_json_and_batch_arithmetic():
+    """dp = world / sp; the JSON's train_batch_size is micro x grad accum x dp, as DeepSpeed checks it once it has
+    divided the world by sequence_parallel_size (runtime/config.py)."""
+    cfg = TrainConfig(sequence_parallel_size=2, micro_batch=3, grad_accum=2, seq_len=64)
+    ds = deepspeed_config(cfg, spec_of("llama"), FOUR)
+    assert ds["sequence_parallel_size"] == 2
+    assert data_parallel_size(cfg, 4) == 2 and global_batch(cfg, 4) == 3 * 2 * 2 == ds["train_batch_size"]
+    assert "sp2" in cfg.short()
+
+
+@pytest.mark.parametrize("family,cluster,kw,says", [
+    ("llama", parse_gpus("3xcpu"), {}, "must divide the world size 3"),
+    ("llama", TWO, dict(seq_len=63), "must divide seq_len 63"),
+    ("llama", TWO, dict(attention="eager"), "eager attn_implementation isn't currently supported"),
+    ("gpt2", TWO, dict(seq_len=64), "num_key_value_heads"),
+    ("gpt_neox", TWO, dict(seq_len=64), "num_key_value_heads"),
+    ("mistral", FOUR, dict(sequence_parallel_size=4), "divide the 6 attention heads"),
+    ("mistral", parse_gpus("3xcpu"), dict(sequence_parallel_size=3), "key/value heads must divide one another"),
+    ("llama", FOUR, dict(autotp_size=2), "self.mpu = groups"),
+    ("llama", TWO, dict(zero_stage=2, offload_optimizer=True), "offload"),
+])
+def test_refusals(family, cluster, kw, says):
+    cfg = TrainConfig(**{"sequence_parallel_size": 2, "seq_len": 64, **kw})
+    with pytest.raises(SpecError, match=says):
+        check_config(cfg, spec_of(family), cluster)
+
+
+def test_lora_and_kv_replication_are_allowed():
+    check_config(TrainConfig(sequence_parallel_size=2, seq_len=64, method="lora"), spec_of("llama"), TWO)
+    check_config(TrainConfig(sequence_parallel_size=4, seq_len=64), spec_of("qwen2"), FOUR)   # 4 heads, 2 KV heads
+
+
+def test_refused_for_code_without_hf_attention():
+    with pytest.raises(SpecError, match="ALL_ATTENTION_FUNCTIONS"):
+        check_config(TrainConfig(sequence_parallel_size=2, seq_len=64),
+                     replace(resolve_model("tiny-llama"), implementation="builtin"), TWO)
+
+
+def test_cli_exit_code_2(capsys):
+    code = main(["estimate", "--model", "gpt2", "--gpus", "2xcpu", "--sequence-parallel-size", "2", "--seq-len", "64"])
+    assert code == 2 and "num_key_value_heads" in capsys.readouterr().err
+
+
+def test_a_rank_is_the_whole_model_at_seq_over_sp_plus_the_all_to_alls():
+    """ZeRO shards over the whole world (the sequence-data-parallel group); the activations are those of seq / sp;
+    Ulysses adds o_proj's own input per saved layer, the live all-to-all gradient, and at ZeRO-0 bf16 the fp32
+    all-reduce copy (memory/sequence_parallel.py, each measured)."""
+    spec = spec_of("llama")
+    cfg = TrainConfig(sequence_parallel_size=2, zero_stage=0, micro_batch=2, seq_len=128)
+    model, cluster, local = local_view(spec, TWO, cfg)
+    assert (model, cluster, local.seq_len, local.sequence_parallel_size) == (spec, TWO, 64, 1)
+    q = 2 * 64 * 8 * 16 * 2
+    terms = all_to_all_terms(spec, cfg)
+    assert terms["forward"] == {"sp_attention_output": 4 * q, "sp_all_to_all_grad": q}
+    assert terms["backward (end)"]["sp_fp32_allreduce"] == 4 * spec.num_params
+    plain, sp = estimate(spec, TWO, replace(cfg, seq_len=64, sequence_parallel_size=1)), estimate(spec, TWO, cfg)
+    assert sp.phases["forward"] == plain.phases["forward"] + 5 * q
+    assert sp.num_params == plain.num_params
+
+
+@pytest.mark.slow   # 22 traced estimates, ~1 min on 2 cores
+def test_recorded_runs_meet_the_bar():
+    """benchmarks/data/parallel_memory_runs.csv's Ulysses rows against today's estimate (issue 31's bar): the median
+    over all of them; worst and worst under over all but the rows parallel_memory.OPEN lists with why (each still
+    checked: no worse than recorded in docs/parallelism.md)."""
+    import parallel_memory
+
+    report = parallel_memory.report(sp_only=True)
+    s, closed = report["sp"], report["sp_closed"]
+    assert s["n"] >= 8 and s["median"] <= 1, s
+    assert closed["n"] >= s["n"] - len(parallel_memory.OPEN)
+    assert closed["max"] <= 3 and closed["under"] <= 1, closed
+    assert s["under"] <= 6, s
+
+
+def test_max_seq_len_with_sp_is_a_multiple_of_sp_and_grows():
+    from autotune.memory.limits import largest_fitting
+
+    spec, cluster = spec_of("llama"), parse_gpus("2xcpu")
+    cfg = TrainConfig(zero_stage=1, micro_batch=2, seq_len=64)
+    cluster = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=64 * 2**20))
+    plain = largest_fitting(spec, cluster, cfg, "seq_len")
+    sp = largest_fitting(spec, cluster, replace(cfg, sequence_parallel_size=2), "seq_len")
+    assert sp % 2 == 0 and sp > plain > 0
+
+
+@pytest.mark.slow
+def test_real_sp2_trial_matches_the_estimate(tmp_path):
+    """Llama at sp 2, ZeRO-1 bf16, on 2 gloo ranks: it trains (the loss falls), every rank holds the whole model,
+    samples/s counts one micro batch per sp group, and the estimate meets the bar against the steady peak."""
+    from steady import steady_peak
+
+    from autotune.trial import run_trials
+    from autotune.trial.record import TrialRequest
+
+    spec, cfg = spec_of("llama"), TrainConfig(sequence_parallel_size=2, zero_stage=1, micro_batch=2, seq_len=128)
+    check_config(cfg, spec, TWO)
+    [res] = run_trials([TrialRequest(model=spec, cluster=TWO, config=cfg, steps=2, warmup_steps=1, timeout_s=300,
+                                     out_dir=tmp_path / "sp2")])
+    assert res.status == "ok", res.reason + res.log_tail
+    assert res.losses[-1] < res.losses[0]
+    assert res.samples_per_s == pytest.approx(2 * 1 / res.step_time_s)   # micro batch x dp 1 x grad accum
+    assert res.param_bytes_per_rank == [2 * spec.num_params] * 2
+    err = estimate(spec, TWO, cfg).tensor_peak_bytes / steady_peak(res) - 1
+    assert -0.01 <= err <= 0.03, err
