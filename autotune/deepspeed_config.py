@@ -106,7 +106,12 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
     if cfg.sequence_parallel_size > 1:
         # Ulysses (runtime/sequence_parallel/ulysses_sp.py): the key DeepSpeed's config reads to divide the world
         # (runtime/config.py DeepSpeedConfig.__init__, "HF zero.init case where there is no mpu"); the groups
-        # themselves come from the mpu that register_with_transformers returns (autotune/trial/worker.py)
+        # themselves come from the mpu that register_with_transformers returns (autotune/trial/worker.py).
+        # train_batch_size is left out, as for tp: DeepSpeed derives micro x grad accum x world / sp from the other
+        # two (_configure_train_batch_size), and the HF Trainer refuses the key written, computing world x micro x
+        # grad accum without sp ("ds train_batch_size=2 vs hf train_batch_size (calculated)=4", measured in
+        # tests/test_export_sp.py; transformers/integrations/deepspeed.py trainer_config_process, fill_match)
+        ds.pop("train_batch_size", None)
         ds["sequence_parallel_size"] = cfg.sequence_parallel_size
     if cfg.deepcompile:
         # compile.deepcompile (deepspeed/compile/config.py CompileConfig); the trial then calls engine.compile()

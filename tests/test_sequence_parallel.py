@@ -34,12 +34,13 @@ def test_default_is_off_and_json_has_no_key():
 
 
 def test_json_and_batch_arithmetic():
-    """dp = world / sp; the JSON's train_batch_size is micro x grad accum x dp, as DeepSpeed checks it once it has
-    divided the world by sequence_parallel_size (runtime/config.py)."""
+    """dp = world / sp; train_batch_size is left for DeepSpeed to derive (micro x grad accum x world / sp): the HF
+    Trainer refuses the key written, as its check ignores sp (tests/test_export_sp.py)."""
     cfg = TrainConfig(sequence_parallel_size=2, micro_batch=3, grad_accum=2, seq_len=64)
     ds = deepspeed_config(cfg, spec_of("llama"), FOUR)
-    assert ds["sequence_parallel_size"] == 2
-    assert data_parallel_size(cfg, 4) == 2 and global_batch(cfg, 4) == 3 * 2 * 2 == ds["train_batch_size"]
+    assert ds["sequence_parallel_size"] == 2 and "train_batch_size" not in ds
+    assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2
+    assert data_parallel_size(cfg, 4) == 2 and global_batch(cfg, 4) == 3 * 2 * 2
     assert "sp2" in cfg.short()
 
 
