@@ -64,6 +64,8 @@ SP_CONFIGS = [
 ]
 SP_LORA = [(2, 2, 0, "bf16", 0, 2, 128, "lora")]
 """LoRA at sp 2 on Llama only."""
+SP4 = {"qwen2": [(4, 4, 1, "bf16", 0, 2, 64, "full")], "llama": [(4, 4, 3, "bf16", 0, 2, 64, "full")]}
+"""sp 4 on 4 ranks, above the 2 KV heads (Ulysses repeats them: kv_replication_factor 2); Mistral's 6 heads refuse it."""
 FIELDS = ("autotp_size", "sequence_parallel_size", "zero_stage", "precision", "ckpt_layers", "micro_batch", "seq_len",
           "method")
 DEFAULTS = {"sequence_parallel_size": 1, "method": "full"}
@@ -77,7 +79,7 @@ def cases(sp_only: bool = False) -> list[tuple[str, int, TrainConfig]]:
         for world, tp, z, p, k, mb, s in ([] if sp_only else CONFIGS):
             out.append((family, world, TrainConfig(autotp_size=tp, zero_stage=z, precision=p, micro_batch=mb,
                                                    ckpt_layers=layers if k < 0 else k, seq_len=s)))
-        for world, sp, z, p, k, mb, s, method in SP_CONFIGS + (SP_LORA if family == "llama" else []):
+        for world, sp, z, p, k, mb, s, method in SP_CONFIGS + (SP_LORA if family == "llama" else []) + SP4.get(family, []):
             out.append((family, world, TrainConfig(sequence_parallel_size=sp, zero_stage=z, precision=p, micro_batch=mb,
                                                    ckpt_layers=layers if k < 0 else k, seq_len=s, method=method)))
     return out
