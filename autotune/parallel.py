@@ -127,9 +127,9 @@ def check_sequence_parallel(cfg, model, cluster) -> None:
         # measured: llama tp 2 x sp 2 on 4 CPU ranks, ZeRO-1: the first forward fails with "No sequence parallel
         # group found" (deepspeed/utils/groups.py _get_sequence_parallel_group)
         raise SpecError(f"sequence_parallel_size {sp} with autotp_size {tp}: DeepSpeed 0.19.8's AutoTP replaces the "
-                        "mpu that carries Ulysses' groups with its own (runtime/engine.py _configure_tensor_parallel_states: "
-                        "`self.mpu = groups`), so the engine and the loss find no sequence-parallel group; use one of "
-                        "the two")
+                        "mpu that carries Ulysses' groups with its own (runtime/engine.py "
+                        "_configure_tensor_parallel_states: `self.mpu = groups`), so the engine and the loss find no "
+                        "sequence-parallel group; use one of the two")
     # method lora/qlora: peft wraps the projections, not the attention function, and Ulysses wraps the attention
     # function only (measured: LoRA on the Llama of benchmarks/hf_memory.py at sp 2, ZeRO-0 bf16, trains)
     if cfg.offload_param != "none" or cfg.offload_optimizer:

@@ -4,7 +4,8 @@ sequence; only attention, between two all-to-alls, sees the whole sequence, for 
 `local_view` turns (model, cluster, cfg) with sequence_parallel_size > 1 into that rank's own (model, cluster, cfg)
 with the sequence cut to seq / sp and sequence_parallel_size 1, which every other term of memory/ then prices
 unchanged (memory/__init__.estimate calls it beside tensor_parallel.local_view); `all_to_all_terms` adds what the
-all-to-alls hold beyond that.
+all-to-alls and the fp32 gradient reduction hold beyond that, and `zero3_fp32_head_phase` ZeRO-3's fp32 reduction
+of an untied head.
 
 What a rank holds, measured rank by rank (profiler live bytes, benchmarks/parallel_memory.py, docs/parallelism.md):
 - parameters, gradients and optimizer states as a plain rank's: ZeRO shards over the sequence-data-parallel group,
@@ -99,14 +100,16 @@ def all_to_all_terms(model: ModelSpec, cfg: TrainConfig) -> dict[str, dict[str, 
     out["backward (end)"] = {"sp_all_to_all_grad": q}
     out["optimizer"] = {"sp_all_to_all_grad": q}
     if cfg.zero_stage == 0 and a < COMM_DTYPE_BYTES:
-        out["backward (end)"]["sp_fp32_allreduce"] = min(trainable_params(model, cfg), ALLREDUCE_BUCKET) * COMM_DTYPE_BYTES
+        bucket = min(trainable_params(model, cfg), ALLREDUCE_BUCKET)
+        out["backward (end)"]["sp_fp32_allreduce"] = bucket * COMM_DTYPE_BYTES
     return out
 
 
 LOGITS_TERMS = ("logits_and_loss", "logits_transient")
 
 
-def zero3_fp32_head_phase(model: ModelSpec, cfg: TrainConfig, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def zero3_fp32_head_phase(model: ModelSpec, cfg: TrainConfig,
+                          phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """`phases` with ZeRO-3's reduction of the LM head's gradient in fp32 under Ulysses: stage 3 casts a bucket's
     gradients to the communication dtype before reduce-scattering them (runtime/zero/stage3.py __avg_scatter_grads:
     `g.to(communication_data_type)`, fp32 by default with sp, COMM_DTYPE_BYTES), and reduce_scatter_coalesced copies

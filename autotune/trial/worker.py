@@ -220,8 +220,9 @@ def sequence_parallel_attention(req):
     # the model's config, as a built model carries it (register_with_transformers reads `.config`; a bare
     # config would be taken for a hub name): made before the model, outside the trial's memory window
     mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=types.SimpleNamespace(config=config_object(req.model)), core_attn_implementation=cfg.attention,
-        sequence_parallel_size=cfg.sequence_parallel_size, micro_batch_size=cfg.micro_batch, seq_length_is_variable=True)
+        model_name_or_path=types.SimpleNamespace(config=config_object(req.model)),
+        core_attn_implementation=cfg.attention, sequence_parallel_size=cfg.sequence_parallel_size,
+        micro_batch_size=cfg.micro_batch, seq_length_is_variable=True)
     return mpu, (cfg.attention, own)
 
 
