@@ -2,7 +2,7 @@
 that `autotune estimate` of every preset model needs, so that a first estimate of a preset reads
 them instead of importing torch and transformers and tracing (3-5 s on a 2-core machine).
 
-    python -m autotune.trace_pack        # about 16 minutes on 2 quiet cores (11 of them the two planned spaces)
+    python -m autotune.trace_pack        # 18-22 minutes on 2 cores (12-15 of them the two planned spaces)
 
 The estimates run are `commands()`: each preset, with transformers' code and with the stand-in, on
 1 to 64 A100s and V100s (powers of two; bf16 and fp16; the programs depend on the precision, not on the

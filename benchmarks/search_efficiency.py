@@ -465,10 +465,11 @@ def evaluate(ls: Landscape, seeds: int, names: tuple[str, ...] | None = None) ->
     return rows
 
 
-def evaluate_perturbed(base: Landscape, amp: float, seeds: int) -> tuple[Landscape, dict[str, dict]]:
+def evaluate_perturbed(base: Landscape, amp: float, seeds: int,
+                       names: tuple[str, ...] = ("ours --exhaustive", "ours")) -> tuple[Landscape, dict[str, dict]]:
     """Ours with and without its stopping rule, one perturbed landscape per seed."""
     rows = {}
-    for name in ("ours --exhaustive", "ours"):
+    for name in names:
         runs = []
         for s in range(seeds):
             ls = perturbed(base, amp, s)
@@ -502,6 +503,11 @@ def main() -> None:
     p.add_argument("--landscape", choices=["cpu", "cpu-gpt2", "sim13b", "lora", "full", "perturbed", "all"],
                    default="all")
     p.add_argument("--prior-error", action="store_true", help="only the CPU prior's error on the recorded landscapes")
+    p.add_argument("--only", nargs="+", choices=[k for k in PERTURBED], default=None,
+                   help="with --landscape perturbed: only these base landscapes")
+    p.add_argument("--no-exhaustive", action="store_true",
+                   help="with --landscape perturbed: ours with its stopping rule only, not --exhaustive for reference "
+                        "(full.yaml: about a minute of planning per seed and strategy)")
     args = p.parse_args()
     if args.prior_error:
         for ls in (cpu_landscape(), cpu_landscape(DATA / "cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)")):
@@ -516,12 +522,15 @@ def main() -> None:
     # the big spaces: ours only (grid, random and TPE would take tens of thousands of table runs)
     only_ours = {"lora": ("ours --exhaustive", "ours"), "full": ("ours --exhaustive", "ours")}
     keys = list(builders) if args.landscape in ("all", "perturbed") else [args.landscape]
+    if args.landscape == "perturbed" and args.only:
+        keys = [k for k in keys if k in args.only]
     for key in keys:
         ls = builders[key]()
         if args.landscape != "perturbed":
             print_table(ls, evaluate(ls, args.seeds, only_ours.get(key)))
         if key in PERTURBED and args.landscape in ("all", "perturbed"):
-            last, rows = evaluate_perturbed(ls, PERTURBED[key], args.perturbed_seeds)
+            names = ("ours",) if args.no_exhaustive else ("ours --exhaustive", "ours")
+            last, rows = evaluate_perturbed(ls, PERTURBED[key], args.perturbed_seeds, names)
             print_table(last, rows, args.perturbed_seeds)
     print("\nMedians over seeds. 'reached': runs that got within 2% of the best. 'trials run': all a strategy "
           "runs when left alone (grid, random: the whole space; TPE: until the target, it has no stopping "

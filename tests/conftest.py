@@ -75,7 +75,7 @@ def killed_and_resumed(tmp_path_factory):
     done_before = {json.dumps(r["config"], sort_keys=True) for r in finished_runs(db) if r["state"] == "COMPLETE"}
     second = subprocess.run([sys.executable, "-m", "autotune", "search", "--resume", "--study", "e2e",
                              "--n-trials", "3", "--exhaustive", "--no-progress"], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=400)
+                            text=True, timeout=600)
     return types.SimpleNamespace(root=root, trials=trials, env=env, db=db, first=first, out1=out1,
                                  done_before=done_before, second=second)
 
