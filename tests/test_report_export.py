@@ -129,7 +129,7 @@ VALIDATE = r"""
 import json, os, sys, tempfile
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed, deepspeed.ops
-# NOTES.md: skip the shared-memory comm op's 40 s compile at init_distributed
+# docs/platform.md: skip the shared-memory comm op's 40 s compile at init_distributed
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
