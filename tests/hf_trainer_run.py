@@ -27,6 +27,31 @@ def trainer_args(ds_path: str, out_dir: str) -> TrainingArguments:
         max_steps=2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
 
 
+def train_recording(model, args: TrainingArguments, data: list) -> tuple[Trainer, object, list[float]]:
+    """Train with the Trainer and keep each rank's own loss of each micro step (the Trainer logs only
+    the mean over ranks): (trainer, train()'s result, losses). Used by the export tests' ranks."""
+    losses: list[float] = []
+
+    class RecordingTrainer(Trainer):
+        def compute_loss(self, *a, **k):
+            res = super().compute_loss(*a, **k)
+            losses.append((res[0] if isinstance(res, tuple) else res).detach().float().item())
+            return res
+
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=data)
+    return trainer, trainer.train(), losses
+
+
+def write_rank(out_dir: str, args: TrainingArguments, trainer: Trainer, result, losses: list[float], **extra) -> None:
+    """OUT_DIR/rank<i>.json: what the export tests compare between ranks."""
+    from pathlib import Path
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{args.process_index}.json").write_text(json.dumps({
+        "rank": args.process_index, "world": args.world_size, "steps": result.global_step, "losses": losses,
+        "total_batch": trainer.get_total_train_batch_size(args), **extra}))
+
+
 def main(config_dir: str, ds_path: str, k: int, out_dir: str) -> None:
     # Before the model: with ZeRO-3 in the JSON, TrainingArguments keeps the HfDeepSpeedConfig that
     # makes from_config build under deepspeed.zero.Init (transformers' "non-Trainer integration" docs).

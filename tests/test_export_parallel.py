@@ -218,9 +218,9 @@ def test_trainer_trains_2_steps_with_the_exported_tp2_config(tmp_path, monkeypat
 def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
     """One rank: the Trainer with the exported JSON and the TrainingArguments `autotune export` prints."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_trainer_run import trainer_args   # a sibling: the script's folder is on sys.path
+    from hf_trainer_run import trainer_args, train_recording, write_rank   # a sibling: the script's folder is on sys.path
 
     args = trainer_args(ds_path, out_dir)
     import deepspeed.ops
@@ -231,25 +231,10 @@ def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, model.config.vocab_size, (8, 64), generator=gen)]
-    losses: list[float] = []
-
-    class RecordingTrainer(Trainer):
-        """Each rank's own loss of each micro step (the Trainer logs only the mean over ranks)."""
-
-        def compute_loss(self, *a, **k):
-            res = super().compute_loss(*a, **k)
-            losses.append((res[0] if isinstance(res, tuple) else res).detach().float().item())
-            return res
-
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=data)
-    result = trainer.train()
+    trainer, result, losses = train_recording(model, args, data)
     shapes = {n: list(p.shape) for n, p in trainer.model_wrapped.module.named_parameters()
               if n in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight")}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / f"rank{args.process_index}.json").write_text(json.dumps({
-        "rank": args.process_index, "world": args.world_size, "steps": result.global_step, "losses": losses,
-        "engine": type(trainer.model_wrapped).__name__, "shapes": shapes,
-        "total_batch": trainer.get_total_train_batch_size(args)}))
+    write_rank(out_dir, args, trainer, result, losses, engine=type(trainer.model_wrapped).__name__, shapes=shapes)
 
 
 if __name__ == "__main__":

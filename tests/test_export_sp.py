@@ -169,9 +169,9 @@ def rank_main(config_dir: str, ds_path: str, code_path: str, out_dir: str) -> No
     """One rank: the Trainer with the exported JSON, the TrainingArguments export prints and the printed
     ParallelismConfig."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_trainer_run import trainer_args   # a sibling: the script's folder is on sys.path
+    from hf_trainer_run import trainer_args, train_recording, write_rank   # a sibling: the script's folder is on sys.path
 
     scope: dict = {}
     exec(Path(code_path).read_text(), scope)
@@ -189,21 +189,9 @@ def rank_main(config_dir: str, ds_path: str, code_path: str, out_dir: str) -> No
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids, "position_ids": torch.arange(ids.shape[0])}   # Ulysses needs them
             for ids in torch.randint(0, model.config.vocab_size, (16, 64), generator=gen)]
-    losses: list[float] = []
-
-    class RecordingTrainer(Trainer):
-        def compute_loss(self, *a, **k):
-            res = super().compute_loss(*a, **k)
-            losses.append((res[0] if isinstance(res, tuple) else res).detach().float().item())
-            return res
-
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=data)
-    result = trainer.train()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / f"rank{args.process_index}.json").write_text(json.dumps({
-        "rank": args.process_index, "world": args.world_size, "steps": result.global_step, "losses": losses,
-        "total_batch": trainer.get_total_train_batch_size(args), "sp": trainer.get_sp_size(),
-        "ds_train_batch": trainer.accelerator.deepspeed_config.get("train_batch_size")}))
+    trainer, result, losses = train_recording(model, args, data)
+    write_rank(out_dir, args, trainer, result, losses, sp=trainer.get_sp_size(),
+               ds_train_batch=trainer.accelerator.deepspeed_config.get("train_batch_size"))
 
 
 if __name__ == "__main__":
