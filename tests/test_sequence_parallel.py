@@ -109,6 +109,31 @@ def test_recorded_runs_meet_the_bar():
     assert s["under"] <= 6, s
 
 
+def test_zero1_fp32_reduction_and_gloo_allgather_are_priced_as_measured():
+    """The two phases that closed the last open rows (docs/parallelism.md), against the tensors measured at each
+    peak: Mistral sp 2 x dp 2, ZeRO-1 bf16, rank 2 at the LM head's reduction (its slices of ranks 2 and 3
+    flattened, 172,800 x 2 B, and cast to fp32, x 4 B; rank 2's whole-parameter partition, 672,192 B); Llama sp 2 x
+    dp 2, ZeRO-2 fp32, gloo's all-gather output after the step (c10d::_allgather_base_, P x 4 B = 4,821,504 B),
+    which NCCL does not allocate (priced on CPU ranks only)."""
+    mistral = spec_of("mistral")
+    cfg = TrainConfig(sequence_parallel_size=2, zero_stage=1, precision="bf16", micro_batch=2, seq_len=64)
+    est = estimate(mistral, FOUR, cfg)
+    assert est.phase == "backward (end, fp32 reduce)"
+    vh = mistral.vocab_size * mistral.hidden_size
+    assert (est.terms["sp_fp32_reduce"], est.terms["reduce_flatten"], est.terms["gradient_partition"]) == \
+        (4 * vh, 2 * vh, 672_192)
+    assert abs(est.tensor_peak_bytes / 5_984_060 - 1) < 0.01   # measured (parallel_memory_runs.csv)
+    assert "backward (end, fp32 reduce)" not in estimate(mistral, FOUR, replace(cfg, sequence_parallel_size=1)).phases
+
+    llama = spec_of("llama")
+    cfg = TrainConfig(sequence_parallel_size=2, zero_stage=2, precision="fp32", micro_batch=1, ckpt_layers=1,
+                      seq_len=96)
+    est = estimate(llama, FOUR, cfg)
+    assert est.phase == "optimizer (all-gather)" and est.terms["gloo_allgather_output"] == 4 * llama.num_params
+    assert abs(est.tensor_peak_bytes / 13_259_228 - 1) < 0.01
+    assert "optimizer (all-gather)" not in estimate(llama, parse_gpus("4xH100"), cfg).phases
+
+
 def test_max_seq_len_with_sp_is_a_multiple_of_sp_and_grows():
     from autotune.memory.limits import largest_fitting
 

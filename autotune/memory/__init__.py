@@ -10,7 +10,10 @@ of all terms:
 - backward end: states + gradients + reduce buffers + the embedding gradient's transient;
 - backward recompute (k > 0), first and last checkpointed block: the inputs still held + one
   recomputed block + the gradients made so far;
-- optimizer: states + step gradients + the update's temporaries.
+- optimizer: states + step gradients + the update's temporaries;
+- optimizer, after the update (ZeRO 1-2 on CPU ranks): states + gloo's all-gather output, the whole
+  flat model (buffers.gloo_allgather_bytes);
+- with Ulysses sp, phases of its own for the fp32 gradient reductions (sequence_parallel.py).
 Each phase's terms sum to its total; the estimate reports the terms of the peak phase.
 Framework overhead (GPU only) is added on top, reported apart (memory/overhead.py).
 """
@@ -20,7 +23,9 @@ from __future__ import annotations
 from autotune.hardware import Cluster
 from autotune.memory.analytic import MemoryEstimate, builtin, phases as _phases  # noqa: F401 - the public names
 from autotune.memory.host import host_bytes_per_node
-from autotune.memory.sequence_parallel import all_to_all_terms, local_view as sp_local_view, zero3_fp32_head_phase
+from autotune.memory.buffers import allgather_phase
+from autotune.memory.sequence_parallel import (all_to_all_terms, local_view as sp_local_view, trainable_params,
+                                               zero1_fp32_reduce_phase, zero3_fp32_head_phase)
 from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_world_gathered
 from autotune.memory.overhead import overhead_terms
 from autotune.memory.traced import trace
@@ -52,6 +57,9 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
         if name in phases:
             phases = {**phases, name: {**phases[name], **extra}}
     phases = zero3_fp32_head_phase(model, cfg, phases)
+    phases = zero1_fp32_reduce_phase(shard, dp, cfg, phases)   # ZeRO-1's fp32 reduction under Ulysses
+    # gloo's all-gather after stages 1-2's update (CPU ranks; memory/buffers.py gloo_allgather_bytes)
+    phases = allgather_phase(shard, dp, local, trainable_params(shard, local), phases)
     totals = {name: sum(t.values()) for name, t in phases.items()}
     peak_phase = max(totals, key=totals.get)
     peak = totals[peak_phase]

@@ -456,3 +456,46 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
             out["gradient_partition"] += pb * part
             out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     return out
+
+
+def gloo_allgather_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, trainable: int) -> int:
+    """The temporary of the all-gather that ends stages 1-2's optimizer step on CPU ranks (gloo): a tensor of
+    the whole flat 16-bit (model-dtype) group, every rank's updated partition. After the update DeepSpeed
+    all-gathers the partitions into the flat model (stage_1_and_2.py `step`: all_gather_dp_groups after the
+    per-group loop; runtime/utils.py all_gather_dp_groups -> all_gather_into_tensor_dp_groups ->
+    dist.all_gather_into_tensor(group_flat, partition)); torch's gloo backend does not write into that output:
+    ProcessGroupGloo::_allgather_base chunks it and calls allgather, whose AsyncAllgatherWork::allgather gathers
+    into `flatOutputTensor = newLikeFlat(outputs[0])`, world x partition elements, and copies out of it
+    (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp). By then the step's gradients and the update's
+    temporaries are freed (`single_partition_of_fp32_groups[i].grad = None`, `averaged_gradients[i] = None`),
+    so that point holds the states and this tensor: `allgather_phase`. The flat group is the trainable
+    parameters padded to 2 x ranks (nccl_start_alignment_factor; `_padded_partition`). Measured: transformers'
+    Llama of benchmarks/hf_memory.py (1,205,376 parameters), ZeRO-2 fp32 on 4 CPU ranks, micro batch 1, seq 96,
+    one checkpointed layer: with Ulysses sp 2 every rank's step peak is the optimizer's, 13,259,228 B, the states
+    (8,437,632 B) and one tensor of 4,821,504 B allocated by c10d::_allgather_base_ (P x 4 B): estimated
+    13,284,172 B (+0.19%), 5.9% under without it; without sp the optimizer phase measured the same 13,259,228 B
+    (this phase 13,259,980 B, the update's 12,054,604 B), below that run's backward peak (13,825,312 B, estimated
+    +0.13%). It is the step's peak only where it exceeds the update's
+    fp32 gradient partition and two temporaries (12 B per partition element without a fused optimizer): fp32
+    from 4 ranks on (at 2 it is below them, which is why the 2-rank runs never showed it), 16-bit from 7.
+    Gloo only: NCCL gathers into the output tensor itself (ProcessGroupNCCL::_allgather_base passes the output's
+    buffer to ncclAllGather), so 0 off CPU. Not the BF16_Optimizer (`bf16_optimizer`): its step holds the whole
+    16-bit gradients beside its fp32 ones, more than this tensor. 0 at stages 0 and 3 and on one rank."""
+    if cfg.zero_stage not in (1, 2) or not cluster.gpu.is_cpu or cluster.world_size == 1 or bf16_optimizer(cfg):
+        return 0
+    return dtype_bytes(cfg.precision) * _padded_partition(trainable, cluster.world_size) * cluster.world_size
+
+
+STEP_ONLY_TERMS = ("gradients", "optimizer_temporaries")
+"""The optimizer phase's terms the all-gather after the update no longer holds (`gloo_allgather_bytes`)."""
+
+
+def allgather_phase(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, trainable: int,
+                    phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """`phases` with "optimizer (all-gather)": the optimizer phase without the step's gradients and
+    temporaries, with gloo's all-gather output (`gloo_allgather_bytes`); unchanged where that is 0."""
+    held = gloo_allgather_bytes(spec, cluster, cfg, trainable)
+    if not held or "optimizer" not in phases:
+        return phases
+    after = {k: v for k, v in phases["optimizer"].items() if k not in STEP_ONLY_TERMS}
+    return {**phases, "optimizer (all-gather)": {**after, "gloo_allgather_output": held}}

@@ -4,8 +4,8 @@ sequence; only attention, between two all-to-alls, sees the whole sequence, for 
 `local_view` turns (model, cluster, cfg) with sequence_parallel_size > 1 into that rank's own (model, cluster, cfg)
 with the sequence cut to seq / sp and sequence_parallel_size 1, which every other term of memory/ then prices
 unchanged (memory/__init__.estimate calls it beside tensor_parallel.local_view); `all_to_all_terms` adds what the
-all-to-alls and the fp32 gradient reduction hold beyond that, and `zero3_fp32_head_phase` ZeRO-3's fp32 reduction
-of an untied head.
+all-to-alls and the fp32 gradient reduction hold beyond that, `zero3_fp32_head_phase` ZeRO-3's fp32 reduction
+of an untied head, and `zero1_fp32_reduce_phase` ZeRO-1's fp32 reduction at the end of backward.
 
 What a rank holds, measured rank by rank (profiler live bytes, benchmarks/parallel_memory.py, docs/parallelism.md):
 - parameters, gradients and optimizer states as a plain rank's: ZeRO shards over the sequence-data-parallel group,
@@ -139,3 +139,118 @@ def trainable_params(model: ModelSpec, cfg: TrainConfig) -> int:
     from autotune.memory.lora import adapter_params
 
     return adapter_params(model, cfg)
+
+
+BACKWARD_END_GRADIENT_TERMS = ("gradients", "comm_buffers", "embedding_gradient", "temporaries")
+"""The end of backward's gradient terms, which `zero1_fp32_reduce_phase` replaces by its own."""
+
+
+def zero1_fp32_reduce_phase(model: ModelSpec, cluster: Cluster, cfg: TrainConfig,
+                            phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """`phases` with "backward (end, fp32 reduce)": ZeRO-1's reduction at the end of backward under Ulysses,
+    where each bucket of gradient slices is all-reduced in fp32. Stage 1 reduces at the accumulation boundary
+    (stage_1_and_2.py reduce_gradients -> reduce_ready_partitions_and_remove_grads ->
+    reduce_independent_p_g_buckets_and_remove_grads, in the flat group's order); a gradient larger than the
+    reduce bucket is reduced alone and stays whole until then (extra_large_param_to_reduce); average_tensor
+    cuts what is reduced into one slice per owning rank and, with use_multi_rank_bucket_allreduce (DeepSpeed's
+    default), gathers consecutive slices until they pass the bucket size (allreduce_and_scatter), and
+    allreduce_bucket flattens them (a copy in the model dtype, aten::cat, when there are two or more) and casts
+    that to fp32 because sp > 1 (`if pg_correctness_test or self.sequence_parallel_size > 1:
+    communication_data_type = torch.float32`; `tensor.to(communication_data_type)`). Beside them: the
+    gradients still whole (the extra-large ones not yet copied into this rank's partition; a gradient that fits
+    the bucket is copied into it and its .grad becomes a view of it), the rank's partition once its first
+    gradient is copied there (copy_grads_in_partition, whole parameters), and the bucket. `_stage1_reduction`
+    walks that schedule rank by rank; the phase is its highest point, on the end of backward's other terms.
+    Measured: transformers' Mistral of benchmarks/hf_memory.py (668,832 parameters, V x h = 172,800), sp 2 x
+    dp 2 on 4 CPU ranks, ZeRO-1 bf16, micro batch 2, seq 64: rank 2's peak, 5,984,060 B, is the LM head's
+    reduction: its 5,592 elements of rank 2 and 167,208 of rank 3 flattened together (aten::cat 345,600 B) and
+    cast to fp32 (691,200 B), the states, rank 2's partition (672,192 B), the bucket (18,432 B) and 912,384 B
+    of whole gradients (the embedding's, the head's, four MLP weights); -5.3% without this phase. Where a
+    gradient's slices are reduced one by one (a head inside one rank's partition: Llama and Qwen2 of
+    hf_memory.py at the same shape) only the fp32 copy is made, and the phase is below the loss's. Only with
+    16-bit training (fp32 is reduced as it is), full fine-tuning, and where the ZeRO optimizer reduces at the
+    end (not the BF16_Optimizer, overlap_comm or one bucket for every gradient: memory/buffers.py)."""
+    from autotune.deepspeed_config import bucket_sizes
+    from autotune.memory import buffers
+    from autotune.train_config import dtype_bytes
+
+    if (cfg.sequence_parallel_size == 1 or cfg.zero_stage != 1 or cfg.method != "full" or cfg.overlap_comm
+            or dtype_bytes(cfg.precision) >= COMM_DTYPE_BYTES or buffers.bf16_optimizer(cfg)
+            or cluster.world_size == 1 or "backward (end)" not in phases
+            or bucket_sizes(model, cfg)["reduce_bucket_size"] >= model.num_params):
+        return phases
+    held = _stage1_reduction(model, cluster, cfg)
+    rest = {k: v for k, v in phases["backward (end)"].items() if k not in BACKWARD_END_GRADIENT_TERMS}
+    return {**phases, "backward (end, fp32 reduce)": {**rest, **held}}
+
+
+def _stage1_reduction(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+    """The highest point of stage 1's end-of-backward reduction over the ranks, by term (see
+    `zero1_fp32_reduce_phase`)."""
+    from autotune.deepspeed_config import bucket_sizes
+    from autotune.memory import buffers
+    from autotune.memory.code_trace import param_numels
+    from autotune.train_config import dtype_bytes
+
+    numels = param_numels(model)
+    ranks, bucket = cluster.world_size, bucket_sizes(model, cfg)["reduce_bucket_size"]
+    part = buffers._padded_partition(sum(numels), ranks)
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    grad_b, part_b, pb = buffers.stage1_grad_bytes(cfg), buffers.partition_grad_bytes(cfg), dtype_bytes(cfg.precision)
+    fixed = buffers.reduce_bucket_bytes(model, cfg)
+
+    def owners(i: int) -> list[tuple[int, int]]:
+        """(rank, elements) of parameter i's slices, in flat order."""
+        at, n = starts[i], numels[i]
+        return [(r, min(at + n, (r + 1) * part) - max(at, r * part)) for r in range(ranks)
+                if at < (r + 1) * part and r * part < at + n]
+
+    best: dict[str, int] = {}
+    for rank in range(ranks):
+        mine = [i for i in range(len(numels)) if any(r == rank for r, _ in owners(i))]
+        partition = part_b * sum(numels[i] for i in mine)
+        whole, allocated, pending, elements = grad_b * sum(numels), False, [], 0
+
+        def flush() -> None:
+            nonlocal whole, allocated
+            if not pending:
+                return
+            entries: list[list[int]] = []   # [rank, elements]: consecutive slices to one rank merge
+            for i in pending:
+                for r, n in owners(i):
+                    if entries and entries[-1][0] == r:
+                        entries[-1][1] += n
+                    else:
+                        entries.append([r, n])
+            groups, size, count = [], 0, 0
+            for _, n in entries:
+                size, count = size + n, count + 1
+                if size > bucket:
+                    groups.append((size, count))
+                    size, count = 0, 0
+            if count:
+                groups.append((size, count))
+            for size, count in groups:
+                point = {"gradients": whole, "gradient_partition": partition if allocated else 0,
+                         "comm_buffers": fixed, "reduce_flatten": pb * size if count > 1 else 0,
+                         "sp_fp32_reduce": COMM_DTYPE_BYTES * size}
+                if sum(point.values()) > sum(best.values()):
+                    best.clear()
+                    best.update(point)
+            for i in pending:
+                if i in mine:
+                    allocated = True
+                    if numels[i] > bucket:
+                        whole -= grad_b * numels[i]   # its .grad becomes a view of the partition
+            pending.clear()
+
+        for i, n in enumerate(numels):
+            if elements + n > bucket:
+                flush()
+                elements = 0
+            if n <= bucket:
+                whole -= grad_b * n   # copied into the bucket, its .grad a view of it
+            pending.append(i)
+            elements += n
+        flush()
+    return {k: v for k, v in best.items() if v}
