@@ -132,15 +132,11 @@ def measure_all(only_world: int | None = None, sp_only: bool = False) -> None:
     print(f"wrote {len(rows)} rows to {CSV}")
 
 
-OPEN = {
-    ("llama", 4, 2, "fp32", 1): "plain ZeRO-2 fp32 on 4 CPU ranks misses as much without sp (-6.6%, measured): gloo's "
-                                "all_gather_into_tensor after the step holds a temporary of the whole flat model, which the "
-                                "estimate prices only where it equals the update's temporaries (2 ranks)",
-    ("mistral", 4, 1, "bf16", 0): "ZeRO-1 with sp reduces gradients in fp32 (stage_1_and_2.py allreduce_bucket: "
-                                  "`if ... self.sequence_parallel_size > 1: communication_data_type = torch.float32`); "
-                                  "one rank's peak at the end of backward holds that copy, not priced yet",
-}
-"""Ulysses rows under the bar, (family, world, zero stage, precision, checkpointed layers) -> why; docs/parallelism.md."""
+OPEN: dict[tuple, str] = {}
+"""Ulysses rows under the bar, (family, world, zero stage, precision, checkpointed layers) -> why; docs/parallelism.md.
+None now: the last two (Llama ZeRO-2 fp32 and Mistral ZeRO-1 bf16 on 4 ranks) were closed by gloo's all-gather after
+the step (memory/buffers.py gloo_allgather_bytes) and ZeRO-1's fp32 reduction under sp
+(memory/sequence_parallel.py zero1_fp32_reduce_phase)."""
 
 
 def open_reason(row: dict) -> str | None:
