@@ -31,10 +31,11 @@ def _label(f) -> str:
     return (f.metadata["flag"] or f.name).lstrip("-").replace("_", " ").replace("-", " ")
 
 
-def trials_frame(study: optuna.Study) -> pd.DataFrame:
-    """One row per trial with everything the report needs; bytes as recorded (ints)."""
+def trials_frame(study: optuna.Study, recs: list[st.TrialRecord] | None = None) -> pd.DataFrame:
+    """One row per trial with everything the report needs; bytes as recorded (ints). `recs`: the study's
+    records when the caller has read them (a search's report reads them once for all its parts)."""
     rows = []
-    for r in st.records(study):
+    for r in st.records(study) if recs is None else recs:
         res, est = r.result, r.estimate
         rows.append({
             "trial": r.number, "state": r.state.name, "status": r.status, "pruned_by": r.pruned_by,
@@ -94,16 +95,17 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
     pruned = df[df["status"] == "pruned"]
     failed = df[df["status"].isin(["oom", "timeout", "crashed", "diverged", "interrupted"])]
     out: dict[str, dict[str, int]] = {"pruned": {}, "failed": {}, "interrupted": {}}
-    for _, r in pruned.iterrows():
-        key = (f"memory model: does not fit (largest term {r['dominant_term']})" if r["pruned_by"] == "memory"
+    # plain tuples, not iterrows: a large space prunes tens of thousands of candidates
+    for by, term, why in zip(pruned["pruned_by"], pruned["dominant_term"], pruned["reason"]):
+        key = (f"memory model: does not fit (largest term {term})" if by == "memory"
                else {"dominated": "dominated: more checkpointing, offload or smaller buckets than needed to fit",
                      "oom-implied": "implied out of memory: a smaller micro batch already ran out"}
-               .get(r["pruned_by"], f"{r['pruned_by']}: {r['reason']}"))
+               .get(by, f"{by}: {why}"))
         out["pruned"][key] = out["pruned"].get(key, 0) + 1
-    for _, r in failed.iterrows():
-        reason = (r["reason"] or "").strip().splitlines()[0][:120] if r["reason"] else ""
-        kind = "interrupted" if r["status"] == "interrupted" else "failed"
-        key = reason if kind == "interrupted" else f"{r['status']}: {reason}" if reason else r["status"]
+    for status, why in zip(failed["status"], failed["reason"]):
+        reason = (why or "").strip().splitlines()[0][:120] if why else ""
+        kind = "interrupted" if status == "interrupted" else "failed"
+        key = reason if kind == "interrupted" else f"{status}: {reason}" if reason else status
         out[kind][key] = out[kind].get(key, 0) + 1
     return out
 
@@ -139,8 +141,9 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def render(study: optuna.Study, fmt: str = "table", top: int | None = None, title: bool = True) -> str:
-    df = trials_frame(study)
+def render(study: optuna.Study, fmt: str = "table", top: int | None = None, title: bool = True,
+           recs: list[st.TrialRecord] | None = None) -> str:
+    df = trials_frame(study, recs)
     table = ranked(df, top, objective(study))
     counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}, "interrupted": {}}
     if fmt == "csv":
@@ -205,19 +208,21 @@ def correction_line(study: optuna.Study) -> str:
             f"{pct(c['max_abs_error_after'])}")
 
 
-def write_outputs(study: optuna.Study, out_dir: Path | None = None) -> list[Path]:
+def write_outputs(study: optuna.Study, out_dir: Path | None = None,
+                  recs: list[st.TrialRecord] | None = None) -> list[Path]:
     """trials/<study>/report.md, report.html, trials.csv, the three pictures of report_pictures,
-    throughput.png, memory.png."""
+    throughput.png, memory.png. The study's records are read once (`recs`, or here) for all of them."""
     from autotune import report_page, report_pictures
 
     out_dir = Path(out_dir or st.study_dir(study.study_name))
     out_dir.mkdir(parents=True, exist_ok=True)
-    df = trials_frame(study)
+    recs = st.records(study) if recs is None else recs
+    df = trials_frame(study, recs)
     csv = out_dir / "trials.csv"
     csv.write_text(df.drop(columns=["log_tail"], errors="ignore").to_csv(index=False))
-    pics, drawn = report_pictures.write_pictures(study, out_dir)
+    pics, drawn = report_pictures.write_pictures(study, out_dir, recs)
     plots = [p for p in (report_pictures.plot_throughput(df, out_dir / "throughput.png"),
                          report_pictures.plot_memory(df, out_dir / "memory.png")) if p is not None]
     pages = report_page.write_page(study, out_dir, pics, drawn + plots, header(study),
-                                   render(study, "markdown", title=False))
+                                   render(study, "markdown", title=False, recs=recs), recs)
     return pages[:1] + [csv] + pages[1:] + drawn + plots

@@ -32,13 +32,13 @@ def _gib(b: float) -> str:
     return f"{b / GiB:.2f} GiB"
 
 
-def why_lines(study, p: Pictures) -> list[str]:
+def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
     """Three lines: why the winner is fastest, how close to the edge it is, what was ruled out."""
     runs = [b for b in p.memory if b.status == "ok"]
     if not runs:
         return ["No configuration ran successfully: see the reasons for pruning and failure below."]
     model, cluster, _ = st.specs_of(study)
-    recs = {r.number: r for r in st.records(study)}
+    recs = {r.number: r for r in (st.records(study) if recs is None else recs)}
     win, speed = recs[runs[0].trial], {f.trial: f.throughput for f in p.frontier}
     c, s = win.config, speed[win.number]
     line1 = (f"**Winner #{win.number}**: ZeRO {c.zero_stage}, micro batch {c.micro_batch}, grad accum "
@@ -131,10 +131,12 @@ def to_html(md: str, out_dir: Path) -> str:
             f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_page(study, out_dir: Path, p: Pictures, pictures: list[Path], head: list[str], body: str) -> list[Path]:
+def write_page(study, out_dir: Path, p: Pictures, pictures: list[Path], head: list[str], body: str,
+               recs: list | None = None) -> list[Path]:
     """report.md and report.html in out_dir; `head` is report.header()'s two lines and `body`
-    render()'s Markdown without its title (passed in: report imports this module, not the reverse)."""
-    md = markdown(head[0], head[1], why_lines(study, p), pictures, body)
+    render()'s Markdown without its title (passed in: report imports this module, not the reverse);
+    `recs` the study's records where the caller read them."""
+    md = markdown(head[0], head[1], why_lines(study, p, recs), pictures, body)
     (out_dir / "report.md").write_text(md)
     (out_dir / "report.html").write_text(to_html(md, out_dir))
     return [out_dir / "report.md", out_dir / "report.html"]

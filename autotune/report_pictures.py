@@ -201,9 +201,9 @@ def time_bars(recs, model, cluster, source: str, objective: str = "samples") -> 
     return bars
 
 
-def pictures(study: optuna.Study) -> Pictures:
+def pictures(study: optuna.Study, recs: list[st.TrialRecord] | None = None) -> Pictures:
     model, cluster, attrs = st.specs_of(study)
-    recs = st.records(study)
+    recs = st.records(study) if recs is None else recs
     source, objective = attrs.get("source", "measured"), attrs.get("objective", "samples")
     return Pictures(memory_bars(recs, model, cluster, source, objective),
                     frontier_points(recs, model, cluster, source, objective),
@@ -308,9 +308,10 @@ def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def write_pictures(study: optuna.Study, out_dir: Path) -> tuple[Pictures, list[Path]]:
+def write_pictures(study: optuna.Study, out_dir: Path,
+                   recs: list[st.TrialRecord] | None = None) -> tuple[Pictures, list[Path]]:
     """memory_terms.png, frontier.png, step_time.png (those with something to draw)."""
-    p = pictures(study)
+    p = pictures(study, recs)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [plot_memory_terms(p.memory, p.capacity_bytes, out_dir / "memory_terms.png"),
              plot_frontier(p.frontier, p.capacity_bytes, out_dir / "frontier.png", p.objective),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from typing import Any, Literal
 
 from autotune.errors import SpecError
@@ -258,9 +258,15 @@ class TrainConfig:
         # and a search space's expansion calls this per combination)
         return {name: getattr(self, name) for name in _FIELD_NAMES}
 
+    @cached_property
+    def _key(self) -> tuple:
+        # kept on the instance (frozen: its fields never change); a search asks it of each of
+        # tens of thousands of candidates many times (plan, pruning, records)
+        return tuple((name, getattr(self, name)) for name in _SORTED_NAMES)
+
     def key(self) -> tuple:
-        """Identity of the candidate, for de-duplication."""
-        return tuple(sorted(self.to_dict().items()))
+        """Identity of the candidate, for de-duplication: (field, value) pairs by field name."""
+        return self._key
 
     def short(self) -> str:
         """`z3 bf16 mb4 ga1 ckpt10`, then every other searched setting that is not its default."""
@@ -284,6 +290,7 @@ class TrainConfig:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_SORTED_NAMES = tuple(sorted(_FIELD_NAMES))
 
 
 STABILITY_RISKS = {

@@ -53,6 +53,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autotune import interrupts, report
+    from autotune import study as st
     from autotune.units import parse_duration_s
     from autotune.workflow import open_search
 
@@ -91,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
               f"{corr['oom_trials']} out-of-memory trials; |error| median "
               f"{_pct(corr['median_abs_error_before'])} -> {_pct(corr['median_abs_error_after'])}, max "
               f"{_pct(corr['max_abs_error_before'])} -> {_pct(corr['max_abs_error_after'])}")
-    print(report.render(study, "table", top=10))
-    files = report.write_outputs(study)
+    recs = st.records(study)     # read once for the table and every part of the report
+    print(report.render(study, "table", top=10, recs=recs))
+    files = report.write_outputs(study, recs=recs)
     print(f"report: {files[0]}; export the winner: autotune export --study {study.study_name} --out ds_config.json")
     return 0
 

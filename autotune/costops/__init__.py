@@ -269,9 +269,11 @@ def micro_step_price(spec: ModelSpec, implementation: str, precision: str, atten
     return price(profile, spec.num_layers, key, sustained, attention_kernel)
 
 
+@cache
 def step_flops(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
                seq_len: int) -> float:
     """FLOPs one micro step's GEMMs and attention kernels run, forward and backward, as traced (no
-    recompute; element-wise ops count none): what the code runs, whatever the GPU."""
+    recompute; element-wise ops count none): what the code runs, whatever the GPU. Cached: a report
+    asks it for each of a study's tens of thousands of candidates, of a few shapes."""
     profile = _profile(spec, implementation, precision, attention, micro_batch, seq_len)
     return sum(n * op.flops for op, n in profile.ops(spec.num_layers).items())
