@@ -157,21 +157,61 @@ def test_export_writes_a_lora_config_peft_accepts(tmp_path):
     assert set(cfg.target_modules) == {"attn.c_attn", "attn.c_proj"}
 
 
-@pytest.mark.slow
-def test_real_lora_trials_match_the_estimate(tmp_path):
-    """Real DeepSpeed + peft trials on 2 CPU ranks, one process group: ok, the loss falls, the
-    measured peak within 5% of the estimate (the issue's worst-case bar)."""
+# Hybrid (Granite-4, `granitemoehybrid`) shape of test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3
+GRANITE = dict(num_hidden_layers=3, hidden_size=96, num_attention_heads=4, intermediate_size=256, vocab_size=700,
+               max_position_embeddings=256, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"],
+               num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=96, mamba_n_heads=4,
+               mamba_d_head=48, mamba_d_state=16, mamba_chunk_size=16)
+
+
+def granite_spec():
+    from transformers import AutoConfig
+
+    from autotune.models import hf_config as hf
+
+    return hf.spec_from_config(AutoConfig.for_model("granitemoehybrid", **GRANITE), name="test-granite", source="test")
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """The real DeepSpeed + peft runs of this module's slow tests (2 CPU ranks, 1 warm-up and 2 measured
+    steps each), all in ONE process group (run_trials, as tests/test_trial.py's matrix and
+    tests/test_knobs.py do): torch, DeepSpeed, transformers and peft are imported and gloo set up once
+    instead of four times; each config is still measured on its own (launch.run_trials: peaks relative
+    to the live bytes before its model is built). {name: (request, result)}; each test reads its own."""
     from autotune.trial.launch import run_trials
     from autotune.trial.record import TrialRequest
 
+    root, gpus = tmp_path_factory.mktemp("lora-runs"), parse_gpus("2xcpu")
+    llama = spec("hf-llama")
+    runs = {
+        # test_real_lora_trials_match_the_estimate
+        "hf-llama": (llama, TrainConfig(method="lora", zero_stage=2, precision="bf16", micro_batch=2, seq_len=48,
+                                        lora_rank=8, ckpt_layers=2)),
+        "hf-gpt2": (spec("hf-gpt2"), TrainConfig(method="lora", zero_stage=3, precision="fp32", micro_batch=1,
+                                                 seq_len=64, lora_rank=4, lora_targets="all-linear")),
+        # test_a_real_lora_run_at_zero_3_is_not_underestimated
+        "z3-attention": (llama, TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32",
+                                            micro_batch=2, seq_len=64)),
+        # test_lora_at_zero_3_with_every_layer_checkpointed_and_all_linear_adapters
+        "z3-all-linear-every-layer": (llama, TrainConfig(method="lora", lora_rank=8, lora_targets="all-linear",
+                                                         zero_stage=3, precision="bf16", ckpt_layers=llama.num_layers,
+                                                         micro_batch=2, seq_len=64)),
+        # test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3
+        "granite-z3": (granite_spec(), TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32",
+                                                   micro_batch=2, seq_len=80)),
+    }
+    reqs = [TrialRequest(model=m, cluster=gpus, config=c, steps=2, warmup_steps=1, out_dir=root / name)
+            for name, (m, c) in runs.items()]
+    return dict(zip(runs, zip(reqs, run_trials(reqs))))
+
+
+@pytest.mark.slow
+def test_real_lora_trials_match_the_estimate(lora_runs):
+    """Real DeepSpeed + peft trials on 2 CPU ranks, one process group: ok, the loss falls, the
+    measured peak within 5% of the estimate (the issue's worst-case bar)."""
     gpus = parse_gpus("2xcpu")
-    cases = [("hf-llama", TrainConfig(method="lora", zero_stage=2, precision="bf16", micro_batch=2, seq_len=48,
-                                      lora_rank=8, ckpt_layers=2)),
-             ("hf-gpt2", TrainConfig(method="lora", zero_stage=3, precision="fp32", micro_batch=1, seq_len=64,
-                                     lora_rank=4, lora_targets="all-linear"))]
-    reqs = [TrialRequest(model=spec(m), cluster=gpus, config=c, steps=2, warmup_steps=1, out_dir=tmp_path / m)
-            for m, c in cases]
-    for req, res in zip(reqs, run_trials(reqs)):
+    for req, res in (lora_runs["hf-llama"], lora_runs["hf-gpt2"]):
         assert res.status == "ok", res.reason
         assert res.losses[-1] < res.losses[0]
         est = estimate(req.model, gpus, req.config).tensor_peak_bytes
@@ -296,18 +336,16 @@ def test_lora_under_zero_3_is_traced_with_deepspeeds_linear():
 
 
 @pytest.mark.slow
-def test_a_real_lora_run_at_zero_3_is_not_underestimated(tmp_path):
+def test_a_real_lora_run_at_zero_3_is_not_underestimated(lora_runs):
     """A LoRA r 8 run at ZeRO-3 on 2 CPU ranks (fp32, attention targets, no checkpointing), phase by
     phase. It read 5.9% under on a Qwen3 shape: DeepSpeed's linear saves the frozen layers' inputs
     (above); without checkpointing no backward runs through the frozen embedding, so DeepSpeed
     releases its gathered weight after the forward; and its step releases the persistent parameters,
     LoRA's adapters among them (model_states.zero3_step_parameters). Now within +2%, never under."""
-    from autotune.trial import run_trials
-    from autotune.trial.record import TrialRequest
-
     s, gpus = spec("hf-llama"), parse_gpus("2xcpu")
     cfg = TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32", micro_batch=2, seq_len=64)
-    res = run_trials([TrialRequest(model=s, cluster=gpus, config=cfg, out_dir=tmp_path, steps=2, warmup_steps=1)])[0]
+    req, res = lora_runs["z3-attention"]     # the run of cfg (lora_runs)
+    assert (req.model, req.cluster, req.config) == (s, gpus, cfg)
     assert res.status == "ok", res.reason
     est = estimate(s, gpus, cfg)
     assert 0 <= est.tensor_peak_bytes / steady_peak(res) - 1 <= 0.02, (est.phases, per_rank_steps(res))
@@ -315,42 +353,31 @@ def test_a_real_lora_run_at_zero_3_is_not_underestimated(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_at_zero_3_with_every_layer_checkpointed_and_all_linear_adapters(tmp_path):
+def test_lora_at_zero_3_with_every_layer_checkpointed_and_all_linear_adapters(lora_runs):
     """Issue 30's dangerous class (reported 9.7-15.8% under on GPT-2, Llama and Qwen2 shapes): with
     every layer checkpointed nothing is released after the forward (enable_input_require_grads gives
     the embedding's output a gradient), DeepSpeed's linear saves every frozen layer's input in the
     recompute, and the adapters of every linear layer are gathered with it. Measured within -0.01% to
     +0.83% on nine shapes (docs/memory.md, "Issue 30"); here one real run, at most 1% under, 3% over."""
-    from autotune.trial import run_trials
-    from autotune.trial.record import TrialRequest
-
     s, gpus = spec("hf-llama"), parse_gpus("2xcpu")
     cfg = TrainConfig(method="lora", lora_rank=8, lora_targets="all-linear", zero_stage=3, precision="bf16",
                       ckpt_layers=s.num_layers, micro_batch=2, seq_len=64)
-    res = run_trials([TrialRequest(model=s, cluster=gpus, config=cfg, out_dir=tmp_path, steps=2, warmup_steps=1)])[0]
+    req, res = lora_runs["z3-all-linear-every-layer"]     # the run of cfg (lora_runs)
+    assert (req.model, req.cluster, req.config) == (s, gpus, cfg)
     assert res.status == "ok", res.reason
     est = estimate(s, gpus, cfg)
     assert -0.01 <= est.tensor_peak_bytes / steady_peak(res) - 1 <= 0.03, (est.phases, per_rank_steps(res))
 
 
 @pytest.mark.slow
-def test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3(tmp_path):
+def test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3(lora_runs):
     """Granite-4 (`granitemoehybrid`: Mamba, attention, Mamba, with MoE) with attention targets: its
     first layer, a Mamba one, is upstream of every adapter, so no gradient reaches its outputs, no
     backward hook fetches it again, and DeepSpeed releases it after its forward, as it does the
     embedding (code_trace.released_after_forward). Priced as held, this run read +12.4%."""
-    from transformers import AutoConfig
-
     from autotune.memory.code_trace import _numels, param_numels, released_after_forward
-    from autotune.models import hf_config as hf
-    from autotune.trial import run_trials
-    from autotune.trial.record import TrialRequest
 
-    shape = dict(num_hidden_layers=3, hidden_size=96, num_attention_heads=4, intermediate_size=256, vocab_size=700,
-                 max_position_embeddings=256, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"],
-                 num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=96, mamba_n_heads=4,
-                 mamba_d_head=48, mamba_d_state=16, mamba_chunk_size=16)
-    s = hf.spec_from_config(AutoConfig.for_model("granitemoehybrid", **shape), name="test-granite", source="test")
+    s = granite_spec()     # the shape GRANITE
     gpus = parse_gpus("2xcpu")
     cfg = TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32", micro_batch=2, seq_len=80)
     released = released_after_forward(s, cfg)
@@ -365,7 +392,8 @@ def test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3(
     assert sorted(kept) == [224, 4 * 224]
     assert sum(released) < sum(param_numels(s)) / 2   # later layers' inputs need gradients: held
     assert released_after_forward(s, dataclasses.replace(cfg, ckpt_layers=1)) == []   # input_require_grads
-    res = run_trials([TrialRequest(model=s, cluster=gpus, config=cfg, out_dir=tmp_path, steps=2, warmup_steps=1)])[0]
+    req, res = lora_runs["granite-z3"]     # the run of cfg (lora_runs)
+    assert (req.model, req.cluster, req.config) == (s, gpus, cfg)
     assert res.status == "ok", res.reason
     est = estimate(s, gpus, cfg)
     assert 0 <= est.tensor_peak_bytes / steady_peak(res) - 1 <= 0.01, (est.phases, per_rank_steps(res))
