@@ -313,16 +313,31 @@ def add_finished(study: optuna.Study, trials: list[FrozenTrial]) -> None:
                 params.append({"trial_id": tid, "param_name": name, "param_value": d.to_internal_repr(value),
                                "distribution_json": dist_json[name]})
             attrs += [{"trial_id": tid, "key": k, "value_json": json.dumps(v)} for k, v in t.user_attrs.items()]
-        if params:
-            session.execute(models.TrialParamModel.__table__.insert(), params)
-        if attrs:
-            session.execute(models.TrialUserAttributeModel.__table__.insert(), attrs)
+        _insert_many(session, models.TrialParamModel.__table__, params)
+        _insert_many(session, models.TrialUserAttributeModel.__table__, attrs)
         session.commit()
     except BaseException:
         session.rollback()
         raise
     finally:
         session.close()
+
+
+def _insert_many(session, table: sqlalchemy.Table, rows: list[dict[str, Any]]) -> None:
+    """INSERT `rows` into `table` with the driver's own executemany. The rows of trial_params and
+    trial_user_attributes are plain numbers and strings that need no type processing, and SQLAlchemy's
+    executemany processes every row's parameters in Python (half of the insert's time at 49k trials)."""
+    if not rows:
+        return
+    conn = session.connection()
+    mark = {"qmark": "?", "format": "%s", "pyformat": "%s"}.get(conn.dialect.paramstyle)
+    if mark is None:     # a driver with named or numbered parameters: through SQLAlchemy
+        session.execute(table.insert(), rows)
+        return
+    quote = conn.dialect.identifier_preparer.quote
+    cols = list(rows[0])
+    conn.exec_driver_sql(f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, cols))}) "
+                         f"VALUES ({', '.join([mark] * len(cols))})", [tuple(r[c] for c in cols) for r in rows])
 
 
 def owner() -> str:
