@@ -67,8 +67,27 @@ def _cfg(kw: dict) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def knob_runs(tmp_path_factory):
+    """Every real trial of this module in ONE process group (run_trials): the stand-in's knob trials
+    (`measured`), then those of transformers' code (`measured_on_hf`), which had a group of their own:
+    torch and DeepSpeed are imported and gloo set up once instead of twice. Each config is still
+    measured on its own (launch.run_trials: peaks relative to the live bytes before its model is
+    built, worker.release between configs), and the stand-in's run before transformers' ones, as
+    when `measured` ran first in its own group. (measured requests, results), (measured_on_hf's)."""
     from autotune.trial import run_trials
+
+    own, on_hf = _measured_requests(tmp_path_factory), _measured_on_hf_requests(tmp_path_factory)
+    results = run_trials([*own, *(r for _, r in on_hf)])
+    return (own, results[:len(own)]), (on_hf, results[len(own):])
+
+
+@pytest.fixture(scope="module")
+def measured(knob_runs):
+    reqs, results = knob_runs[0]
+    return dict(zip(IDS, zip(reqs, results)))
+
+
+def _measured_requests(tmp_path_factory):
     from autotune.trial.record import TrialRequest
 
     root = tmp_path_factory.mktemp("knobs")
@@ -77,9 +96,8 @@ def measured(tmp_path_factory):
     # persistence threshold; benchmarks/knobs_on_hf.py; docs/memory.md, "Known open error"): open,
     # stated there, not hidden by a wider tolerance here.
     model = resolve_model("tiny-llama", implementation="builtin")
-    reqs = [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / str(i), steps=2,
+    return [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / str(i), steps=2,
                          warmup_steps=1, timeout_s=300) for i, kw in enumerate(KNOBS)]
-    return dict(zip(IDS, zip(reqs, run_trials(reqs))))
 
 
 @pytest.mark.slow
@@ -223,8 +241,12 @@ PHASE_ONLY = {
 
 
 @pytest.fixture(scope="module")
-def measured_on_hf(tmp_path_factory):
-    from autotune.trial import run_trials
+def measured_on_hf(knob_runs):
+    named, results = knob_runs[1]
+    return {name: (req, res) for (name, req), res in zip(named, results)}
+
+
+def _measured_on_hf_requests(tmp_path_factory):
     from autotune.trial.record import TrialRequest
 
     root = tmp_path_factory.mktemp("knobs-hf")
@@ -232,10 +254,9 @@ def measured_on_hf(tmp_path_factory):
     # with the stage-3 prefetch cases of the test above: every trial of transformers' code in one group
     runs = {**ON_HF, **PHASE_ONLY, **{f"z3-prefetch-{b}": dict(zero_stage=3, precision="bf16", stage3_prefetch_bucket_size=b)
                         for b in (BIG, 200_000, 500_000)}}
-    reqs = [TrialRequest(model=resolve_model(kw.get("model", "tiny-llama")), cluster=CLUSTER,
-                         config=_cfg({k: v for k, v in kw.items() if k != "model"}), out_dir=root / name, steps=2,
-                         warmup_steps=1, timeout_s=300) for name, kw in runs.items()]
-    return dict(zip(runs, zip(reqs, run_trials(reqs))))
+    return [(name, TrialRequest(model=resolve_model(kw.get("model", "tiny-llama")), cluster=CLUSTER,
+                                config=_cfg({k: v for k, v in kw.items() if k != "model"}), out_dir=root / name,
+                                steps=2, warmup_steps=1, timeout_s=300)) for name, kw in runs.items()]
 
 
 @pytest.mark.slow
