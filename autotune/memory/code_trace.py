@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 
 from autotune.errors import SpecError
@@ -471,6 +472,7 @@ def layer_numels(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(x for layer in _numels(spec)[1] for x in layer)
 
 
+@functools.cache   # asked per estimate at ZeRO-3, of a handful of (model, threshold) pairs
 def persistent_params(spec: ModelSpec, threshold: int) -> int:
     """Parameters ZeRO-3 keeps whole on every rank: those with fewer than `threshold` elements
     (DeepSpeed stage3.py, persistence_threshold), counted on the module itself."""

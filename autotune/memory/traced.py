@@ -65,7 +65,24 @@ Affine = tuple[int, int, int]
 """(c, a, b): bytes = c + a * checkpointed layers + b * full layers."""
 
 
-def _fit(traces: dict[tuple[int, int], dict[str, dict[str, int]]]) -> dict[str, dict[str, Affine]]:
+_FITS: dict[tuple, tuple[dict, dict, dict]] = {}
+"""_fit's results by the identity of the programs fitted and the depth (code_trace keeps each program once,
+so a search's tens of thousands of candidates fit a few dozen sets); each entry holds its programs, so no id
+is reused. The dicts are shared between estimates and never modified."""
+
+
+def _fit(traces: dict[tuple[int, int], dict[str, dict[str, int]]], ckpt: int,
+         full: int) -> tuple[dict[str, dict[str, Affine]], dict[str, dict[str, int]]]:
+    """The programs' affine fits, and each point's bytes by category at `ckpt` checkpointed and `full` layers."""
+    key = (tuple((km, id(v)) for km, v in traces.items()), ckpt, full)
+    if key not in _FITS:
+        fits = _fit_programs(traces)
+        points = {p: {c: f[0] + f[1] * ckpt + f[2] * full for c, f in cats.items()} for p, cats in fits.items()}
+        _FITS[key] = (traces, fits, points)
+    return _FITS[key][1], _FITS[key][2]
+
+
+def _fit_programs(traces: dict[tuple[int, int], dict[str, dict[str, int]]]) -> dict[str, dict[str, Affine]]:
     k0, m0 = min(traces)
     out: dict[str, dict[str, Affine]] = {}
     for point, cats in traces[(k0, m0)].items():
@@ -330,8 +347,7 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
     t0 = time.perf_counter()
     ckpt, full = cfg.ckpt_layers, model.num_layers - cfg.ckpt_layers
     traces = {km: program() for km, program in _programs(model, cluster, cfg).items()}
-    fits = _fit(traces)
-    points = {p: {c: f[0] + f[1] * ckpt + f[2] * full for c, f in cats.items()} for p, cats in fits.items()}
+    fits, points = _fit(traces, ckpt, full)
     analytic = _phases(model, cluster, cfg)
     held = buffers.held_extra_large_gradient(model, cfg)
     at_end = buffers.stage2_reduces_at_end(model, cfg)

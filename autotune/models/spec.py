@@ -8,6 +8,7 @@ package that imports them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 from autotune.errors import SpecError
@@ -137,9 +138,10 @@ class ModelSpec:
         """Parameter count from the shape (Llama-2-13B: 13,015,864,320 as on its model card's safetensors)."""
         return self.embedding_params + self.num_layers * self.layer_params
 
-    @property
+    @cached_property
     def num_params(self) -> int:
-        """Exact parameter count: the meta-device model's where it was counted, else the shape's."""
+        """Exact parameter count: the meta-device model's where it was counted, else the shape's (kept on
+        the frozen instance: the memory model asks it many times per estimate)."""
         return self.param_count or self.shape_params
 
     def flops_per_token(self, seq_len: int) -> float:
