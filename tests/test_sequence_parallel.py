@@ -66,6 +66,40 @@ def test_lora_and_kv_replication_are_allowed():
     check_config(TrainConfig(sequence_parallel_size=4, seq_len=64), spec_of("qwen2"), FOUR)   # 4 heads, 2 KV heads
 
 
+@pytest.mark.parametrize("cluster", [TWO, FOUR])
+@pytest.mark.parametrize("kw", [dict(offload_optimizer=True), dict(offload_param="cpu"),
+                                dict(offload_optimizer=True, offload_param="cpu")])
+def test_zero3_offload_is_allowed_and_priced_with_both_terms(cluster, kw):
+    """ZeRO-3 with offload under Ulysses (measured at sp 2 on 2 ranks and sp 2 x dp 2 on 4, Llama and Qwen2,
+    benchmarks/parallel_memory.py SP_OFFLOAD): the estimate is offload's terms (on CPU ranks the offloaded fp32
+    partition, its moments and fp32 gradients are in the rank's memory, memory/model_states.py states) beside
+    Ulysses' (memory/sequence_parallel.py all_to_all_terms)."""
+    spec = spec_of("llama")
+    cfg = TrainConfig(sequence_parallel_size=2, zero_stage=3, micro_batch=2, seq_len=64, **kw)
+    check_config(cfg, spec, cluster)
+    est, plain = estimate(spec, cluster, cfg), estimate(spec, cluster, replace(cfg, seq_len=32, sequence_parallel_size=1))
+    q = 2 * 32 * 8 * 16 * 2   # b x seq / sp x heads x head_dim x 2 B
+    assert est.phases["forward"] == plain.phases["forward"] + 4 * q + q   # o_proj's inputs, the all-to-all's gradient
+    if cfg.offload_optimizer:
+        assert est.terms["offloaded_fp32_gradients"] == 4 * spec.num_params // cluster.world_size
+
+
+@pytest.mark.parametrize("kw,says", [
+    (dict(zero_stage=1, offload_optimizer=True), "ZeRO stage 1 is not priced"),
+    (dict(zero_stage=2, offload_optimizer=True), "ZeRO stage 2 is not priced"),
+    (dict(zero_stage=3, offload_optimizer=True, method="lora"), "method lora is not measured"),
+])
+def test_offload_that_stays_refused(kw, says):
+    with pytest.raises(SpecError, match=says):
+        check_config(TrainConfig(sequence_parallel_size=2, seq_len=64, **kw), spec_of("llama"), FOUR)
+
+
+def test_cli_exit_code_2_for_zero2_offload(capsys):
+    code = main(["estimate", "--model", "llama-3-8b", "--gpus", "8xH100", "--sequence-parallel-size", "2",
+                 "--seq-len", "4096", "--zero", "2", "--offload-optimizer"])
+    assert code == 2 and "ZeRO stage 2 is not priced" in capsys.readouterr().err
+
+
 def test_refused_for_code_without_hf_attention():
     with pytest.raises(SpecError, match="ALL_ATTENTION_FUNCTIONS"):
         check_config(TrainConfig(sequence_parallel_size=2, seq_len=64),
