@@ -161,10 +161,11 @@ def test_eager_attention_costs_more_than_sdpa_at_long_sequence():
 
 def test_pricing_candidates_hits_the_cache():
     """After the first trace, a search's candidates that share (model, implementation, precision,
-    attention, micro batch, seq len) are priced from the cache: no new trace."""
+    attention, micro batch, seq len) are priced from the cache: no new trace, and every one reads the
+    cached step FLOPs (which hold the traced profile, so it is not asked again)."""
     model = resolve_model("llama-2-7b")
     cm.simulate(model, A100, TrainConfig(micro_batch=2))
-    before = co.profile_for.cache_info()
+    before, flops = co.profile_for.cache_info(), co.step_flops.cache_info()
     t0 = time.perf_counter()
     for i in range(200):
         cfg = TrainConfig(micro_batch=2, zero_stage=i % 4, grad_accum=1 + i % 5, ckpt_layers=i % 33)
@@ -172,7 +173,8 @@ def test_pricing_candidates_hits_the_cache():
     after = co.profile_for.cache_info()
     print(f"200 candidates priced in {time.perf_counter() - t0:.3f} s")
     assert after.misses == before.misses
-    assert after.hits >= before.hits + 200
+    assert co.step_flops.cache_info().misses == flops.misses
+    assert co.step_flops.cache_info().hits >= flops.hits + 200
 
 
 def test_per_term_view_sums_to_the_step():
