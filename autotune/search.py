@@ -42,7 +42,7 @@ from autotune.errors import SpecError
 from autotune.models import ModelSpec
 from autotune.search_space import SearchSpace, expand
 from autotune.search_order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
-from autotune.stopping import KNOWN_ERROR, Bounded, error_distance
+from autotune.stopping import Bounded
 from autotune.train_config import TrainConfig
 from autotune.units import fmt_bytes
 
@@ -217,8 +217,8 @@ class Search:
         samples = prior or default_prior(model, cluster, [c.cfg for c in self.plan.by_key.values() if self._fits(c)])
         # priors are in samples/s; a sequence is seq_len tokens
         ranked_prior = samples if objective == "samples" else (lambda cfg: samples(cfg) * cfg.seq_len)
-        layers = model.num_layers     # the strategy picks by the bound, and stops by it (autotune/stopping.py)
-        self.strategy = Bounded(ranked_prior, lambda a, b: error_distance(a, b, layers), KNOWN_ERROR[known], known)
+        # the strategy picks by the bound, and stops by it (autotune/stopping.py)
+        self.strategy = Bounded(ranked_prior, model.num_layers, known)
         self.sampler = st.ChosenSampler()
         study.sampler = self.sampler
         self.out_root = out_root or st.study_dir(study.study_name)

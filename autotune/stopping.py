@@ -3,11 +3,12 @@
 The prior (the cost model on GPUs, the CPU prior on CPU ranks) is wrong by some factor at every
 candidate. Call r(c) = log(true / prior) its residual. The residuals of two candidates are not
 independent: the same code on the same machine misses by much the same factor, and close settings
-(one ZeRO stage, one doubling of micro batch apart) miss alike. So r is modelled as
+(one doubling of micro batch, LoRA ranks the prior prices alike) miss alike. So r is modelled as
 
-    r(c) = shared offset + smooth part + a part of its own
-           (flat)           Gaussian process, kernel exp(-d^2 / 2) over `error_distance`
-                                              (NUGGET of its variance: no neighbour predicts it)
+    r(c) = shared offset + stage factor + smooth part + a part of its own
+           (flat)          (W_STAGE,      (W_SMOOTH, kernel exp(-d^2 / 2)   (NUGGET: no neighbour
+                            one per ZeRO   over `error_distance`, all         predicts it)
+                            stage)         stages alike)
 
 scaled by one unknown sigma. After each measured trial the posterior of r at every unrun candidate
 gives a corrected prior (the posterior mean: the shared offset is learnt from the first measurement,
@@ -50,28 +51,38 @@ the runner-up 13% slower (issue 29), and probed on a loaded machine (2026-12-03,
 cores) the feasible groups' log residuals had sd 0.22-0.26 in two probings, most of it a trend in micro
 batch that the study learns (`python benchmarks/search_efficiency.py --prior-error`): 0.10, and the
 study's evidence decides. A prior given by the caller: 0.10."""
-NU0 = 1.0
-"""Pseudo-measurements the known error counts for, against the study's own. The known error is a
-figure from other models and machines; from the second contrast on, the study's evidence outweighs
-it. Early stops are guarded by Student's t instead: with 1 + (n - 1) degrees of freedom the 95%
-quantile is 6.3 after one measurement, 2.9 after two, 2.4 after three. Chosen with the benchmark
-(`python benchmarks/search_efficiency.py`): at 3, perturbed lora.yaml ran a median 10 trials and
-the recorded CPU landscapes reached the best as at 1; at 1, 8."""
-STAGE, SMOOTH, OTHER = 1.0, 1.0, 1.0
-"""`error_distance`'s units: per ZeRO stage apart; per doubling of micro batch, accumulation or sequence
-length and per quarter of the layers checkpointed; per other setting that differs. Residuals one
-stage apart, one doubling of micro batch apart, or a different precision, optimizer or LoRA rank,
-correlate exp(-1/2) = 0.61. Why: each stage runs other collectives, which the prior prices each its own way
-(the cost model's ZeRO-1 and -2 points on the V100s miss by 12% against each other, docs/costmodel.md),
-and micro batch and checkpointing change how busy the same kernels are. Not closer: with micro batch
-correlated 0.94 per doubling, the held-out GPT-2 landscape (benchmarks/data/cpu_landscape_gpt2.csv)
-stopped at 96% of its best, its best micro batches (4 and 8) interpolated from the measured 2 and 16.
-Categorical settings at 1.5 (0.32) ran a median 10 trials on perturbed lora.yaml, at 1.0 8
-(`python benchmarks/search_efficiency.py`). Judgements, checked on those landscapes."""
-NUGGET = 0.05
-"""The share of the residual's variance that is a candidate's own (no neighbour predicts it):
-run-to-run noise and settings the distance does not see. A judgement: larger makes every near-tie
-by the prior cost a trial, smaller lets a neighbour vouch for a candidate entirely."""
+NU0 = {"cost model": 6.0, "cpu prior": 1.0, "given prior": 1.0}
+"""Pseudo-measurements the known error counts for, against the study's own. The cost model's 7% is the
+spread of its seven calibration numbers (docs/costmodel.md, "Calibration"): six contrasts once their
+common offset is removed, so it counts as 6, and Student's t after the first measurement is 1.94, not
+6.3. It is the spread between setups (other models, GPUs, frameworks), so inside one study it is an
+upper bound. The CPU prior's figure moves with the shared machine's load (0.22-0.26 measured in two
+probings of one day, KNOWN_ERROR), so it counts as 1: from the second measurement on the study's own
+evidence outweighs it, and t is 6.3 after one measurement, 2.9 after two, 2.4 after three."""
+W_STAGE, W_SMOOTH, NUGGET = 0.5, 0.49, 0.01
+"""How the residual's variance (sigma^2, apart from the shared offset) splits:
+- W_STAGE, a factor of each ZeRO stage's own, independent between stages: each stage runs other
+  collectives and other DeepSpeed code, which the prior prices each its own way (the cost model's
+  ZeRO-1 and -2 points on the V100s miss by 12% against each other, docs/costmodel.md);
+- W_SMOOTH, a part that varies smoothly with micro batch, accumulation, sequence length, checkpointed
+  layers and the other settings, shared by all stages (how busy the same kernels are, how much is
+  recomputed: the CPU prior's error on the recorded landscapes is mostly such a trend in micro batch);
+- NUGGET, a candidate's own (run-to-run noise, settings the distance does not see): an sd of
+  sqrt(0.01) x 7% = 0.7% on GPUs; larger makes every near-tie by the prior cost a trial.
+Judgements from where the priors' errors come from, checked with `python benchmarks/search_efficiency.py`
+(docs/search.md, "When the search stops")."""
+LENGTH = 3.0
+"""The smooth part's length scale: residuals one doubling of micro batch (or a quarter of the layers
+checkpointed) apart correlate exp(-1 / (2 x 3^2)) = 0.95 in that part, four doublings apart 0.41: a trend
+over the space more than a wiggle per doubling. At 1 (0.61 per doubling) 13B on 4 x A100 ran all but one of
+its groups although the cost model prices micro batch 2 with 15 checkpointed layers 4% below micro batch 1."""
+PRIOR_GAP, OTHER_MIN = 0.05, 0.2
+"""Settings other than the ordered ones (precision, method, LoRA rank and targets, optimizer, bf16 states, ...)
+are as far apart as the prior prices them apart: a 5% gap in the prior counts as a doubling of micro batch,
+and any difference as at least 0.2 of one (a setting the prior does not price still differs a little). So
+LoRA ranks 8 and 64, 0.4% apart by the cost model, share their error nearly whole (the error of a priced
+difference is of the order of the difference), and full training against LoRA, 30% apart, shares
+14% of the smooth part."""
 SHARED = 100.0
 """Variance of the shared offset, in units of sigma^2: a flat prior (any common factor between prior
 and truth is possible; the first measurement fixes it and says nothing about the ranking)."""
@@ -79,13 +90,23 @@ QUANTILE = 0.95
 """One-sided: a candidate's bound is what it reaches with 5% odds at most."""
 
 
-def error_distance(a: TrainConfig, b: TrainConfig, layers: int) -> float:
-    """Squared distance between two candidates for how alike the prior misses them (STAGE, SMOOTH, OTHER)."""
+def error_distance(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0) -> float:
+    """Squared distance, in LENGTH units, between two candidates' smooth parts: doublings of micro batch,
+    accumulation and sequence length, quarters of the layers checkpointed, and `prior_gap` (the difference
+    of their log priors) where another setting differs (PRIOR_GAP, OTHER_MIN). The ZeRO stage is not in it:
+    it is a factor of its own (error_kernel)."""
     smooth = (math.log2(a.micro_batch / b.micro_batch) ** 2
               + (4 * (a.ckpt_layers - b.ckpt_layers) / max(layers, 1)) ** 2
               + math.log2(a.grad_accum / b.grad_accum) ** 2 + math.log2(a.seq_len / b.seq_len) ** 2)
-    other = sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields() if f.name not in _ORDERED)
-    return (STAGE * (a.zero_stage - b.zero_stage)) ** 2 + SMOOTH ** 2 * smooth + OTHER ** 2 * other
+    if any(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields() if f.name not in _ORDERED):
+        smooth += max(OTHER_MIN, abs(prior_gap) / PRIOR_GAP) ** 2
+    return smooth / LENGTH ** 2
+
+
+def error_kernel(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0) -> float:
+    """Covariance of two candidates' residuals in sigma^2 units, less the shared offset and the own part:
+    the stage factor where they share a stage, and the smooth part (W_STAGE, W_SMOOTH)."""
+    return W_STAGE * (a.zero_stage == b.zero_stage) + W_SMOOTH * math.exp(-error_distance(a, b, layers, prior_gap) / 2)
 
 
 def t_quantile(q: float, dof: float) -> float:
@@ -104,11 +125,11 @@ def t_quantile(q: float, dof: float) -> float:
 class ResidualModel:
     """The Gaussian process over log(measured / prior) described at the top of this module."""
 
-    def __init__(self, dist2: Callable[[TrainConfig, TrainConfig], float], known_error: float,
-                 nugget: float | None = None, nu0: float | None = None):
-        self.dist2, self.known = dist2, known_error
+    def __init__(self, kernel: Callable[[TrainConfig, TrainConfig], float], known_error: float,
+                 nugget: float | None = None, nu0: float = 1.0):
+        self.kernel, self.known = kernel, known_error
         self.nugget = NUGGET if nugget is None else nugget
-        self.nu0 = NU0 if nu0 is None else nu0
+        self.nu0 = nu0
         self.xs: list[TrainConfig] = []
         self.ys: list[float] = []
         self._rows: dict[tuple, list[float]] = {}     # candidate key -> its kernel with xs[0], xs[1], ...
@@ -124,7 +145,7 @@ class ResidualModel:
         # otherwise recomputes every distance at every pick
         row = self._rows.setdefault(cfg.key(), [])
         for x in self.xs[len(row):]:
-            row.append(SHARED + math.exp(-self.dist2(cfg, x) / 2))
+            row.append(SHARED + self.kernel(cfg, x))
         return row
 
     def fit(self) -> tuple[np.ndarray, np.ndarray, float]:
@@ -153,7 +174,7 @@ class ResidualModel:
         """Posterior means and standard deviations of the residual at `cfgs` (log units)."""
         kinv, alpha, sigma2 = self.fit()
         kc = np.array([self._row(c) for c in cfgs]).reshape(len(cfgs), len(self.xs))
-        var = SHARED + 1 + self.nugget - np.einsum("ij,jk,ik->i", kc, kinv, kc)
+        var = SHARED + W_STAGE + W_SMOOTH + self.nugget - np.einsum("ij,jk,ik->i", kc, kinv, kc)
         return kc @ alpha, np.sqrt(np.maximum(var, 0.0) * sigma2)
 
 
@@ -197,10 +218,10 @@ class Bounded:
     """The search strategy (search.Search.strategy): picks the unrun candidate with the largest bound
     and says when none can beat the best measured by more than the tolerance."""
 
-    def __init__(self, prior: Callable[[TrainConfig], float], dist2: Callable[[TrainConfig, TrainConfig], float],
-                 known_error: float, prior_name: str):
+    def __init__(self, prior: Callable[[TrainConfig], float], layers: int, prior_name: str):
         self._prior, self.prior_name = prior, prior_name
-        self.model = ResidualModel(dist2, known_error)
+        kernel = lambda a, b: error_kernel(a, b, layers, self.log_prior(a) - self.log_prior(b))  # noqa: E731
+        self.model = ResidualModel(kernel, KNOWN_ERROR[prior_name], nu0=NU0[prior_name])
         self._cache: dict[tuple, float] = {}
 
     def log_prior(self, cfg: TrainConfig) -> float:

@@ -28,11 +28,12 @@ def _search(root: Path, monkeypatch, n_trials: int, **kw):
 
 @pytest.fixture(scope="module")
 def sim_root(tmp_path_factory):
-    """A simulated 13B x 4xA100 search of 20 trials (about 30 s), searched once per module."""
+    """A simulated 13B x 4xA100 search of every feasible group (about 30 s), searched once per module: the
+    pictures of several runs are under test, and the stopping rule ends this search after one."""
     mp = pytest.MonkeyPatch()
     root = tmp_path_factory.mktemp("sim")
     try:
-        _search(root, mp, 20, model="13b", gpus="4xA100", executor="simulated")
+        _search(root, mp, 20, model="13b", gpus="4xA100", executor="simulated", exhaustive=True)
     finally:
         mp.undo()
     return root
@@ -53,8 +54,9 @@ def check_content(study) -> rp.Pictures:
         e = mem.estimate(model, cluster, recs[b.trial].config)
         assert sum(b.groups.values()) == b.total_bytes == e.total_bytes
         assert b.tensor_peak_bytes == e.tensor_peak_bytes and b.phase == e.phase
-        if b.status == "ok":     # a run's bar is its recorded estimate
-            assert b.total_bytes == recs[b.trial].estimate["total_bytes"]
+        if b.status == "ok":     # a run's bar is its recorded estimate: the memory model's, before the online
+            # correction (a measured peak off the estimate moves total_bytes; seen once on a loaded machine)
+            assert b.total_bytes == recs[b.trial].estimate["model_total_bytes"]
     decided = {n for n, r in recs.items() if r.status in ("ok", "pruned", *FAILED)}
     numbers = [f.trial for f in p.frontier]
     assert sorted(numbers) == sorted(decided) and len(set(numbers)) == len(numbers)

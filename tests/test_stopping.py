@@ -20,7 +20,7 @@ from autotune.models import from_hf_config
 from autotune.report import render
 from autotune.search import Search
 from autotune.search_space import expand, parse_space
-from autotune.stopping import ResidualModel, error_distance, t_quantile
+from autotune.stopping import ResidualModel, error_kernel, t_quantile
 from autotune.train_config import TrainConfig
 from autotune.trial.record import TrialResult
 
@@ -128,8 +128,8 @@ def test_the_bound_widens_with_the_error_the_study_shows():
     disagree raise sigma above it, and a candidate between them gets a wider bound."""
     cfgs = [TrainConfig(micro_batch=m, seq_len=SEQ) for m in (1, 2, 8, 16)]
     mid = TrainConfig(micro_batch=4, seq_len=SEQ)
-    dist = lambda a, b: error_distance(a, b, 4)  # noqa: E731
-    calm, wild = ResidualModel(dist, 0.05), ResidualModel(dist, 0.05)
+    kernel = lambda a, b: error_kernel(a, b, 4)  # noqa: E731
+    calm, wild = ResidualModel(kernel, 0.05), ResidualModel(kernel, 0.05)
     for c, r in zip(cfgs, (0.3, 0.3, 0.3, 0.3)):
         calm.observe(c, r)
     for c, r in zip(cfgs, (0.0, 0.4, -0.2, 0.5)):
@@ -156,3 +156,51 @@ def test_bad_tolerance_exits_2(value, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     assert main(["search", "--model", "tiny-llama", "--gpus", "2xcpu", "--tolerance", value]) == 2
     assert "--tolerance" in capsys.readouterr().err and not (tmp_path / "trials").exists()
+
+
+def test_settings_the_prior_prices_alike_share_their_error_and_another_stage_does_not():
+    """error_kernel: LoRA ranks 0.4% apart by the prior are mispriced alike; full training against LoRA
+    (30% apart) shares little of the smooth part; another ZeRO stage shares only the smooth part."""
+    from autotune.stopping import W_SMOOTH, W_STAGE, NUGGET
+
+    var = W_STAGE + W_SMOOTH + NUGGET
+    r8 = TrainConfig(method="lora", lora_rank=8, seq_len=SEQ)
+    r64 = dataclasses.replace(r8, lora_rank=64)
+    full = TrainConfig(seq_len=SEQ)
+    assert error_kernel(r8, r64, 4, prior_gap=0.004) / var > 0.98
+    assert error_kernel(r8, full, 4, prior_gap=0.30) < W_STAGE + 0.15 * W_SMOOTH   # exp(-(6 / 3)^2 / 2) = 0.135
+    # a setting the prior does not price at all still differs a little (OTHER_MIN)
+    assert error_kernel(r8, r64, 4, prior_gap=0.0) < error_kernel(r8, r8, 4)
+    z3 = dataclasses.replace(r8, zero_stage=3)
+    assert error_kernel(r8, z3, 4) == pytest.approx(W_SMOOTH)
+
+
+def test_the_cost_models_calibration_counts_and_the_cpu_priors_does_not_as_much():
+    """After one measurement the bound's t: 1.94 for the cost model (its known error counts as six
+    pseudo-measurements), 6.3 for the CPU prior (one)."""
+    from autotune.stopping import Bounded, QUANTILE
+
+    for kind, t in (("cost model", 1.943), ("cpu prior", 6.314)):
+        b = Bounded(lambda c: 1.0, 4, kind)
+        b.observe(TrainConfig(seq_len=SEQ), 2.0)
+        assert t_quantile(QUANTILE, b.model.dof) == pytest.approx(t, rel=0.01)
+
+
+@pytest.mark.slow
+def test_simulated_13b_stops_after_the_first_trial_with_the_exhaustive_answer(tmp_path, monkeypatch):
+    """13B on 4 x A100 (the default space, simulated): the cost model prices the runner-up (micro batch 2,
+    15 layers checkpointed) 3.8% below micro batch 1 in the same stage; with the calibration's weight and a
+    trend-like smooth part one trial settles it, and --exhaustive's four find nothing better."""
+    from autotune.workflow import open_search
+
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
+    runs = {}
+    for exhaustive in (False, True):
+        with open_search(model="13b", gpus="4xA100", executor="simulated", study=f"e{exhaustive}",
+                         exhaustive=exhaustive) as s:
+            runs[exhaustive] = s.run(progress=False)
+    stop, every = runs[False], runs[True]
+    assert stop.stop == "bound" and stop.ok == 1 and every.ok == 4
+    assert stop.best_value == pytest.approx(every.best_value)
+    assert stop.bound["line"].startswith("no unrun candidate can beat trial")
+    assert "1 of 4 groups run" in stop.bound["line"]
