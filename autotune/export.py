@@ -147,6 +147,9 @@ def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) ->
             f"# precision ({prec}) comes from the DeepSpeed JSON: accelerate refuses mixed_precision here\n"
             + ("# on every node: set main_process_ip to the first node's address and machine_rank to the "
                "node's index\n" if cluster.num_nodes > 1 else "")
+            + ("# deepcompile: this file cannot turn it on (accelerate launch exports no dynamo setting for "
+               "DeepSpeed); the script must: TrainingArguments(torch_compile=True), "
+               "Accelerator(dynamo_backend=\"inductor\") or engine.compile()\n" if cfg.deepcompile else "")
             + "# accelerate launch --config_file THIS_FILE train.py\n")
     return head + yaml.safe_dump(conf, sort_keys=False)
 
@@ -226,6 +229,49 @@ def _sp_lines(cfg: TrainConfig, cluster: Cluster, accelerate_config: Path | None
     return lines
 
 
+def _compile_lines(cfg: TrainConfig, accelerate_config: Path | None) -> list[str]:
+    """What DeepCompile asks of the training script: the JSON's "compile" section alone does nothing until
+    engine.compile() is called (deepspeed 0.19.8 runtime/engine.py forward: "DeepCompile is enabled but
+    engine.compile() has not been called; executing without DeepCompile until compile() runs"). Who calls it, read
+    from transformers 5.24 and accelerate 1.16:
+    - the Hugging Face Trainer only with TrainingArguments(torch_compile=True): trainer.py hands accelerate
+      TorchDynamoPlugin(backend=args.torch_compile_backend), "inductor" by default (training_args.py), and
+      accelerator.py _prepare_deepspeed calls engine.compile(backend=..., compile_kwargs=...) after
+      deepspeed.initialize when that backend is not "no" (deepspeed >= 0.14.4), unless regional compilation is on
+      (then compile_regions_deepspeed compiles the blocks with module.compile and engine.compile is never called);
+    - accelerate without the Trainer the same way, from Accelerator(dynamo_backend=...) or ACCELERATE_DYNAMO_BACKEND;
+    - `accelerate launch` never for DeepSpeed: utils/launch.py prepare_deepspeed_cmd_env exports no ACCELERATE_DYNAMO_*
+      variable (prepare_multi_gpu_env does), so a config file's dynamo_config does not reach the ranks
+      (tests/test_export_parallel.py checks it).
+    DeepCompile takes the "inductor" and "eager" backends only (engine.py get_deepspeed_compile_backend asserts)."""
+    if not cfg.deepcompile:
+        return []
+    lines = [
+        "DeepCompile (\"compile\": {\"deepcompile\": true}): the JSON alone does not turn it on. DeepSpeed compiles only "
+        "when engine.compile() is called; until then it logs \"DeepCompile is enabled but engine.compile() has not been "
+        "called; executing without DeepCompile\" and trains uncompiled.",
+        "  With deepspeed.initialize yourself (as the trials do): engine, optimizer, _, _ = deepspeed.initialize(...), "
+        "then engine.compile() before the first forward (its default backend on CUDA is inductor).",
+        "  Hugging Face Trainer: TrainingArguments(..., as above, torch_compile=True). The Trainer hands accelerate "
+        "a TorchDynamoPlugin with torch_compile_backend (default \"inductor\"), and accelerate calls "
+        "engine.compile(backend=\"inductor\", ...) right after deepspeed.initialize (accelerator.py _prepare_deepspeed). "
+        "Without torch_compile=True (and no ACCELERATE_DYNAMO_BACKEND in the environment) the Trainer does not call "
+        "it, and trains without DeepCompile.",
+        "  Keep torch_compile_backend \"inductor\" or \"eager\" (DeepCompile refuses any other) and regional compilation "
+        "off (no ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true): with it accelerate compiles the blocks itself "
+        "and never calls engine.compile().",
+        "  accelerate without the Trainer: Accelerator(dynamo_backend=\"inductor\") (or ACCELERATE_DYNAMO_BACKEND=inductor "
+        "in the ranks' environment, which accelerate launch passes on); accelerator.prepare(...) then calls "
+        "engine.compile() the same way.",
+        "  accelerate launch does not call it: a dynamo_config section in an accelerate config file does not reach a "
+        "DeepSpeed run (utils/launch.py prepare_deepspeed_cmd_env exports no ACCELERATE_DYNAMO_* variable), so "
+        + ("the file written above has none; " if accelerate_config is not None else "")
+        + "set it in the script as above.",
+        "  CUDA only (torch >= 2.6), ZeRO 1-3; not measured here: autotune estimates and simulates the step as without it.",
+    ]
+    return lines
+
+
 def _tp_lines(cfg: TrainConfig, cluster: Cluster) -> list[str]:
     """What AutoTP asks of the training script, checked against transformers 5.24, accelerate 1.16 and
     deepspeed 0.19.8 (tests/test_export_parallel.py trains the Trainer on it)."""
@@ -274,6 +320,7 @@ def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path,
         lines.append(f"  started by accelerate: accelerate launch --config_file {accelerate_config} train.py")
     lines += _tp_lines(cfg, cluster)
     lines += _sp_lines(cfg, cluster, accelerate_config)
+    lines += _compile_lines(cfg, accelerate_config)
     lines += _ckpt_lines(cfg, model)
     lines += _lora_lines(cfg, path)
     if cfg.optimizer == "adamw8bit":

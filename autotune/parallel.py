@@ -2,11 +2,14 @@
 model and a cluster: what runs, what DeepSpeed refuses, and the data-parallel degree ZeRO shards over.
 train_config.check_config calls `check_parallel`.
 
-Every refusal below was found by running deepspeed 0.19.8 on 2 or 4 CPU ranks (gloo); docs/parallelism.md
-has the runs. This module imports no other of autotune's but errors, so train_config can import it.
+Every refusal below was found by running deepspeed 0.19.8 on 2 or 4 CPU ranks (gloo), except those whose text
+says they were read from the code; docs/parallelism.md has the runs. This module imports no other of autotune's
+but errors (and transformers, inside a function), so train_config can import it.
 """
 
 from __future__ import annotations
+
+import functools
 
 from autotune.errors import SpecError
 
@@ -103,6 +106,7 @@ def check_sequence_parallel(cfg, model, cluster) -> None:
                         "(UlyssesSPAttentionHF.register_with_transformers overrides transformers' "
                         f"ALL_ATTENTION_FUNCTIONS); the {model.implementation} code does not call it (use --impl hf)")
     model_type = (model.hf_config or {}).get("model_type") or model.family
+    _check_layer_kinds(sp, cfg, model, model_type)
     if model_type in SP_NO_KV_HEADS:
         raise SpecError(f"sequence_parallel_size {sp}: DeepSpeed's Ulysses reads the config's num_key_value_heads "
                         f"(ulysses_sp.py register_with_transformers), which {model_type} configs lack "
@@ -149,3 +153,109 @@ def check_sequence_parallel(cfg, model, cluster) -> None:
         raise SpecError(f"sequence_parallel_size {sp} with ZeRO offload and method {cfg.method} is not measured "
                         "here (offload with sp is measured with full fine-tuning at ZeRO-3); use method full or "
                         "sequence_parallel_size 1")
+
+
+# Layer kinds, in transformers' own vocabulary (configuration_utils.py ALLOWED_ATTN_LAYER_TYPES, with the legacy
+# names its _LEGACY_LAYER_TYPE_REMAP maps: "mamba" -> "linear_attention", "attention" -> "full_attention"), read from
+# the config's `layer_types`, `layers_block_type` and `block_types` (RecurrentGemma: "recurrent", "attention").
+SP_ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")
+"""Softmax attention that calls transformers' attention function, which DeepSpeed's Ulysses wraps: q, k and v go
+through its all-to-all and attention sees the whole sequence (ulysses_sp.py register_with_transformers overrides
+ALL_ATTENTION_FUNCTIONS[core_attn_implementation] with uattn_wrapper)."""
+SP_TOKENWISE_KINDS = ("mlp", "moe", "dense", "sparse")
+"""Layers that mix no tokens (Nemotron-H's MLP and MoE layers; `mlp_layer_types`' dense and sparse): each token's
+output depends on that token only, so running them on seq / sp tokens is the same computation."""
+SP_NOT_ATTENTION_KINDS = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "recurrent")
+"""Token mixers that are not softmax attention: Mamba/SSM mixers and gated-delta or lightning linear attention
+("linear_attention"), LFM2's short convolutions ("conv"), layers that run a Mamba mixer beside attention
+("hybrid": Zamba, Zamba2, Falcon-H1, Zaya) and RecurrentGemma's recurrent blocks. None calls the attention function
+Ulysses wraps, so under sp each would run on this rank's seq / sp tokens with no exchange: the rank's slice starts
+its scan, state or convolution without the tokens before it."""
+
+
+def layer_kinds(model) -> tuple[str, ...] | None:
+    """The kinds of the model's decoder layers, one per layer where the config lists them (jamba, bamba,
+    granitemoehybrid, lfm2, qwen3_next, falcon_h1, zamba, nemotron_h, ...); () where it names none (Llama: every
+    layer attention); None where transformers cannot build the config."""
+    facts = _config_facts(model)
+    return facts and facts[0]
+
+
+def sliding_window(model) -> int | None:
+    """The window of the model's sliding-window layers, None where it has none. A config that lists its layers
+    (`layer_types`) has them where it says "sliding_attention" (Qwen2 with use_sliding_window False lists none);
+    one that lists none slides in every layer when `sliding_window` is set (modeling_mistral.py picks
+    create_sliding_window_causal_mask when config.sliding_window is not None). Read from the config object:
+    MistralConfig's default window is 4096, which a config dict without the key still gets."""
+    facts = _config_facts(model)
+    return facts and facts[1]
+
+
+def _config_facts(model) -> tuple[tuple[str, ...], int | None] | None:
+    import json
+
+    d = model.hf_config
+    if not d or not d.get("model_type"):
+        return None
+    return _facts(json.dumps(d, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _facts(config_json: str) -> tuple[tuple[str, ...], int | None] | None:
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    d = json.loads(config_json)
+    if d["model_type"] not in CONFIG_MAPPING:
+        return None
+    try:   # the config object, not the dict: Jamba's and Bamba's layer_types are properties to_dict() leaves out
+        config = CONFIG_MAPPING[d["model_type"]].from_dict(d).get_text_config()
+    except Exception:  # noqa: BLE001 - a config transformers refuses is refused where the model is built
+        return None
+    kinds: tuple[str, ...] = ()
+    for key in ("layer_types", "layers_block_type", "block_types"):   # the first the config has: Bamba has two
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)):
+            kinds = tuple(str(v) for v in value)
+            break
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", None) is False \
+            or (kinds and "sliding_attention" not in kinds):
+        window = None
+    return kinds, window
+
+
+def _check_layer_kinds(sp: int, cfg, model, model_type: str) -> None:
+    """Refuse sp for a model whose layers are not all softmax attention (or token-wise), and sliding-window attention
+    through sdpa on sequences longer than the window. Measured at sp 2 on 2 CPU ranks (gloo), the logits of each
+    rank's half against the same model on the whole sequence (`test_ulysses_logits_against_the_whole_sequence`):
+    full attention equal; Bamba (Mamba-2), Qwen3-Next (gated delta) and LFM2 (short convolutions) equal on rank 0
+    (its tokens need no earlier ones) and different on rank 1; Mistral with a window of 8 at seq 32 different on both
+    ranks, and with a window of 32 equal."""
+    kinds = layer_kinds(model) or ()
+    odd = [k for k in dict.fromkeys(kinds) if k not in SP_ATTENTION_KINDS + SP_TOKENWISE_KINDS]
+    if odd:
+        n = sum(k in odd for k in kinds)
+        if any(k in SP_NOT_ATTENTION_KINDS for k in odd):
+            what = "are not softmax attention (Mamba/SSM mixers, short convolutions or linear attention)"
+        else:
+            what = ("are not plain causal or sliding-window softmax attention (Ulysses drops the 4D attention masks "
+                    "that carry chunked attention, and an indexer or compressor runs before the attention call, on "
+                    "this rank's slice; read from the code, not run)")
+        raise SpecError(f"sequence_parallel_size {sp}: {model_type} has {n} of {len(kinds)} layers of kind "
+                        f"{', '.join(odd)}, which {what}. DeepSpeed's Ulysses exchanges data only inside "
+                        "transformers' attention function (ulysses_sp.py register_with_transformers overrides "
+                        "ALL_ATTENTION_FUNCTIONS), so those layers would run on each rank's seq / sp tokens with no "
+                        "exchange and train a different model from the one without sp; use sequence_parallel_size 1")
+    window = sliding_window(model)
+    # flash_attention_2 keeps the window: the attention module passes sliding_window= to the attention function
+    # (modeling_mistral.py), uattn_wrapper hands its kwargs on, and _flash_attention_forward applies it as
+    # window_size (modeling_flash_attention_utils.py); read from the code, CUDA only
+    if window is not None and cfg.attention == "sdpa" and cfg.seq_len > window:
+        raise SpecError(f"sequence_parallel_size {sp} with sdpa attention: {model_type}'s sliding window of {window} "
+                        f"tokens is shorter than seq_len {cfg.seq_len}, and DeepSpeed's Ulysses drops the 4D "
+                        "attention mask that carries the window (ulysses_sp.py uattn_wrapper: attention_mask = None), "
+                        "so sdpa attends causally over the whole sequence: a different model from the one without sp; "
+                        f"use seq_len <= {window}, attention flash_attention_2 (it takes the window as an argument, "
+                        "which the wrapper passes on), or sequence_parallel_size 1")

@@ -1,7 +1,8 @@
 """`autotune export` of a tensor-parallel (AutoTP) configuration: the DeepSpeed JSON's tensor_parallel section,
-the Hugging Face lines printed for it, the `--accelerate-config` file (loaded and launch-checked by accelerate's
-own code), and the Hugging Face Trainer training 2 steps on 2 CPU ranks with exactly what was exported,
-started by `accelerate launch --config_file` with that file (docs/parallelism.md, "Export").
+the Hugging Face lines printed for it (and for DeepCompile: who calls engine.compile()), the `--accelerate-config`
+file (loaded and launch-checked by accelerate's own code), and the Hugging Face Trainer training 2 steps on 2 CPU
+ranks with exactly what was exported, started by `accelerate launch --config_file` with that file
+(docs/parallelism.md, "Export").
 
 Run as a script, this file is one rank of that training:
 
@@ -175,6 +176,82 @@ def test_accelerate_launch_accepts_the_file_for_gpus_and_would_refuse_mixed_prec
             DeepSpeedPlugin()
     finally:
         unset_hf_deepspeed_config()
+
+
+def test_export_of_deepcompile_prints_who_calls_engine_compile(tmp_path, monkeypatch, capsys):
+    """A deepcompile configuration (8 x H100, ZeRO-1): the JSON's compile section, and the lines saying who must call
+    engine.compile(): the script after deepspeed.initialize, the Trainer only with torch_compile=True, accelerate
+    with a dynamo backend, and never an accelerate config file's dynamo_config."""
+    from autotune.cli import main
+
+    _trials_dir(tmp_path, monkeypatch)
+    make_study("dc", gpus="8xH100", autotp_size=1, deepcompile=True)
+    out, acc = tmp_path / "ds.json", tmp_path / "accelerate.yaml"
+    assert main(["export", "--study", "dc", "--out", str(out), "--accelerate-config", str(acc)]) == 0
+    text = capsys.readouterr().out
+    assert json.loads(out.read_text())["compile"] == {"deepcompile": True}
+    assert "the JSON alone does not turn it on" in text
+    assert "deepspeed.initialize(...), then engine.compile() before the first forward" in text
+    assert "TrainingArguments(..., as above, torch_compile=True)" in text
+    assert "Without torch_compile=True (and no ACCELERATE_DYNAMO_BACKEND in the environment) the Trainer does not " \
+        "call it" in text
+    assert 'Accelerator(dynamo_backend="inductor")' in text
+    assert "accelerate launch does not call it" in text and "the file written above has none" in text
+    assert "# deepcompile: this file cannot turn it on" in acc.read_text()
+    assert "dynamo" not in acc.read_text().split("\n# accelerate launch")[1]   # no dynamo_config section
+    capsys.readouterr()
+    make_study("plain", gpus="8xH100", autotp_size=1)
+    assert main(["export", "--study", "plain", "--out", str(out)]) == 0
+    assert "DeepCompile" not in capsys.readouterr().out
+
+
+def test_the_deepcompile_lines_against_transformers_and_accelerate(tmp_path, monkeypatch):
+    """What the printed lines say, checked on the installed code without a GPU:
+    - TrainingArguments(torch_compile=True) gives the TorchDynamoPlugin the Trainer builds (trainer.py) backend
+      inductor, no regional compilation: accelerate's _prepare_deepspeed then calls engine.compile(backend="inductor"),
+      a backend DeepCompile takes; without torch_compile the plugin's backend is "no" and nothing calls it.
+    - `accelerate launch --config_file` with a dynamo_config section gives a DeepSpeed rank no ACCELERATE_DYNAMO_*
+      variable (utils/launch.py prepare_deepspeed_cmd_env), so the file cannot turn DeepCompile on."""
+    import yaml
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+    from transformers import TrainingArguments
+
+    from autotune.deepspeed_config import deepspeed_config
+    from autotune.export import accelerate_config_yaml
+    from autotune.hardware import parse_gpus
+    from autotune.models import resolve_model
+    from autotune.train_config import TrainConfig
+
+    for k in [k for k in os.environ if k.startswith("ACCELERATE_DYNAMO_")]:
+        monkeypatch.delenv(k)
+    try:
+        for compile_flag, backend in ((True, "inductor"), (False, None)):
+            args = TrainingArguments(output_dir=str(tmp_path / "o"), torch_compile=compile_flag, use_cpu=True,
+                                     report_to=[])
+            assert args.torch_compile_backend == backend
+            plugin = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode,
+                                       dynamic=None)   # as trainer.py builds it
+            assert (plugin.backend != DynamoBackend.NO) is compile_flag
+            if compile_flag:
+                assert plugin.to_kwargs()["backend"] == "inductor" and not plugin.use_regional_compilation
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")   # the environment route the lines name
+        assert TorchDynamoPlugin(backend=None).to_kwargs()["backend"] == "inductor"
+        monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND")
+    finally:
+        AcceleratorState._reset_state(True)
+
+    cluster, cfg = parse_gpus("8xH100"), TrainConfig(zero_stage=1, deepcompile=True, seq_len=64)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(deepspeed_config(cfg, resolve_model(str(DATA / "hf-llama")), cluster)))
+    acc = tmp_path / "accelerate.yaml"
+    conf = yaml.safe_load(accelerate_config_yaml(cfg, cluster, ds))
+    conf["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
+    acc.write_text(yaml.safe_dump(conf))
+    monkeypatch.chdir(tmp_path)
+    env = _launch_env(acc, tmp_path / "train.py")
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert not [k for k in env if k.startswith("ACCELERATE_DYNAMO_")], env
 
 
 @pytest.mark.slow
