@@ -71,18 +71,19 @@ W_STAGE, W_SMOOTH, NUGGET = 0.5, 0.49, 0.01
   sqrt(0.01) x 7% = 0.7% on GPUs; larger makes every near-tie by the prior cost a trial.
 Judgements from where the priors' errors come from, checked with `python benchmarks/search_efficiency.py`
 (docs/search.md, "When the search stops")."""
-LENGTH = 3.0
+LENGTH = 3.5
 """The smooth part's length scale: residuals one doubling of micro batch (or a quarter of the layers
-checkpointed) apart correlate exp(-1 / (2 x 3^2)) = 0.95 in that part, four doublings apart 0.41: a trend
-over the space more than a wiggle per doubling. At 1 (0.61 per doubling) 13B on 4 x A100 ran all but one of
-its groups although the cost model prices micro batch 2 with 15 checkpointed layers 4% below micro batch 1."""
-PRIOR_GAP, OTHER_MIN = 0.05, 0.2
-"""Settings other than the ordered ones (precision, method, LoRA rank and targets, optimizer, bf16 states, ...)
-are as far apart as the prior prices them apart: a 5% gap in the prior counts as a doubling of micro batch,
-and any difference as at least 0.2 of one (a setting the prior does not price still differs a little). So
-LoRA ranks 8 and 64, 0.4% apart by the cost model, share their error nearly whole (the error of a priced
-difference is of the order of the difference), and full training against LoRA, 30% apart, shares
-14% of the smooth part."""
+checkpointed) apart correlate exp(-1 / (2 x 3.5^2)) = 0.96 in that part, four doublings apart 0.52: a trend
+over the space more than a wiggle per doubling. At 1 (0.61 per doubling) 13B on 4 x A100 ran 3 of its 4
+groups although the cost model prices micro batch 2 with 15 checkpointed layers 3.8% below micro batch 1 in
+the same stage; at 3 it ran 2 (that candidate's bound after one trial +2.02%, the tolerance 2%); at 3.5, 1."""
+PRIOR_GAP, OTHER_MIN = 0.1, 0.2
+"""Candidates are also as far apart as the prior prices them apart: a 10% gap in the prior counts as a
+doubling of micro batch. Settings other than the ordered ones (precision, method, LoRA rank and targets,
+optimizer, bf16 states, ...) add 0.2 of a doubling each (a setting the prior does not price still differs a
+little). So LoRA ranks 8 and 64, 0.4% apart by the cost model, share their error nearly whole (the error of a
+priced difference is of the order of the difference), and LoRA against full training, 30% apart, shares
+69% of the smooth part (most of their GEMMs are the same)."""
 SHARED = 100.0
 """Variance of the shared offset, in units of sigma^2: a flat prior (any common factor between prior
 and truth is possible; the first measurement fixes it and says nothing about the ranking)."""
@@ -92,15 +93,17 @@ QUANTILE = 0.95
 
 def error_distance(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0) -> float:
     """Squared distance, in LENGTH units, between two candidates' smooth parts: doublings of micro batch,
-    accumulation and sequence length, quarters of the layers checkpointed, and `prior_gap` (the difference
-    of their log priors) where another setting differs (PRIOR_GAP, OTHER_MIN). The ZeRO stage is not in it:
+    accumulation and sequence length, quarters of the layers checkpointed, `prior_gap` (the difference of
+    their log priors) in PRIOR_GAP units, and OTHER_MIN for each other setting that differs. A Euclidean
+    distance over those coordinates plus a count of differing settings, so that exp(-d^2 / 2) is a product
+    of a Gaussian and a Hamming kernel, both positive definite (a floor or a condition on the prior's gap
+    would not be: the exhaustive plan of lora.yaml met a negative y' K^-1 y). The ZeRO stage is not in it:
     it is a factor of its own (error_kernel)."""
-    smooth = (math.log2(a.micro_batch / b.micro_batch) ** 2
-              + (4 * (a.ckpt_layers - b.ckpt_layers) / max(layers, 1)) ** 2
-              + math.log2(a.grad_accum / b.grad_accum) ** 2 + math.log2(a.seq_len / b.seq_len) ** 2)
-    if any(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields() if f.name not in _ORDERED):
-        smooth += max(OTHER_MIN, abs(prior_gap) / PRIOR_GAP) ** 2
-    return smooth / LENGTH ** 2
+    ordered = (math.log2(a.micro_batch / b.micro_batch) ** 2
+               + (4 * (a.ckpt_layers - b.ckpt_layers) / max(layers, 1)) ** 2
+               + math.log2(a.grad_accum / b.grad_accum) ** 2 + math.log2(a.seq_len / b.seq_len) ** 2)
+    other = sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields() if f.name not in _ORDERED)
+    return (ordered + (prior_gap / PRIOR_GAP) ** 2 + OTHER_MIN ** 2 * other) / LENGTH ** 2
 
 
 def error_kernel(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0) -> float:
@@ -158,7 +161,7 @@ class ResidualModel:
             alpha = kinv @ y
             # y' K^-1 y: the squared, standardised errors of predicting each measurement from the earlier
             # ones (chain rule); n - 1 of them carry information (the first only fixes the shared offset)
-            sigma2 = (self.nu0 * self.known ** 2 + float(y @ alpha)) / (self.nu0 + max(n - 1, 0))
+            sigma2 = (self.nu0 * self.known ** 2 + max(float(y @ alpha), 0.0)) / (self.nu0 + max(n - 1, 0))
             self._fit = (kinv, alpha, sigma2)
         return self._fit
 

@@ -159,8 +159,8 @@ def test_bad_tolerance_exits_2(value, tmp_path, monkeypatch, capsys):
 
 
 def test_settings_the_prior_prices_alike_share_their_error_and_another_stage_does_not():
-    """error_kernel: LoRA ranks 0.4% apart by the prior are mispriced alike; full training against LoRA
-    (30% apart) shares little of the smooth part; another ZeRO stage shares only the smooth part."""
+    """error_kernel: LoRA ranks 0.4% apart by the prior are mispriced alike; what the prior prices further
+    apart shares less of the smooth part; another ZeRO stage shares only the smooth part."""
     from autotune.stopping import W_SMOOTH, W_STAGE, NUGGET
 
     var = W_STAGE + W_SMOOTH + NUGGET
@@ -168,7 +168,8 @@ def test_settings_the_prior_prices_alike_share_their_error_and_another_stage_doe
     r64 = dataclasses.replace(r8, lora_rank=64)
     full = TrainConfig(seq_len=SEQ)
     assert error_kernel(r8, r64, 4, prior_gap=0.004) / var > 0.98
-    assert error_kernel(r8, full, 4, prior_gap=0.30) < W_STAGE + 0.15 * W_SMOOTH   # exp(-(6 / 3)^2 / 2) = 0.135
+    near, far, farther = (error_kernel(r8, full, 4, prior_gap=g) for g in (0.004, 0.30, 1.0))
+    assert near > far > farther > W_STAGE and far < W_STAGE + 0.75 * W_SMOOTH     # 0.69 of it at 30% apart
     # a setting the prior does not price at all still differs a little (OTHER_MIN)
     assert error_kernel(r8, r64, 4, prior_gap=0.0) < error_kernel(r8, r8, 4)
     z3 = dataclasses.replace(r8, zero_stage=3)
