@@ -2,6 +2,7 @@
 the best throughput, on fixed landscapes where every config's outcome is known in advance.
 
     python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|cpu-gpt2|sim13b|lora|full|perturbed|all]
+    python benchmarks/search_efficiency.py --landscape perturbed [--only full] [--amplitude 0.25] [--no-exhaustive]
 
 Landscapes (a config "runs" by reading its outcome; each run is a trial and costs its trial-seconds):
   cpu     real trials recorded on this machine's CPU (benchmarks/data/cpu_landscape.csv, written by
@@ -505,6 +506,9 @@ def main() -> None:
     p.add_argument("--prior-error", action="store_true", help="only the CPU prior's error on the recorded landscapes")
     p.add_argument("--only", nargs="+", choices=[k for k in PERTURBED], default=None,
                    help="with --landscape perturbed: only these base landscapes")
+    p.add_argument("--amplitude", type=float, default=None,
+                   help="with --landscape perturbed: this amplitude (0.25 = +-25%%) for every base landscape instead of "
+                        "PERTURBED's (a stress test beyond issue 29's +-15%% / +-10%%)")
     p.add_argument("--no-exhaustive", action="store_true",
                    help="with --landscape perturbed: ours with its stopping rule only, not --exhaustive for reference "
                         "(full.yaml: about a minute of planning per seed and strategy)")
@@ -530,7 +534,8 @@ def main() -> None:
             print_table(ls, evaluate(ls, args.seeds, only_ours.get(key)))
         if key in PERTURBED and args.landscape in ("all", "perturbed"):
             names = ("ours",) if args.no_exhaustive else ("ours --exhaustive", "ours")
-            last, rows = evaluate_perturbed(ls, PERTURBED[key], args.perturbed_seeds, names)
+            amp = PERTURBED[key] if args.amplitude is None else args.amplitude
+            last, rows = evaluate_perturbed(ls, amp, args.perturbed_seeds, names)
             print_table(last, rows, args.perturbed_seeds)
     print("\nMedians over seeds. 'reached': runs that got within 2% of the best. 'trials run': all a strategy "
           "runs when left alone (grid, random: the whole space; TPE: until the target, it has no stopping "
