@@ -19,6 +19,20 @@ list (its tp_parser asserts "AutoTP not supported for model. Please use kernel i
 container policy for model exists."; measured on GPT-2 at ZeRO 0-3, tp 2, 2 CPU ranks)."""
 
 
+AUTOTP_PLAN_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "replicated_with_grad_allreduce",
+                      "embedding_rowwise")
+"""The partition styles of a Hugging Face tp_plan that DeepSpeed 0.19.8 applies (module_inject/tp_plan_converter.py
+SUPPORTED_STYLES). A plan with any other style is rejected whole ("HuggingFace tp_plan contains unsupported partition
+style(s)"); measured at ZeRO-1 and -3, tp 2, 2 CPU ranks on Mixtral (moe_tp_experts, packed_colwise) and OLMo2
+(rowwise_split_input) (`python benchmarks/parallel_families.py`)."""
+AUTOTP_NOT_PRICED = {"gemma2": (3, "its per-rank peak at tp 2 is 18.4% above the estimate at ZeRO-0 and -1 (1.79 MB "
+                                   "measured against 1.46 MB, 2.49 MB against 2.03 MB, a 3-layer config on 2 CPU ranks, "
+                                   "fp32): AutoTP keeps more of Gemma2 whole than autotune's shard accounting assumes; "
+                                   "exact at ZeRO-3")}
+"""model_type -> (the lowest ZeRO stage measured exact under AutoTP, why lower stages are refused): an estimate that
+under-states a rank's memory is the side that crashes a run (`python benchmarks/parallel_families.py`)."""
+
+
 def data_parallel_size(cfg, world_size: int) -> int:
     """Ranks ZeRO shards over and that see different batches: world / (tp x sp).
 
@@ -62,6 +76,17 @@ def check_parallel(cfg, model, cluster) -> None:
         raise SpecError(f"autotp_size {tp}: DeepSpeed's AutoTP refuses {model_type} models ('AutoTP not supported "
                         "for model. Please use kernel injection since container policy for model exists.', "
                         "module_inject/auto_tp.py AutoTP.supported); use autotp_size 1")
+    conf = config_object(model)
+    plan = dict(getattr(conf, "base_model_tp_plan", None) or {}) if conf is not None else {}
+    odd = sorted({str(v) for v in plan.values() if str(v).lower() not in AUTOTP_PLAN_STYLES})
+    if odd:
+        raise SpecError(f"autotp_size {tp}: {model_type}'s Hugging Face tp_plan has partition styles DeepSpeed 0.19.8 "
+                        f"does not apply ({', '.join(odd)}), and it rejects the whole plan ('HuggingFace tp_plan "
+                        "contains unsupported partition style(s)', module_inject/tp_plan_converter.py); use autotp_size 1")
+    if model_type in AUTOTP_NOT_PRICED and cfg.zero_stage < AUTOTP_NOT_PRICED[model_type][0]:
+        lowest, why = AUTOTP_NOT_PRICED[model_type]
+        raise SpecError(f"autotp_size {tp} with {model_type} at ZeRO-{cfg.zero_stage}: {why}; use ZeRO-{lowest} or "
+                        "autotp_size 1")
     if cfg.method != "full":
         # measured: peft LoRA on q/k/v/o of the Llama of benchmarks/hf_memory.py, ZeRO-0 bf16, tp 2
         raise SpecError(f"method {cfg.method} with autotp_size {tp}: DeepSpeed 0.19.8's AutoTP replaces peft's "
@@ -88,7 +113,13 @@ def _check_heads(tp: int, model) -> None:
 
 SP_NO_KV_HEADS = ("gpt2", "gpt_neox")
 """Measured: register_with_transformers reads `num_key_value_heads` of the model's text config
-(runtime/sequence_parallel/ulysses_sp.py), which GPT2Config and GPTNeoXConfig lack (AttributeError)."""
+(runtime/sequence_parallel/ulysses_sp.py), which GPT2Config and GPTNeoXConfig lack (AttributeError). Any other
+config transformers builds without one is refused the same way (`config_object`): measured on Falcon, OPT and GPT-J
+(`python benchmarks/parallel_families.py`)."""
+SP_NO_POSITION_IDS = ("gpt_bigcode",)
+"""Measured (benchmarks/parallel_families.py): GPTBigCode's attention module calls the attention function without
+position_ids, and Ulysses asserts them ("Ulysses SP requires position_ids in every forward() call",
+ulysses_sp.py UlyssesSPAttentionHF.forward)."""
 
 
 def check_sequence_parallel(cfg, model, cluster) -> None:
@@ -107,10 +138,20 @@ def check_sequence_parallel(cfg, model, cluster) -> None:
                         f"ALL_ATTENTION_FUNCTIONS); the {model.implementation} code does not call it (use --impl hf)")
     model_type = (model.hf_config or {}).get("model_type") or model.family
     _check_layer_kinds(sp, cfg, model, model_type)
-    if model_type in SP_NO_KV_HEADS:
+    if model_type in SP_NO_POSITION_IDS:
+        raise SpecError(f"sequence_parallel_size {sp}: {model_type}'s attention calls transformers' attention function "
+                        "without position_ids, which DeepSpeed's Ulysses asserts ('Ulysses SP requires position_ids in "
+                        "every forward() call', ulysses_sp.py; measured); use sequence_parallel_size 1")
+    conf = config_object(model)
+    if model_type in SP_NO_KV_HEADS or (conf is not None and getattr(conf, "num_key_value_heads", None) is None):
         raise SpecError(f"sequence_parallel_size {sp}: DeepSpeed's Ulysses reads the config's num_key_value_heads "
                         f"(ulysses_sp.py register_with_transformers), which {model_type} configs lack "
                         "(measured: AttributeError); use sequence_parallel_size 1")
+    if conf is not None and hasattr(conf, "head_dim") and conf.head_dim is None:
+        raise SpecError(f"sequence_parallel_size {sp}: {model_type}'s config has head_dim None, and DeepSpeed's Ulysses "
+                        "takes getattr(config, 'head_dim', hidden_size / heads) (ulysses_sp.py register_with_transformers), "
+                        "which is then None (measured on Mixtral: 'torch.Size() takes an iterable of int'); set head_dim "
+                        f"to {model.hidden_size // model.num_heads} in the config.json or use sequence_parallel_size 1")
     if cfg.attention == "eager":
         raise SpecError(f"sequence_parallel_size {sp} with eager attention: DeepSpeed refuses it ('eager "
                         "attn_implementation isn't currently supported by Ulysses sequence parallelism because it "
@@ -191,6 +232,32 @@ def sliding_window(model) -> int | None:
     return facts and facts[1]
 
 
+def config_object(model):
+    """transformers' text config object for the model's config dict (its class defaults and properties filled in),
+    None where there is no dict or transformers cannot build it."""
+    import json
+
+    d = model.hf_config
+    if not d or not d.get("model_type"):
+        return None
+    return _text_config(json.dumps(d, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _text_config(config_json: str):
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    d = json.loads(config_json)
+    if d["model_type"] not in CONFIG_MAPPING:
+        return None
+    try:
+        return CONFIG_MAPPING[d["model_type"]].from_dict(d).get_text_config()
+    except Exception:  # noqa: BLE001 - a config transformers refuses is refused where the model is built
+        return None
+
+
 def _config_facts(model) -> tuple[tuple[str, ...], int | None] | None:
     import json
 
@@ -202,16 +269,9 @@ def _config_facts(model) -> tuple[tuple[str, ...], int | None] | None:
 
 @functools.lru_cache(maxsize=64)
 def _facts(config_json: str) -> tuple[tuple[str, ...], int | None] | None:
-    import json
-
-    from transformers import CONFIG_MAPPING
-
-    d = json.loads(config_json)
-    if d["model_type"] not in CONFIG_MAPPING:
-        return None
-    try:   # the config object, not the dict: Jamba's and Bamba's layer_types are properties to_dict() leaves out
-        config = CONFIG_MAPPING[d["model_type"]].from_dict(d).get_text_config()
-    except Exception:  # noqa: BLE001 - a config transformers refuses is refused where the model is built
+    # the config object, not the dict: Jamba's and Bamba's layer_types are properties to_dict() leaves out
+    config = _text_config(config_json)
+    if config is None:
         return None
     kinds: tuple[str, ...] = ()
     for key in ("layer_types", "layers_block_type", "block_types"):   # the first the config has: Bamba has two

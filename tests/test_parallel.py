@@ -193,3 +193,19 @@ def test_global_batch_counts_data_parallel_ranks():
     exp = expand(space, spec_of("llama"), FOUR, seq_len=64, global_batch=16)
     accum = {c.autotp_size: c.grad_accum for c in exp.candidates}
     assert accum == {1: 16 // (2 * 4), 2: 16 // (2 * 2)}
+
+
+def test_families_autotp_fails_on_or_misprices_are_refused():
+    """benchmarks/parallel_families.py at tp 2 (2 CPU ranks): Mixtral's tp_plan has styles DeepSpeed 0.19.8 rejects
+    whole (at ZeRO-1 and -3); Gemma2's per-rank peak is 18.4% above the estimate at ZeRO-0 and -1, exact at ZeRO-3."""
+    from test_sequence_parallel import hf_spec
+
+    mixtral = hf_spec("mixtral", num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    with pytest.raises(SpecError, match="partition styles DeepSpeed 0.19.8 does not apply"):
+        check_config(TrainConfig(autotp_size=2, zero_stage=3, seq_len=64), mixtral, parse_gpus("2xcpu"))
+    gemma2 = hf_spec("gemma2", head_dim=16)
+    for z in (0, 1, 2):
+        with pytest.raises(SpecError, match="gemma2 at ZeRO-"):
+            check_config(TrainConfig(autotp_size=2, zero_stage=z, seq_len=64, attention="eager"), gemma2,
+                         parse_gpus("2xcpu"))
+    check_config(TrainConfig(autotp_size=2, zero_stage=3, seq_len=64, attention="eager"), gemma2, parse_gpus("2xcpu"))

@@ -365,3 +365,30 @@ def test_sp2_trains_as_one_rank_does(tmp_path):
                for w, c in ((1, cfg), (2, replace(cfg, sequence_parallel_size=2))))
     assert one.status == sp.status == "ok", one.reason + sp.reason + sp.log_tail
     assert sp.losses == pytest.approx(one.losses, abs=1e-4) and sp.losses[-1] < sp.losses[0]
+
+
+@pytest.mark.parametrize("model_type,kw,match", [
+    ("falcon", {}, "which falcon configs lack"),                      # no num_key_value_heads (num_kv_heads)
+    ("opt", dict(ffn_dim=128), "which opt configs lack"),
+    ("gptj", dict(n_layer=4, n_embd=64, n_head=4, rotary_dim=8), "which gptj configs lack"),
+    ("gpt_bigcode", dict(n_layer=4, n_embd=64, n_head=4), "without position_ids"),
+    ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), "has head_dim None"),
+])
+def test_families_ulysses_fails_on_are_refused(model_type, kw, match):
+    """What benchmarks/parallel_families.py measured failing inside DeepSpeed 0.19.8 at sp 2 (ZeRO-1 and -3, 2 CPU
+    ranks) is refused before a rank starts, with DeepSpeed's reason."""
+    from transformers import AutoConfig
+
+    from autotune.models import hf_config as hf
+
+    small = {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}     # as these families' configs have it
+    spec = hf.spec_from_config(AutoConfig.for_model(model_type, **{**small, **kw}), name=f"hf-{model_type}",
+                               source="tests/test_sequence_parallel.py")
+    check_config(TrainConfig(seq_len=64), spec, TWO)
+    with pytest.raises(SpecError, match=match):
+        check_config(TrainConfig(sequence_parallel_size=2, seq_len=64), spec, TWO)
+
+
+def test_mixtral_with_head_dim_set_is_not_refused_for_it():
+    spec = hf_spec("mixtral", num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    check_config(TrainConfig(sequence_parallel_size=2, seq_len=64), spec, TWO)
