@@ -147,6 +147,12 @@ def check_sequence_parallel(cfg, model, cluster) -> None:
         raise SpecError(f"sequence_parallel_size {sp}: DeepSpeed's Ulysses reads the config's num_key_value_heads "
                         f"(ulysses_sp.py register_with_transformers), which {model_type} configs lack "
                         "(measured: AttributeError); use sequence_parallel_size 1")
+    if conf is not None and getattr(conf, "kv_lora_rank", None):
+        raise SpecError(f"sequence_parallel_size {sp}: {model_type} attends with multi-head latent attention (query and "
+                        "key heads of qk_nope_head_dim + qk_rope_head_dim, value heads of v_head_dim), and DeepSpeed's "
+                        "Ulysses asserts one head size for query, key and value ('query input tensor does not match the "
+                        "required shape', ulysses_sp.py UlyssesSPAttentionHF.forward; measured on DeepSeek-V3); use "
+                        "sequence_parallel_size 1")
     if conf is not None and hasattr(conf, "head_dim") and conf.head_dim is None:
         raise SpecError(f"sequence_parallel_size {sp}: {model_type}'s config has head_dim None, and DeepSpeed's Ulysses "
                         "takes getattr(config, 'head_dim', hidden_size / heads) (ulysses_sp.py register_with_transformers), "

@@ -373,6 +373,9 @@ def test_sp2_trains_as_one_rank_does(tmp_path):
     ("gptj", dict(n_layer=4, n_embd=64, n_head=4, rotary_dim=8), "which gptj configs lack"),
     ("gpt_bigcode", dict(n_layer=4, n_embd=64, n_head=4), "without position_ids"),
     ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), "has head_dim None"),
+    ("deepseek_v3", dict(num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=48, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=16, v_head_dim=24, n_group=1, topk_group=1), "multi-head latent attention"),
 ])
 def test_families_ulysses_fails_on_are_refused(model_type, kw, match):
     """What benchmarks/parallel_families.py measured failing inside DeepSpeed 0.19.8 at sp 2 (ZeRO-1 and -3, 2 CPU
