@@ -297,7 +297,7 @@ def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_trainer_run import trainer_args, train_recording, write_rank   # a sibling: the script's folder is on sys.path
+    from hf_trainer_run import exit_rank, trainer_args, train_recording, write_rank   # a sibling: the script's folder is on sys.path
 
     args = trainer_args(ds_path, out_dir)
     import deepspeed.ops
@@ -312,6 +312,7 @@ def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
     shapes = {n: list(p.shape) for n, p in trainer.model_wrapped.module.named_parameters()
               if n in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight")}
     write_rank(out_dir, args, trainer, result, losses, engine=type(trainer.model_wrapped).__name__, shapes=shapes)
+    exit_rank()
 
 
 if __name__ == "__main__":

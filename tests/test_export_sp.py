@@ -171,7 +171,7 @@ def rank_main(config_dir: str, ds_path: str, code_path: str, out_dir: str) -> No
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_trainer_run import trainer_args, train_recording, write_rank   # a sibling: the script's folder is on sys.path
+    from hf_trainer_run import exit_rank, trainer_args, train_recording, write_rank   # a sibling: the script's folder is on sys.path
 
     scope: dict = {}
     exec(Path(code_path).read_text(), scope)
@@ -192,6 +192,7 @@ def rank_main(config_dir: str, ds_path: str, code_path: str, out_dir: str) -> No
     trainer, result, losses = train_recording(model, args, data)
     write_rank(out_dir, args, trainer, result, losses, sp=trainer.get_sp_size(),
                ds_train_batch=trainer.accelerator.deepspeed_config.get("train_batch_size"))
+    exit_rank()
 
 
 if __name__ == "__main__":
