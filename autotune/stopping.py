@@ -74,9 +74,10 @@ Judgements from where the priors' errors come from, checked with `python benchma
 LENGTH = 3.5
 """The smooth part's length scale: residuals one doubling of micro batch (or a quarter of the layers
 checkpointed) apart correlate exp(-1 / (2 x 3.5^2)) = 0.96 in that part, four doublings apart 0.52: a trend
-over the space more than a wiggle per doubling. At 1 (0.61 per doubling) 13B on 4 x A100 ran 3 of its 4
-groups although the cost model prices micro batch 2 with 15 checkpointed layers 3.8% below micro batch 1 in
-the same stage; at 3 it ran 2 (that candidate's bound after one trial +2.02%, the tolerance 2%); at 3.5, 1."""
+over the space more than a wiggle per doubling. The cost model prices 13B on 4 x A100's runner-up (micro batch 2
+with 15 checkpointed layers) 3.8% below micro batch 1 in the same stage; that candidate's bound after one trial is
++8.8% at a length of 1 (0.61 per doubling), +2.02% at 3 (the tolerance is 2%: a second trial), +1.3% at 3.5 (it
+stops). The rule before 2026-12-04 put it at +71% and ran 3 of the 4 groups."""
 PRIOR_GAP, OTHER_MIN = 0.1, 0.2
 """Candidates are also as far apart as the prior prices them apart: a 10% gap in the prior counts as a
 doubling of micro batch. Settings other than the ordered ones (precision, method, LoRA rank and targets,
