@@ -137,12 +137,12 @@ def check_sequence_parallel(cfg, model, cluster) -> None:
                         "(UlyssesSPAttentionHF.register_with_transformers overrides transformers' "
                         f"ALL_ATTENTION_FUNCTIONS); the {model.implementation} code does not call it (use --impl hf)")
     model_type = (model.hf_config or {}).get("model_type") or model.family
-    _check_layer_kinds(sp, cfg, model, model_type)
+    conf = config_object(model)
+    _check_layer_kinds(sp, cfg, conf, model_type)
     if model_type in SP_NO_POSITION_IDS:
         raise SpecError(f"sequence_parallel_size {sp}: {model_type}'s attention calls transformers' attention function "
                         "without position_ids, which DeepSpeed's Ulysses asserts ('Ulysses SP requires position_ids in "
                         "every forward() call', ulysses_sp.py; measured); use sequence_parallel_size 1")
-    conf = config_object(model)
     if model_type in SP_NO_KV_HEADS or (conf is not None and getattr(conf, "num_key_value_heads", None) is None):
         raise SpecError(f"sequence_parallel_size {sp}: DeepSpeed's Ulysses reads the config's num_key_value_heads "
                         f"(ulysses_sp.py register_with_transformers), which {model_type} configs lack "
@@ -224,8 +224,7 @@ def layer_kinds(model) -> tuple[str, ...] | None:
     """The kinds of the model's decoder layers, one per layer where the config lists them (jamba, bamba,
     granitemoehybrid, lfm2, qwen3_next, falcon_h1, zamba, nemotron_h, ...); () where it names none (Llama: every
     layer attention); None where transformers cannot build the config."""
-    facts = _config_facts(model)
-    return facts and facts[0]
+    return _layer_kinds(config_object(model))
 
 
 def sliding_window(model) -> int | None:
@@ -234,13 +233,13 @@ def sliding_window(model) -> int | None:
     one that lists none slides in every layer when `sliding_window` is set (modeling_mistral.py picks
     create_sliding_window_causal_mask when config.sliding_window is not None). Read from the config object:
     MistralConfig's default window is 4096, which a config dict without the key still gets."""
-    facts = _config_facts(model)
-    return facts and facts[1]
+    return _sliding_window(config_object(model))
 
 
 def config_object(model):
     """transformers' text config object for the model's config dict (its class defaults and properties filled in),
-    None where there is no dict or transformers cannot build it."""
+    None where there is no dict or transformers cannot build it. The object, not the dict: Jamba's and Bamba's
+    layer_types are properties to_dict() leaves out."""
     import json
 
     d = model.hf_config
@@ -264,42 +263,34 @@ def _text_config(config_json: str):
         return None
 
 
-def _config_facts(model) -> tuple[tuple[str, ...], int | None] | None:
-    import json
-
-    d = model.hf_config
-    if not d or not d.get("model_type"):
+def _layer_kinds(conf) -> tuple[str, ...] | None:
+    if conf is None:
         return None
-    return _facts(json.dumps(d, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=64)
-def _facts(config_json: str) -> tuple[tuple[str, ...], int | None] | None:
-    # the config object, not the dict: Jamba's and Bamba's layer_types are properties to_dict() leaves out
-    config = _text_config(config_json)
-    if config is None:
-        return None
-    kinds: tuple[str, ...] = ()
     for key in ("layer_types", "layers_block_type", "block_types"):   # the first the config has: Bamba has two
-        value = getattr(config, key, None)
+        value = getattr(conf, key, None)
         if isinstance(value, (list, tuple)):
-            kinds = tuple(str(v) for v in value)
-            break
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or getattr(config, "use_sliding_window", None) is False \
+            return tuple(str(v) for v in value)
+    return ()
+
+
+def _sliding_window(conf) -> int | None:
+    if conf is None:
+        return None
+    kinds, window = _layer_kinds(conf), getattr(conf, "sliding_window", None)
+    if not isinstance(window, int) or getattr(conf, "use_sliding_window", None) is False \
             or (kinds and "sliding_attention" not in kinds):
-        window = None
-    return kinds, window
+        return None
+    return window
 
 
-def _check_layer_kinds(sp: int, cfg, model, model_type: str) -> None:
+def _check_layer_kinds(sp: int, cfg, conf, model_type: str) -> None:
     """Refuse sp for a model whose layers are not all softmax attention (or token-wise), and sliding-window attention
     through sdpa on sequences longer than the window. Measured at sp 2 on 2 CPU ranks (gloo), the logits of each
     rank's half against the same model on the whole sequence (`test_ulysses_logits_against_the_whole_sequence`):
     full attention equal; Bamba (Mamba-2), Qwen3-Next (gated delta) and LFM2 (short convolutions) equal on rank 0
     (its tokens need no earlier ones) and different on rank 1; Mistral with a window of 8 at seq 32 different on both
     ranks, and with a window of 32 equal."""
-    kinds = layer_kinds(model) or ()
+    kinds = _layer_kinds(conf) or ()
     odd = [k for k in dict.fromkeys(kinds) if k not in SP_ATTENTION_KINDS + SP_TOKENWISE_KINDS]
     if odd:
         n = sum(k in odd for k in kinds)
@@ -314,7 +305,7 @@ def _check_layer_kinds(sp: int, cfg, model, model_type: str) -> None:
                         "transformers' attention function (ulysses_sp.py register_with_transformers overrides "
                         "ALL_ATTENTION_FUNCTIONS), so those layers would run on each rank's seq / sp tokens with no "
                         "exchange and train a different model from the one without sp; use sequence_parallel_size 1")
-    window = sliding_window(model)
+    window = _sliding_window(conf)
     # flash_attention_2 keeps the window: the attention module passes sliding_window= to the attention function
     # (modeling_mistral.py), uattn_wrapper hands its kwargs on, and _flash_attention_forward applies it as
     # window_size (modeling_flash_attention_utils.py); read from the code, CUDA only

@@ -137,6 +137,7 @@ class ResidualModel:
         self.xs: list[TrainConfig] = []
         self.ys: list[float] = []
         self._rows: dict[tuple, list[float]] = {}     # candidate key -> its kernel with xs[0], xs[1], ...
+        self._diag: dict[tuple, float] = {}           # candidate key -> its kernel with itself
         self._fit: tuple[np.ndarray, np.ndarray, float] | None = None
 
     def observe(self, cfg: TrainConfig, residual: float) -> None:
@@ -178,7 +179,11 @@ class ResidualModel:
         """Posterior means and standard deviations of the residual at `cfgs` (log units)."""
         kinv, alpha, sigma2 = self.fit()
         kc = np.array([self._row(c) for c in cfgs]).reshape(len(cfgs), len(self.xs))
-        var = SHARED + W_STAGE + W_SMOOTH + self.nugget - np.einsum("ij,jk,ik->i", kc, kinv, kc)
+        for c in cfgs:
+            if c.key() not in self._diag:
+                self._diag[c.key()] = self.kernel(c, c)
+        own = np.array([self._diag[c.key()] for c in cfgs])
+        var = SHARED + own + self.nugget - np.einsum("ij,jk,ik->i", kc, kinv, kc)
         return kc @ alpha, np.sqrt(np.maximum(var, 0.0) * sigma2)
 
 

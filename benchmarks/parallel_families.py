@@ -50,12 +50,11 @@ def case(fam: str, mode: str, zero: int, tmp: Path) -> tuple[str, str]:
         out = json.loads(run.stdout[run.stdout.index("{"):])
     except ValueError:
         return "failed", (run.stderr.strip().splitlines() or ["no output"])[-1][:300]
-    res = out
-    if res.get("status") == "ok":
-        est, peak = out.get("estimate", {}).get("tensor_peak_bytes"), res.get("peak_bytes")
+    if out.get("status") == "ok":
+        est, peak = out.get("estimate", {}).get("tensor_peak_bytes"), out.get("peak_bytes")
         err = f"estimate {100 * (est / peak - 1):+.3f}%" if est and peak else ""
         return "ok", err
-    return res.get("status", "failed"), (str(res.get("reason", "")).strip().splitlines() or [""])[-1][:300]
+    return out.get("status", "failed"), (str(out.get("reason", "")).strip().splitlines() or [""])[-1][:300]
 
 
 def main() -> None:

@@ -133,13 +133,15 @@ HYBRID_KINDS = {"jamba": ("linear_attention", 2), "bamba": ("linear_attention", 
 """model_type -> (the layer kind Ulysses would run with no exchange, how many of the 4 layers are of it)."""
 
 
-def hf_spec(model_type: str, **kw):
-    """autotune's ModelSpec of transformers' own config class for `model_type` (AutoConfig.for_model)."""
+def hf_spec(model_type: str, without: tuple[str, ...] = (), **kw):
+    """autotune's ModelSpec of transformers' own config class for `model_type` (AutoConfig.for_model), with SMALL's
+    keys but `without`."""
     from transformers import AutoConfig
 
     from autotune.models import hf_config as hf
 
-    return hf.spec_from_config(AutoConfig.for_model(model_type, **{**SMALL, **kw}), name=f"hf-{model_type}",
+    small = {k: v for k, v in SMALL.items() if k not in without}
+    return hf.spec_from_config(AutoConfig.for_model(model_type, **{**small, **kw}), name=f"hf-{model_type}",
                                source="tests/test_sequence_parallel.py")
 
 
@@ -380,13 +382,7 @@ def test_sp2_trains_as_one_rank_does(tmp_path):
 def test_families_ulysses_fails_on_are_refused(model_type, kw, match):
     """What benchmarks/parallel_families.py measured failing inside DeepSpeed 0.19.8 at sp 2 (ZeRO-1 and -3, 2 CPU
     ranks) is refused before a rank starts, with DeepSpeed's reason."""
-    from transformers import AutoConfig
-
-    from autotune.models import hf_config as hf
-
-    small = {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}     # as these families' configs have it
-    spec = hf.spec_from_config(AutoConfig.for_model(model_type, **{**small, **kw}), name=f"hf-{model_type}",
-                               source="tests/test_sequence_parallel.py")
+    spec = hf_spec(model_type, without=("num_key_value_heads",), **kw)   # as these families' configs have it
     check_config(TrainConfig(seq_len=64), spec, TWO)
     with pytest.raises(SpecError, match=match):
         check_config(TrainConfig(sequence_parallel_size=2, seq_len=64), spec, TWO)
