@@ -3,6 +3,7 @@ the best throughput, on fixed landscapes where every config's outcome is known i
 
     python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|cpu-gpt2|sim13b|lora|full|perturbed|all]
     python benchmarks/search_efficiency.py --landscape perturbed [--only full] [--amplitude 0.25] [--no-exhaustive]
+    python benchmarks/search_efficiency.py --landscape perturbed --floor 1000 [--only lora]
 
 Landscapes (a config "runs" by reading its outcome; each run is a trial and costs its trial-seconds):
   cpu     real trials recorded on this machine's CPU (benchmarks/data/cpu_landscape.csv, written by
@@ -29,6 +30,11 @@ first), with its stopping rule and with --exhaustive (every feasible group, the 
 Random and TPE run once per seed; the others are deterministic, except that ours' CPU prior times
 the model here, so its order can move with this machine's noise. Ours is charged the seconds it
 spends before and between trials (memory model, prior probes) on top of the trials' own.
+
+`--floor SEEDS` searches nothing: on SEEDS perturbed copies of each base landscape it finds the stages
+that any rule must run to reach within 2% in 95% of them, and what the cheapest such rule (the
+prior's best of each of those stages, then stop) spends: the floor of trials and of trial-seconds run
+over those to the target that ours is judged against (stage_floor).
 """
 
 from __future__ import annotations
@@ -480,6 +486,64 @@ def evaluate_perturbed(base: Landscape, amp: float, seeds: int,
     return ls, rows
 
 
+def stage_floor(base: Landscape, amp: float, seeds: int, miss: float = 1 - 0.95) -> dict:
+    """What any rule must run on `base`'s perturbed copies to reach within 2% of the best in 1 - `miss`
+    of the seeds, where each ZeRO stage's error factor is its own (PERTURB_SHARES).
+
+    A measurement at one stage says nothing of another stage's factor (they are drawn independently, and
+    the prior's common offset is unknown to a rule, so no measured residual places a factor in its band),
+    so a rule that runs no candidate of stage z misses every seed in which all the configs within 2% of
+    the best are at z ("only z"). (A rule told the band's edges could skip the last stage where the
+    stages it measured already span most of the band; none that takes the offset as unknown can.)
+    The stages whose "only z" shares, smallest first, add up to at most `miss` can be left out; every
+    other stage is needed. The floor rule runs the prior's best candidate of each needed stage, best
+    prior first, and stops: the fewest trials such a rule runs, and its trial-seconds run over those to
+    the target. Its order cannot know the stage factors, so the position of its first hit, and with it
+    the ratio, is the same for any order of the needed stages on average."""
+    oks = [c for c in base.configs if base.table[c.key()].status == "ok"]
+    top = {}
+    for c in oks:   # the prior's best of each stage (base.table holds the unperturbed cost model)
+        if c.zero_stage not in top or base.table[c.key()].samples_per_s > base.table[top[c.zero_stage].key()].samples_per_s:
+            top[c.zero_stage] = c
+    only = {z: 0 for z in top}
+    looks = []   # per seed: stage -> (its prior's best reaches, its trial-seconds)
+    for s in range(seeds):
+        ls = perturbed(base, amp, s)
+        stages = {c.zero_stage for c in oks if ls.reached(c)}
+        if len(stages) == 1:
+            only[stages.pop()] += 1
+        looks.append({z: (ls.reached(c), ls.run(c).trial_s) for z, c in top.items()})
+    left_out, spent = set(), 0
+    for z in sorted(only, key=only.get):
+        if spent + only[z] > miss * seeds:
+            break
+        left_out.add(z)
+        spent += only[z]
+    needed = sorted((z for z in top if z not in left_out), key=lambda z: -base.table[top[z].key()].samples_per_s)
+    reached, ratios = 0, []
+    for look in looks:
+        costs = [look[z][1] for z in needed]
+        hit = next((i for i, z in enumerate(needed) if look[z][0]), None)
+        if hit is not None:
+            reached += 1
+            ratios.append(sum(costs) / sum(costs[:hit + 1]))
+    return {"seeds": seeds, "only": {z: n / seeds for z, n in sorted(only.items())}, "needed": needed,
+            "first_reached": sum(look[needed[0]][0] for look in looks) / seeds, "reached": reached,
+            "ratio": statistics.median(ratios) if ratios else None}
+
+
+def print_floor(base: Landscape, amp: float, seeds: int) -> None:
+    f = stage_floor(base, amp, seeds)
+    only = ", ".join(f"z{z} {100 * v:.1f}%" for z, v in f["only"].items())
+    q = "-" if f["ratio"] is None else f"{f['ratio']:.2f}x"
+    print(f"\n{base.name} perturbed +-{amp:.0%}, {seeds} seeds: the floor of any rule that reaches in 95% of them"
+          f"\n  seeds in which only one stage's configs are within 2% of the best: {only}"
+          f"\n  stages a rule must run: {', '.join(f'z{z}' for z in f['needed'])}; the prior's best config reaches in "
+          f"{100 * f['first_reached']:.1f}% of the seeds"
+          f"\n  the prior's best of each of those stages, then stop: reached {f['reached']}/{seeds}, "
+          f"{len(f['needed'])} trials, trial-s run / to target {q} (median)")
+
+
 def print_table(ls: Landscape, rows: dict[str, dict], seeds: int | None = None) -> None:
     oks = sum(o.status == "ok" for o in ls.table.values())
     what = f"{seeds} seeds, each its own landscape; the last:" if seeds else ""
@@ -512,6 +576,9 @@ def main() -> None:
     p.add_argument("--no-exhaustive", action="store_true",
                    help="with --landscape perturbed: ours with its stopping rule only, not --exhaustive for reference "
                         "(full.yaml: about a minute of planning per seed and strategy)")
+    p.add_argument("--floor", type=int, default=None, metavar="SEEDS",
+                   help="with --landscape perturbed: instead of searching, what any rule must run to reach within 2%% "
+                        "in 95%% of SEEDS perturbed copies (stage_floor; 1000 takes a minute for lora.yaml)")
     args = p.parse_args()
     if args.prior_error:
         for ls in (cpu_landscape(), cpu_landscape(DATA / "cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)")):
@@ -535,6 +602,9 @@ def main() -> None:
         if key in PERTURBED and args.landscape in ("all", "perturbed"):
             names = ("ours",) if args.no_exhaustive else ("ours --exhaustive", "ours")
             amp = PERTURBED[key] if args.amplitude is None else args.amplitude
+            if args.floor:
+                print_floor(ls, amp, args.floor)
+                continue
             last, rows = evaluate_perturbed(ls, amp, args.perturbed_seeds, names)
             print_table(last, rows, args.perturbed_seeds)
     print("\nMedians over seeds. 'reached': runs that got within 2% of the best. 'trials run': all a strategy "

@@ -91,3 +91,26 @@ def test_perturbed_landscape_is_bounded_structured_and_seeded(landscape):
     assert abs(ratios[z0[0].key()] - ratios[z3[0].key()]) > 0 and all(
         abs(ratios[c.key()] - ratios[z0[0].key()]) <= noise + 2 * se.PERTURB_SHARES["ckpt"] * 0.15 + 1e-12
         for c in z0 if c.key() in ratios)
+
+
+def _restaged(landscape, z3_speed: float):
+    """The hand landscape with everything fitting and ZeRO-3 at `z3_speed` x ZeRO-0's samples/s."""
+    table = {}
+    for c in landscape.configs:
+        sps = c.micro_batch / (1 + 0.1 * c.micro_batch) * (0.75 if c.ckpt_layers else 1.0)
+        table[c.key()] = se.Outcome("ok", sps * (z3_speed if c.zero_stage == 3 else 1.0), se.SIM_STARTUP_S + 10.0, 0)
+    return se.Landscape("restaged", landscape.model, landscape.cluster, landscape.space, 128, landscape.configs, table)
+
+
+def test_stage_floor_needs_every_stage_the_prior_cannot_tell_apart(landscape):
+    """Two stages tied by the prior: each is the only one within 2% of the best in a share of the seeds
+    (its own factor), so a rule must run both, and its trial-seconds after the first hit count. One stage
+    at half the speed: it is never within 2%, and the floor is one trial at 1.0x."""
+    tied = se.stage_floor(_restaged(landscape, 1.0), 0.15, 200)
+    assert tied["needed"] == [0, 3] and all(v > 0.05 for v in tied["only"].values())
+    # the first stage reaches in more than half of the seeds, and there the second one doubles the trial-seconds
+    assert tied["reached"] >= 0.95 * 200 and 0.5 < tied["first_reached"] < 0.8
+    assert tied["ratio"] == pytest.approx(2.0, rel=0.02)
+    far = se.stage_floor(_restaged(landscape, 0.5), 0.15, 200)
+    assert far["needed"] == [0] and far["only"][3] == 0.0
+    assert far["reached"] == 200 and far["first_reached"] == 1.0 and far["ratio"] == 1.0
