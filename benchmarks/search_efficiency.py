@@ -10,6 +10,9 @@ Landscapes (a config "runs" by reading its outcome; each run is a trial and cost
           benchmarks/record_cpu_landscape.py); trial-seconds = each trial's measured wall time.
   cpu-gpt2  the same for a GPT-2-style model of another shape (cpu_landscape_gpt2.csv), recorded
           after ours' CPU prior (autotune/cpu_prior.py) was written: the held-out landscape.
+  cpu-granite  the same for a Granite config (4 layers, hidden 128, 8 heads, 2 KV heads, tied), recorded
+          by `autotune search --exhaustive` on 2 CPU ranks on 2026-12-05 (one run per group, so 20
+          configs): the held-out live check on which a stopped search missed the best (docs/search.md).
   sim13b  Llama-2-13B on 4 x A100-80GB over the default search space: the memory model decides OOM,
           the cost model the throughput; trial-seconds = SIM_STARTUP_S + (warm-up + measured steps)
           x the simulated step (an OOM costs the start-up and one step).
@@ -565,7 +568,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=10, help="seeds for the seeded strategies (random, TPE)")
     p.add_argument("--perturbed-seeds", type=int, default=20, help="perturbed landscapes per base landscape")
-    p.add_argument("--landscape", choices=["cpu", "cpu-gpt2", "sim13b", "lora", "full", "perturbed", "all"],
+    p.add_argument("--landscape", choices=["cpu", "cpu-gpt2", "cpu-granite", "sim13b", "lora", "full", "perturbed", "all"],
                    default="all")
     p.add_argument("--prior-error", action="store_true", help="only the CPU prior's error on the recorded landscapes")
     p.add_argument("--only", nargs="+", choices=[k for k in PERTURBED], default=None,
@@ -587,6 +590,7 @@ def main() -> None:
     space = Path(__file__).resolve().parents[1] / "search_spaces"
     builders = {"cpu": cpu_landscape,
                 "cpu-gpt2": lambda: cpu_landscape(DATA / "cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)"),
+                "cpu-granite": lambda: cpu_landscape(DATA / "cpu_landscape_granite.csv", "cpu-granite (measured)"),
                 "sim13b": sim13b_landscape,
                 "lora": lambda: sim_landscape(space / "lora.yaml", "13b x 4xA100 lora.yaml (simulated)"),
                 "full": lambda: sim_landscape(space / "full.yaml", "13b x 4xA100 full.yaml (simulated)")}
