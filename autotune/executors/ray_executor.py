@@ -151,8 +151,16 @@ class RayExecutor(Executor):
             left = POLL_S if end is None else min(POLL_S, end - time.monotonic())
             if left <= 0:
                 return []
-            pending = [r for tr in self._trials.values() for r in (*tr.refs, tr.ready)]
-            ray.wait(pending, num_returns=1, timeout=left)
+            # only what has not happened yet: a ref that is ready already (the placement group once placed,
+            # a node that has finished) makes ray.wait return at once, and the loop then spins at half a core
+            # (measured on 2 cores: the driver at 46-48% CPU through every trial, its ranks at 60-80% each)
+            pending = [tr.ready for tr in self._trials.values() if tr.placed is None]
+            pending += [r for tr in self._trials.values()
+                        for r in ray.wait(tr.refs, num_returns=len(tr.refs), timeout=0)[1]]
+            if pending:
+                ray.wait(pending, num_returns=1, timeout=left)
+            else:
+                time.sleep(left)
         return []
 
     def _settled(self, ticket: str) -> bool:
