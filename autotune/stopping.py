@@ -103,7 +103,8 @@ weight (2026-12-05), SHARED as below:
   - 0.2: Granite 6 of 6 at 6 trials (it measures a second micro batch); Llama 5, GPT-2 4, every run reached.
   - 0.15 and 0.3: the same, but Granite at 7 with 0.3.
   - The rule before (flat offset, no trend): Granite 0 of 6 (2 trials), Llama 5, GPT-2 5-6.
-`python benchmarks/search_efficiency.py --landscape cpu-granite` reruns it with a fresh probe. A live search of
+`python benchmarks/search_efficiency.py --replay-priors 6` prints these (`--cpu-trend W --cpu-shared S` for the
+other rows; the rule before is `--cpu-trend 0 --cpu-shared 100`). A live search of
 a held-out Phi-3 config (40 groups) stopped after 5 and 8 (docs/search.md). The cost model's and a given
 prior's: 0 until GPU measurements show a slope; the perturbed landscapes' slope (up to +-15%) is within what
 the smooth part allows there (docs/search.md)."""
@@ -121,6 +122,12 @@ QUANTILE = 0.95
 """One-sided: a candidate's bound is what it reaches with 5% odds at most."""
 
 
+def _ordered_coords(c: TrainConfig, layers: int) -> tuple[float, ...]:
+    """The ordered settings as the smooth part and the trend count them: doublings of micro batch, accumulation
+    and sequence length, quarters of the layers checkpointed."""
+    return (math.log2(c.micro_batch), 4 * c.ckpt_layers / max(layers, 1), math.log2(c.grad_accum), math.log2(c.seq_len))
+
+
 def error_distance(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0) -> float:
     """Squared distance, in LENGTH units, between two candidates' smooth parts: doublings of micro batch,
     accumulation and sequence length, quarters of the layers checkpointed, `prior_gap` (the difference of
@@ -129,16 +136,9 @@ def error_distance(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float
     of a Gaussian and a Hamming kernel, both positive definite (a floor or a condition on the prior's gap
     would not be: the exhaustive plan of lora.yaml met a negative y' K^-1 y). The ZeRO stage is not in it:
     it is a factor of its own (error_kernel)."""
-    ordered = (math.log2(a.micro_batch / b.micro_batch) ** 2
-               + (4 * (a.ckpt_layers - b.ckpt_layers) / max(layers, 1)) ** 2
-               + math.log2(a.grad_accum / b.grad_accum) ** 2 + math.log2(a.seq_len / b.seq_len) ** 2)
+    ordered = sum((x - y) ** 2 for x, y in zip(_ordered_coords(a, layers), _ordered_coords(b, layers)))
     other = sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields() if f.name not in _ORDERED)
     return (ordered + (prior_gap / PRIOR_GAP) ** 2 + OTHER_MIN ** 2 * other) / LENGTH ** 2
-
-
-def _trend_coords(c: TrainConfig, layers: int) -> tuple[float, ...]:
-    """The ordered settings as error_distance counts them: doublings, quarters of the layers checkpointed."""
-    return (math.log2(c.micro_batch), 4 * c.ckpt_layers / max(layers, 1), math.log2(c.grad_accum), math.log2(c.seq_len))
 
 
 def error_kernel(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0, trend: float = 0.0) -> float:
@@ -146,7 +146,7 @@ def error_kernel(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float =
     the stage factor where they share a stage, the smooth part, and a linear trend of weight `trend` (W_STAGE,
     W_SMOOTH, TREND: a linear kernel, positive semi-definite; where it starts does not matter, as the shared
     offset takes any constant)."""
-    slope = sum(x * y for x, y in zip(_trend_coords(a, layers), _trend_coords(b, layers))) if trend else 0.0
+    slope = sum(x * y for x, y in zip(_ordered_coords(a, layers), _ordered_coords(b, layers))) if trend else 0.0
     return (W_STAGE * (a.zero_stage == b.zero_stage) + W_SMOOTH * math.exp(-error_distance(a, b, layers, prior_gap) / 2)
             + trend * slope)
 
