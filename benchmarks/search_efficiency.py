@@ -4,6 +4,7 @@ the best throughput, on fixed landscapes where every config's outcome is known i
     python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|cpu-gpt2|sim13b|lora|full|perturbed|all]
     python benchmarks/search_efficiency.py --landscape perturbed [--only full] [--amplitude 0.25] [--no-exhaustive]
     python benchmarks/search_efficiency.py --landscape perturbed --floor 1000 [--only lora]
+    python benchmarks/search_efficiency.py --replay-priors 6 [--cpu-trend 0 --cpu-shared 100]
 
 Landscapes (a config "runs" by reading its outcome; each run is a trial and costs its trial-seconds):
   cpu     real trials recorded on this machine's CPU (benchmarks/data/cpu_landscape.csv, written by
@@ -38,6 +39,10 @@ spends before and between trials (memory model, prior probes) on top of the tria
 that any rule must run to reach within 2% in 95% of them, and what the cheapest such rule (the
 prior's best of each of those stages, then stop) spends: the floor of trials and of trial-seconds run
 over those to the target that ours is judged against (stage_floor).
+
+`--replay-priors K` runs only ours on the three recorded CPU landscapes, with K CPU priors probed once
+per landscape and replayed, so that settings of the stopping rule for the CPU prior are compared on the
+same priors (replay_priors).
 """
 
 from __future__ import annotations
@@ -403,7 +408,9 @@ class _TableExecutor(Executor):
         return done
 
 
-def ours(ls: Landscape, seed: int, exhaustive: bool = False) -> list[TrainConfig]:
+def ours(ls: Landscape, seed: int, exhaustive: bool = False, cpu_prior: dict | None = None) -> list[TrainConfig]:
+    """`cpu_prior`: a CPU prior probed before (config key -> samples/s, probed_cpu_priors) in place of a fresh
+    probe; its probing seconds are not charged."""
     import optuna
 
     from autotune.cpu_prior import probe_adamw_s_per_param, probe_model
@@ -414,13 +421,14 @@ def ours(ls: Landscape, seed: int, exhaustive: bool = False) -> list[TrainConfig
         probe.cache_clear()   # a probe's seconds count on every run
     ex = _TableExecutor(ls)
     est = None if ls.estimates is None else (lambda model, cluster, cfg: ls.estimates[cfg.key()])
-    prior = None if ls.prior is None else (lambda cfg: ls.prior[cfg.key()])
+    table = ls.prior if cpu_prior is None else cpu_prior
+    prior = None if table is None else (lambda cfg: table[cfg.key()])
+    kind = "cpu prior" if cpu_prior is not None else "cost model" if ls.prior is not None else None
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         study = optuna.create_study(direction="maximize")
         search = Search(study, ls.model, ls.cluster, ls.space, ex, seq_len=ls.seq_len, out_root=Path(tmp),
-                        estimate_fn=est, prior=prior, exhaustive=exhaustive,
-                        prior_kind="cost model" if ls.prior is not None else None)
+                        estimate_fn=est, prior=prior, exhaustive=exhaustive, prior_kind=kind)
         search.run(progress=False)
     ls.planning_s["ours --exhaustive" if exhaustive else "ours"] = time.perf_counter() - t0
     return ex.order
@@ -582,7 +590,16 @@ def main() -> None:
     p.add_argument("--floor", type=int, default=None, metavar="SEEDS",
                    help="with --landscape perturbed: instead of searching, what any rule must run to reach within 2%% "
                         "in 95%% of SEEDS perturbed copies (stage_floor; 1000 takes a minute for lora.yaml)")
+    p.add_argument("--replay-priors", type=int, default=None, metavar="K",
+                   help="ours on the recorded CPU landscapes with K CPU priors probed once each and replayed for the "
+                        "stopping rule's settings (--cpu-trend, --cpu-shared)")
+    p.add_argument("--cpu-trend", type=float, default=None, help="with --replay-priors: stopping.TREND for the CPU prior")
+    p.add_argument("--cpu-shared", type=float, default=None,
+                   help="with --replay-priors: stopping.SHARED for the CPU prior (100 = flat)")
     args = p.parse_args()
+    if args.replay_priors:
+        replay_priors(args.replay_priors, args.cpu_trend, args.cpu_shared)
+        return
     if args.prior_error:
         for ls in (cpu_landscape(), cpu_landscape(DATA / "cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)")):
             prior_error(ls)
@@ -615,6 +632,51 @@ def main() -> None:
           "runs when left alone (grid, random: the whole space; TPE: until the target, it has no stopping "
           "rule). 'most run': the most one seed ran. 'run / to target': per run, trial-seconds run over trial-seconds to the target (the median). "
           "DeepSpeed's autotuner does not tune checkpointing: a best that needs it is out of its reach.")
+
+
+def probed_cpu_priors(ls: Landscape, k: int) -> tuple[list[dict], float]:
+    """`k` CPU priors of a recorded landscape, each probed anew over the configs that fit (config key ->
+    samples/s), and the median seconds one probing took."""
+    from autotune.cpu_prior import probe_adamw_s_per_param, probe_model
+    from autotune.memory import estimate
+    from autotune.search import default_prior
+
+    fits = [c for c in ls.configs if estimate(ls.model, ls.cluster, c).fits]
+    priors, seconds = [], []
+    for _ in range(k):
+        for probe in (probe_model, probe_adamw_s_per_param):
+            probe.cache_clear()
+        t0 = time.perf_counter()
+        prior = default_prior(ls.model, ls.cluster, fits)
+        priors.append({c.key(): prior(c) for c in ls.configs})
+        seconds.append(time.perf_counter() - t0)
+    return priors, statistics.median(seconds)
+
+
+def replay_priors(k: int, trend: float | None, shared: float | None) -> None:
+    """Ours on each recorded CPU landscape with the same `k` probed CPU priors (probed_cpu_priors), so that the
+    stopping rule's settings for the CPU prior (stopping.TREND, stopping.SHARED; overridden by `trend`,
+    `shared`) are compared on equal priors; each run is charged the median probing seconds."""
+    from autotune import stopping
+
+    if trend is not None:
+        stopping.TREND["cpu prior"] = trend
+    if shared is not None:
+        stopping.SHARED["cpu prior"] = shared
+    print(f"CPU prior: TREND {stopping.TREND['cpu prior']:g}, SHARED {stopping.SHARED['cpu prior']:g}; "
+          f"{k} priors probed per landscape, the same for every setting")
+    for path, name in (("cpu_landscape.csv", "cpu"), ("cpu_landscape_gpt2.csv", "cpu-gpt2"),
+                       ("cpu_landscape_granite.csv", "cpu-granite")):
+        ls = cpu_landscape(DATA / path, name)
+        priors, probe_s = probed_cpu_priors(ls, k)
+        runs = []
+        for prior in priors:
+            order = ours(ls, 0, cpu_prior=prior)
+            runs.append((ls, reach(ls, order, ls.planning_s["ours"] + probe_s), len(order)))
+        row = _row(runs)
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        print(f"  {name:12s} reached {row['reached']}/{row['runs']}; trials run {[n for _, _, n in runs]}; "
+              f"run / to target (median) {ratio}; probing {probe_s:.1f} s")
 
 
 def prior_error(ls: Landscape) -> None:
