@@ -214,11 +214,12 @@ class Search:
         self.exhaustive, self.tolerance = exhaustive, tolerance
         # whose known error bounds the prior before the study measured any (stopping.KNOWN_ERROR)
         known = prior_kind or ("given prior" if prior else "cpu prior" if cluster.gpu.is_cpu else "cost model")
-        samples = prior or default_prior(model, cluster, [c.cfg for c in self.plan.by_key.values() if self._fits(c)])
+        fitting = [c.cfg for c in self.plan.by_key.values() if self._fits(c)]
+        samples = prior or default_prior(model, cluster, fitting)
         # priors are in samples/s; a sequence is seq_len tokens
         ranked_prior = samples if objective == "samples" else (lambda cfg: samples(cfg) * cfg.seq_len)
         # the strategy picks by the bound, and stops by it (autotune/stopping.py)
-        self.strategy = Bounded(ranked_prior, model.num_layers, known)
+        self.strategy = Bounded(ranked_prior, model.num_layers, known, fitting)
         self.sampler = st.ChosenSampler()
         study.sampler = self.sampler
         self.out_root = out_root or st.study_dir(study.study_name)

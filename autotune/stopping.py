@@ -5,13 +5,14 @@ candidate. Call r(c) = log(true / prior) its residual. The residuals of two cand
 independent: the same code on the same machine misses by much the same factor, and close settings
 (one doubling of micro batch, LoRA ranks the prior prices alike) miss alike. So r is modelled as
 
-    r(c) = shared offset + stage factor + smooth part + trend + a part of its own
-           (SHARED)        (W_STAGE,      (W_SMOOTH, kernel    (TREND:  (NUGGET: no neighbour
-                            one per ZeRO   exp(-d^2 / 2) over   a slope  predicts it)
-                            stage)         `error_distance`,    in the
-                                           all stages alike)    settings)
+    r(c) = shared offset + stage factor + smooth part + trend + bend + a part of its own
+           (SHARED)        (W_STAGE,      (W_SMOOTH, kernel    (TREND:  (CURVE:  (NUGGET: no neighbour
+                            one per ZeRO   exp(-d^2 / 2) over   a slope  a curve  predicts it)
+                            stage)         `error_distance`,    in the   over the
+                                           all stages alike)    settings) settings)
 
-scaled by one unknown sigma. After each measured trial the posterior of r at every unrun candidate
+scaled by one unknown sigma, and a measurement misses r(c) by the trial's own noise (NOISE: on CPU ranks
+of a shared machine, a repeat of the same trial moves by several percent). After each measured trial the posterior of r at every unrun candidate
 gives a corrected prior (the posterior mean: the shared offset is learnt from the first measurement,
 the smooth part from the neighbours) and its spread. sigma is the prior's error *in this study*:
 the sum of squared errors the corrected prior made predicting each measured trial from the ones
@@ -118,6 +119,23 @@ level is itself a prediction: measured/prior at its best candidate was 0.83-1.01
 (autotune/cpu_prior.py): an offset of sd 2 sigma (0.2 at the known 10%). The Granite landscape's best-priced
 candidate ran at 0.52 of its prior: a first measurement that far off widens the error the study has shown, and
 counts as one more contrast (the offset is no longer fixed by it alone)."""
+CURVE = {"cost model": 0.0, "cpu prior": 0.1, "given prior": 0.0}
+"""Weight of a bend of the residual, in sigma^2 per doubling squared (a quadratic in each ordered setting, centred on
+the middle of the range the space's candidates span), shared by all stages: the CPU prior's miss is not only a slope.
+On the recorded NeoX landscape (cpu-neox) ZeRO-0 ran 66 samples/s at micro batch 4, 76 at 8 and 65 at 16, where every
+probed CPU prior put 16 first; on the Granite one micro batch 8 ran 45% faster than 16. A slope measured at 4 and 16
+then vouches for 8, and the search stopped 12-35% below the best. With a bend the micro batch between two measured
+ones keeps a spread of sqrt(CURVE) sigma (0.32 sigma) until it is measured itself. Replayed with eight probed CPU
+priors per landscape (`python benchmarks/search_efficiency.py --replay-priors 8 --noise 0.06`, 2026-12-06): 0.05 to
+0.2 reach alike; 0.1 is the middle. The cost model's: 0 until GPU measurements show a bend."""
+NOISE = {"cost model": 0.0, "cpu prior": 0.25, "given prior": 0.0}
+"""Variance of a measurement's own noise, in sigma^2 (0.25: an sd of half the prior's error, 5-6% at the CPU prior's
+10-12%): it widens what the study learns from one trial (K + NOISE in the fit), not the bound of an unrun candidate
+(its true speed, not one noisy reading of it). On 2 CPU ranks of this shared machine the same configuration,
+measured in three searches of one hour, ran 65.4, 68.4 and 63.7 samples/s (NeoX, ZeRO-0, micro batch 16), 59.4, 62.6
+and 68.9 (ZeRO-1), 55.4 and 64.8 (ZeRO-2): an sd of about 6%, as large as the gaps between the stages the rule
+otherwise took from one reading each. The cost model's simulated trials have none; real GPU trials repeat within 1-2%
+(docs/platform.md), within NUGGET."""
 QUANTILE = 0.95
 """One-sided: a candidate's bound is what it reaches with 5% odds at most."""
 
@@ -141,14 +159,24 @@ def error_distance(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float
     return (ordered + (prior_gap / PRIOR_GAP) ** 2 + OTHER_MIN ** 2 * other) / LENGTH ** 2
 
 
-def error_kernel(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0, trend: float = 0.0) -> float:
+def error_kernel(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0, trend: float = 0.0,
+                 curve: float = 0.0, center: Sequence[float] = (0.0, 0.0, 0.0, 0.0)) -> float:
     """Covariance of two candidates' residuals in sigma^2 units, less the shared offset and the own part:
-    the stage factor where they share a stage, the smooth part, and a linear trend of weight `trend` (W_STAGE,
-    W_SMOOTH, TREND: a linear kernel, positive semi-definite; where it starts does not matter, as the shared
-    offset takes any constant)."""
-    slope = sum(x * y for x, y in zip(_ordered_coords(a, layers), _ordered_coords(b, layers))) if trend else 0.0
+    the stage factor where they share a stage, the smooth part, a linear trend of weight `trend` and a bend of
+    weight `curve` about `center` (W_STAGE, W_SMOOTH, TREND, CURVE: linear kernels over the coordinates and their
+    centred squares, positive semi-definite; where the trend starts does not matter, as the shared offset takes any
+    constant)."""
+    xa, xb = _ordered_coords(a, layers), _ordered_coords(b, layers)
+    slope = sum(x * y for x, y in zip(xa, xb)) if trend else 0.0
+    bend = sum((x - c) ** 2 * (y - c) ** 2 for x, y, c in zip(xa, xb, center)) if curve else 0.0
     return (W_STAGE * (a.zero_stage == b.zero_stage) + W_SMOOTH * math.exp(-error_distance(a, b, layers, prior_gap) / 2)
-            + trend * slope)
+            + trend * slope + curve * bend)
+
+
+def ordered_center(cfgs: Sequence[TrainConfig], layers: int) -> tuple[float, ...]:
+    """The middle of the range each ordered coordinate spans over `cfgs` (the bend's centre, CURVE)."""
+    cols = list(zip(*(_ordered_coords(c, layers) for c in cfgs)))
+    return tuple((min(col) + max(col)) / 2 for col in cols) if cols else (0.0, 0.0, 0.0, 0.0)
 
 
 def t_quantile(q: float, dof: float) -> float:
@@ -168,9 +196,10 @@ class ResidualModel:
     """The Gaussian process over log(measured / prior) described at the top of this module."""
 
     def __init__(self, kernel: Callable[[TrainConfig, TrainConfig], float], known_error: float,
-                 nugget: float | None = None, nu0: float = 1.0, shared: float = FLAT):
+                 nugget: float | None = None, nu0: float = 1.0, shared: float = FLAT, noise: float = 0.0):
         self.kernel, self.known = kernel, known_error
         self.nugget = NUGGET if nugget is None else nugget
+        self.noise = noise         # a measurement's own noise (NOISE): in the fit, not in a prediction
         self.nu0, self.shared = nu0, shared
         self.flat = shared >= FLAT
         self.xs: list[TrainConfig] = []
@@ -197,7 +226,7 @@ class ResidualModel:
         if self._fit is None:
             n = len(self.xs)
             k = np.array([self._row(x) for x in self.xs]).reshape(n, n)
-            kinv = np.linalg.inv(k + self.nugget * np.eye(n))
+            kinv = np.linalg.inv(k + (self.nugget + self.noise) * np.eye(n))
             y = np.array(self.ys)
             alpha = kinv @ y
             # y' K^-1 y: the squared, standardised errors of predicting each measurement from the earlier
@@ -267,11 +296,17 @@ class Bounded:
     """The search strategy (search.Search.strategy): picks the unrun candidate with the largest bound
     and says when none can beat the best measured by more than the tolerance."""
 
-    def __init__(self, prior: Callable[[TrainConfig], float], layers: int, prior_name: str):
+    def __init__(self, prior: Callable[[TrainConfig], float], layers: int, prior_name: str,
+                 candidates: Sequence[TrainConfig] = ()):
+        """`candidates`: the configurations the search may run; the bend (CURVE) is centred on their range, and
+        without them there is none (a bend about an arbitrary centre would be a slope of any size)."""
         self._prior, self.prior_name = prior, prior_name
-        trend = TREND[prior_name]
-        kernel = lambda a, b: error_kernel(a, b, layers, self.log_prior(a) - self.log_prior(b), trend)  # noqa: E731
-        self.model = ResidualModel(kernel, KNOWN_ERROR[prior_name], nu0=NU0[prior_name], shared=SHARED[prior_name])
+        trend, curve = TREND[prior_name], CURVE[prior_name] if len(candidates) else 0.0
+        center = ordered_center(candidates, layers) if curve else (0.0, 0.0, 0.0, 0.0)
+        kernel = lambda a, b: error_kernel(a, b, layers, self.log_prior(a) - self.log_prior(b),  # noqa: E731
+                                           trend, curve, center)
+        self.model = ResidualModel(kernel, KNOWN_ERROR[prior_name], nu0=NU0[prior_name], shared=SHARED[prior_name],
+                                   noise=NOISE[prior_name])
         self._cache: dict[tuple, float] = {}
 
     def log_prior(self, cfg: TrainConfig) -> float:
