@@ -280,8 +280,11 @@ def test_a_micro_batch_between_two_measured_ones_stays_open_on_the_cpu_prior(mon
         spread[curve] = b.model.predict([c(0, 8)])[1][0] / b.model.sigma
     assert spread[0.1] > 1.1 * spread[0.0]
     assert stopping.CURVE["cost model"] == 0.0
-    assert Bounded(lambda cfg: 1.0, 4, "cpu prior").model.kernel(c(0, 1), c(0, 16)) == pytest.approx(
-        _between(monkeypatch, 0.0, 0.0, {})[0].model.kernel(c(0, 1), c(0, 16)))
+    # with the bend on, a rule given no candidates has no centre, so no bend: its kernel is the one without
+    bent, _ = _between(monkeypatch, 0.1, 0.0, {})
+    blind = Bounded(lambda cfg: 100.0, 4, "cpu prior").model.kernel(c(0, 1), c(0, 16))
+    assert bent.model.kernel(c(0, 1), c(0, 16)) > blind
+    assert blind == pytest.approx(_between(monkeypatch, 0.0, 0.0, {})[0].model.kernel(c(0, 1), c(0, 16)))
 
 
 def test_one_reading_of_a_stage_is_not_all_of_its_factor_on_cpu_ranks(monkeypatch):
