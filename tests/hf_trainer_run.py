@@ -99,6 +99,7 @@ def main(config_dir: str, ds_path: str, k: int, out_dir: str) -> None:
                                               "engine": type(trainer.model_wrapped).__name__,
                                               "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                                               "flags": flags}), flush=True)
+    exit_rank()
 
 
 if __name__ == "__main__":
