@@ -1,7 +1,7 @@
 """How many trials, and how many trial-seconds, each search strategy needs to reach within 2% of
 the best throughput, on fixed landscapes where every config's outcome is known in advance.
 
-    python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|cpu-gpt2|sim13b|lora|full|perturbed|all]
+    python benchmarks/search_efficiency.py [--seeds 10] [--landscape cpu|cpu-gpt2|cpu-granite|cpu-neox|cpu-phi3|sim13b|lora|full|perturbed|all]
     python benchmarks/search_efficiency.py --landscape perturbed [--only full] [--amplitude 0.25] [--no-exhaustive]
     python benchmarks/search_efficiency.py --landscape perturbed --floor 1000 [--only lora]
     python benchmarks/search_efficiency.py --replay-priors 8 [--noise 0.06] [--priors FILE] [--landscape cpu-neox]
@@ -18,6 +18,9 @@ Landscapes (a config "runs" by reading its outcome; each run is a trial and cost
   cpu-neox  the same for a GPT-NeoX config (4 layers, hidden 160, 5 heads, FFN 640, vocabulary 2048, untied),
           ZeRO 0-3 x mb 1-16 x accumulation 1, 2 (40 groups), recorded on 2026-12-06: a second live check that
           missed, on which micro batch 8 beats 4 and 16 by 14% (docs/search.md).
+  cpu-phi3  the same for a Phi-3 config (4 layers, hidden 192, 6 heads, FFN 512, vocabulary 2048, untied), the
+          same 40 groups, recorded on 2026-12-06 between two stopped live runs that left its best, micro batch 8,
+          unrun (docs/search.md).
   sim13b  Llama-2-13B on 4 x A100-80GB over the default search space: the memory model decides OOM,
           the cost model the throughput; trial-seconds = SIM_STARTUP_S + (warm-up + measured steps)
           x the simulated step (an OOM costs the start-up and one step).
@@ -135,7 +138,8 @@ class Landscape:
 CPU_LANDSCAPES = {"cpu": ("cpu_landscape.csv", "cpu (measured)"),
                   "cpu-gpt2": ("cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)"),
                   "cpu-granite": ("cpu_landscape_granite.csv", "cpu-granite (measured)"),
-                  "cpu-neox": ("cpu_landscape_neox.csv", "cpu-neox (measured)")}
+                  "cpu-neox": ("cpu_landscape_neox.csv", "cpu-neox (measured)"),
+                  "cpu-phi3": ("cpu_landscape_phi3.csv", "cpu-phi3 (measured)")}
 """The recorded CPU landscapes: --landscape key -> (file under benchmarks/data, name)."""
 
 
