@@ -46,7 +46,7 @@ def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
              f"{s:.4g} {p.objective}/s ({p.source}; the study ranks by {p.objective}/s)")
     if len(runs) > 1:
         s2 = speed[runs[1].trial]
-        line1 += f", {100 * (s / s2 - 1):.1f}% faster than #{runs[1].trial} ({s2:.4g})"
+        line1 += f", {100 * (s / s2 - 1):.1f}% faster than #{runs[1].trial} ({s2:.4g})" + within_noise(s / s2 - 1, win.result)
     t = next((b for b in p.time if b.trial == win.number), None)
     if t and len(t.parts) > 1:
         share = ", ".join(f"{k} {100 * v / t.step_time_s:.0f}%" for k, v in t.parts.items() if v > 0)
@@ -63,6 +63,20 @@ def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
                                  f"{'that stage' if len(ruled) == 1 else 'those stages'} fits)" if ruled
                                  else "no ZeRO stage entirely by memory")
     return [line1, line2, line3]
+
+
+def within_noise(margin: float, result) -> str:
+    """A clause for the winner's margin over the runner-up where the winner's own measured steps spread by more
+    than it (the slowest rank's step times, max - min over their median): one trial each does not tell the two
+    apart. On two CPU ranks of a shared machine the steps of one trial spread by a median 10-16% and the same
+    configuration read 8% apart between searches (docs/search.md); simulated trials have no spread."""
+    if result is None or not result.step_time_s or not result.step_time_spread_s:
+        return ""
+    spread = result.step_time_spread_s / result.step_time_s
+    if margin >= spread:
+        return ""
+    return (f" (within the {100 * spread:.0f}% spread of the winner's own measured steps: one trial each does not "
+            "tell the two apart; the space's `trial: steps` measures more)")
 
 
 def _next_micro_batch(model, cluster, cfg) -> str:

@@ -112,6 +112,26 @@ def test_measured_cpu_pictures(killed_and_resumed, tmp_path, monkeypatch):
     assert all(b.measured_peak_bytes for b in p.memory if b.status == "ok")
     assert all(t.source.startswith("measured") for t in p.time)
     check_files(study, tmp_path / "out")
+    # the winner's margin is flagged exactly when its own steps spread by more than it
+    from autotune import report_page
+
+    ok = sorted((r for r in st.records(study) if r.status == "ok"), key=lambda r: -r.result.samples_per_s)
+    assert len(ok) > 1
+    why = report_page.why_lines(study, p)[0]
+    margin = ok[0].result.samples_per_s / ok[1].result.samples_per_s - 1
+    noisy = margin < ok[0].result.step_time_spread_s / ok[0].result.step_time_s
+    assert ("spread of the winner's own measured steps" in why) == noisy
+
+
+def test_a_margin_within_the_winners_step_spread_is_flagged():
+    from autotune.report_page import within_noise
+    from autotune.trial.record import TrialResult
+
+    steps = TrialResult(status="ok", step_time_s=1.0, step_time_spread_s=0.15)   # steps 15% apart
+    assert "within the 15% spread" in within_noise(0.053, steps)
+    assert within_noise(0.20, steps) == ""
+    assert within_noise(0.01, TrialResult(status="ok", step_time_s=1.0, step_time_spread_s=0.0)) == ""   # simulated
+    assert within_noise(0.01, None) == ""
 
 
 @pytest.mark.slow
