@@ -8,6 +8,10 @@ so `wall_s` is what the trial really cost), written to benchmarks/data/<landscap
     python benchmarks/record_cpu_landscape.py --best-of benchmarks/data/cpu_landscape.csv
                                                          # measure again, keep the faster of the two
     python benchmarks/record_cpu_landscape.py --limit 3  # a quick look
+    python benchmarks/record_cpu_landscape.py --from-study neox-exh1 --out benchmarks/data/cpu_landscape_neox.csv \
+        --recorded 2026-12-06 --space-note "ZeRO 0-3 x mb 1-16 x ckpt 0/2/4 x ga 1/2, fp32"
+                                                         # a landscape from an `autotune search --exhaustive` study
+                                                         # (run where its trials/ folder is)
 
 On a shared machine other work would be measured too: a trial starts only once the 1-minute load
 average is below --max-load, and the load after it is recorded; --resume re-measures the rows whose
@@ -144,6 +148,34 @@ def row_key(row: dict) -> tuple:
     return tuple(str(row[k]) for k in COLUMNS[:6])
 
 
+def from_study(name: str, out: Path, recorded: str, space_note: str) -> int:
+    """Write the runs of `autotune search --exhaustive` study `name` (one per group: the group's first member
+    that fits) as a landscape: the Granite, NeoX and Phi-3 ones. Its trials ran as a search runs them (through
+    Ray, one at a time), not under this script's quiet-load wait, so the load columns are empty. Returns the rows."""
+    from autotune import study as st
+    from autotune.search_space import parse_space
+
+    study = st.load_study(name)
+    model, _, attrs = st.specs_of(study)
+    trial = parse_space(attrs["space_text"]).trial
+    meta = {"model": dataclasses.asdict(model), "gpus": attrs["gpus"], "steps": trial.steps,
+            "warmup_steps": trial.warmup_steps, "recorded": recorded,
+            "source": f"autotune search --exhaustive, study {name} (space: {space_note})"}
+    runs = [r for r in st.records(study) if r.config is not None and r.result is not None
+            and r.status not in ("pruned", "running", "interrupted")]
+    with out.open("w", newline="") as f:
+        f.write("\n".join(f"# {k}: {json.dumps(v)}" for k, v in meta.items()) + "\n")
+        w = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+        w.writeheader()
+        for r in runs:
+            ok, res = r.status == "ok", r.result
+            w.writerow({**{k: getattr(r.config, k) for k in COLUMNS[:6]}, "status": r.status,
+                        "samples_per_s": res.samples_per_s if ok else "", "step_time_s": res.step_time_s if ok else "",
+                        "peak_bytes": res.peak_bytes if ok and res.peak_bytes else "", "wall_s": round(res.wall_s or 0.0, 3),
+                        "load_before": "", "load_after": "", "reason": "" if ok else res.reason.replace("\n", " ")[:200]})
+    return len(runs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", type=int, default=None, help="record only the first N configs")
@@ -157,7 +189,16 @@ def main() -> None:
                    help="with --resume: a row is clean if the load after its trial was at most this")
     p.add_argument("--best-of", type=Path, default=None,
                    help="an earlier recording: measure every config again and keep the faster row")
+    p.add_argument("--from-study", default=None, metavar="NAME",
+                   help="write the runs of an `autotune search --exhaustive` study as a landscape (no trial runs)")
+    p.add_argument("--recorded", default=time.strftime("%Y-%m-%d"), help="with --from-study: the day it ran")
+    p.add_argument("--space-note", default="", help="with --from-study: the space, in words, for the header")
     args = p.parse_args()
+    if args.from_study:
+        if args.out is None:
+            p.error("--from-study needs --out")
+        print(f"{from_study(args.from_study, args.out, args.recorded, args.space_note)} runs -> {args.out}")
+        return
     setup = SETUPS[args.landscape]
     args.out = args.out or DATA / f"{args.landscape}.csv"
     earlier = {row_key(r): r for r in clean_rows(args.best_of, float("inf"))} if args.best_of else None
