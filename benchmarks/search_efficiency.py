@@ -627,8 +627,8 @@ def main() -> None:
                       args.priors)
         return
     if args.prior_error:
-        for ls in (cpu_landscape(), cpu_landscape(DATA / "cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)")):
-            prior_error(ls)
+        for key in ("cpu", "cpu-gpt2"):
+            prior_error(cpu_landscape(DATA / CPU_LANDSCAPES[key][0], CPU_LANDSCAPES[key][1]))
         return
     space = Path(__file__).resolve().parents[1] / "search_spaces"
     builders = {key: (lambda f=f, name=name: cpu_landscape(DATA / f, name)) for key, (f, name) in CPU_LANDSCAPES.items()}
@@ -711,6 +711,12 @@ def replay_priors(k: int, overrides: dict[str, float | None], only: str = "all",
                 priors_file.write_bytes(pickle.dumps(saved))
         priors, probe_s = saved[name][0][:k], saved[name][1]
         runs, winners, exhaustive = [], [], []
+
+        def judged(seen: Landscape, cfgs) -> float:
+            """The highest reading of `cfgs` in `seen`, as its speed in the landscape over the landscape's best."""
+            ok = [c for c in cfgs if seen.run(c).status == "ok"]
+            return ls.run(max(ok, key=lambda c: seen.run(c).samples_per_s)).samples_per_s / ls.best
+
         for i, prior in enumerate(priors):
             for draw in range(noise_seeds if noise else 1):
                 seen = ls
@@ -719,12 +725,10 @@ def replay_priors(k: int, overrides: dict[str, float | None], only: str = "all",
                     table = {key: Outcome(o.status, o.samples_per_s * math.exp(rng.gauss(0, noise)), o.trial_s,
                                           o.peak_bytes) if o.status == "ok" else o for key, o in ls.table.items()}
                     seen = Landscape(ls.name, ls.model, ls.cluster, ls.space, ls.seq_len, ls.configs, table)
-                    exhaustive.append(ls.run(max((c for c in ls.configs if seen.run(c).status == "ok"),
-                                                 key=lambda c: seen.run(c).samples_per_s)).samples_per_s / ls.best)
+                    exhaustive.append(judged(seen, ls.configs))
                 order = ours(seen, 0, cpu_prior=prior)
                 runs.append((ls, reach(ls, order, seen.planning_s["ours"] + probe_s), len(order)))
-                ok = [c for c in order if seen.run(c).status == "ok"]
-                winners.append(ls.run(max(ok, key=lambda c: seen.run(c).samples_per_s)).samples_per_s / ls.best)
+                winners.append(judged(seen, order))
         row = _row(runs)
         quarter = len({(c.zero_stage, c.micro_batch, c.grad_accum) for c in ls.configs}) / 4
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
