@@ -151,8 +151,9 @@ def row_key(row: dict) -> tuple:
 def from_study(name: str, out: Path, recorded: str, space_note: str) -> int:
     """Write the runs of `autotune search --exhaustive` study `name` (one per group: the group's first member
     that fits) as a landscape: the NeoX and Phi-3 ones (from neox-exh1 it writes cpu_landscape_neox.csv's
-    values exactly; the Granite one has the same form, from a study no longer at hand). Its trials ran as a search runs them (through
-    Ray, one at a time), not under this script's quiet-load wait, so the load columns are empty. Returns the rows."""
+    values exactly; the Granite one has the same form, from a study no longer at hand). Its trials ran as a
+    search runs them (through Ray, one at a time), not under this script's quiet-load wait, so the load columns
+    are empty. Returns the rows."""
     from autotune import study as st
     from autotune.search_space import parse_space
 
