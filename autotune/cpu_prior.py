@@ -174,6 +174,17 @@ def rank_threads(cluster: Cluster) -> int:
     return cpu_threads_per_rank(cluster.gpus_per_node)
 
 
+LONG_PROBE_S = 3.0
+"""A forward+backward timed at this or longer is not timed again: neither the second timing of
+`probe_model` nor a later pass of `probe_passes`. Both repeats are there for short timings that a
+burst of this shared machine's other load (0.2-4 s on, 0.2-3 s off; PROBE_PASSES) can cover whole; a
+timing of several seconds already spans several bursts. What it saves: a StableLM config of 2.6M
+parameters, bf16 on CPU ranks without native bf16 arithmetic (about 10x slower than fp32 there), micro
+batch 4, 8 and 16 at sequence 128, timed 4.6-4.8, 8.1-9.4 and 17.6-18.4 s per call in each of two passes,
+63 of the 68 s the prior took before that search's first trial (its three trials took 40 s;
+2026-12-06). The recorded CPU landscapes' forward+backward are under 0.85 s even in a two-rank step
+(the slowest ZeRO-0 micro step in their files), so their priors are probed as before."""
+
 PROBE_TIMINGS = 2
 """Timings of each micro batch's forward+backward in `probe_model`, the fastest kept. More do not
 rank better here: on the GPT-2 landscape, with gloo priced at a fixed 0.45 ms per call and 1 GB/s so
@@ -198,7 +209,7 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
     with two, in 3 of 10. `lora`: (method, rank, targets, dropout) of a LoRA config, timed on the
     real peft module (frozen base: no weight gradients; adapters' small GEMMs), None for full.
 
-    Each micro batch is timed on its own, PROBE_TIMINGS times in a row, as a trial repeats one
+    Each micro batch is timed on its own, PROBE_TIMINGS times in a row (once at LONG_PROBE_S or longer), as a trial repeats one
     shape. Timing a search's micro batches in turns (1, 2, 4, 1, 2, 4) against the machine's drift was tried and
     measured worse: over four runs the Llama landscape's rank correlation fell from 0.95-0.985 to
     0.85-0.95 and the first pick missed the best by 27% in all four (the likely cause, unverified:
@@ -236,7 +247,9 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
 
         try:
             run(1)
-            timed = [run(micro_batch) for _ in range(PROBE_TIMINGS)]
+            timed = [run(micro_batch)]
+            while len(timed) < PROBE_TIMINGS and timed[0][0] < LONG_PROBE_S:
+                timed.append(run(micro_batch))
         finally:
             for h in hooks:
                 h.remove()
@@ -342,11 +355,14 @@ def probe_passes(keys: list[tuple], passes: int) -> dict[tuple, tuple[float, flo
     """probe_model's figures for each of `keys`, timed in `passes` passes over them in micro batch
     order, the fastest of each kept (PROBE_PASSES). The same order each pass: every shape's timings
     are a whole pass apart (in alternating order, the last shape's two came back to back, and the
-    minimum of two close timings favoured the shapes in the middle)."""
+    minimum of two close timings favoured the shapes in the middle). A shape timed at LONG_PROBE_S or
+    longer is not timed again."""
     order = sorted(set(keys), key=lambda k: (k[2], repr(k[1:])))
     best: dict[tuple, tuple[float, float]] = {}
-    for _ in range(passes):
+    for n in range(passes):
         for key in order:
+            if n and best[key][0] >= LONG_PROBE_S:
+                continue
             t = probe_model.__wrapped__(*key)
             best[key] = t if key not in best else (min(best[key][0], t[0]), min(best[key][1], t[1]))
     return best

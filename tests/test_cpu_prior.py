@@ -74,6 +74,44 @@ def test_the_shapes_asked_about_are_probed_in_two_passes_and_the_faster_kept(mon
     assert prior(cfgs[4]) > prior(cfgs[2])   # mb 2 beats mb 1: its slow first timing (5x) was not kept
 
 
+def test_a_shape_timed_at_long_probe_s_is_not_probed_again(monkeypatch):
+    """A forward+backward of LONG_PROBE_S or longer already spans the machine's bursts: no second
+    pass for it (pure glue: the probe scripted), while the short shapes still get theirs."""
+    calls = []
+
+    def timed(m, s, mb, p, a, th):
+        calls.append(mb)
+        return cp.LONG_PROBE_S * mb / 4, 0.001 * mb    # mb 4 and 8 at or over the line, 1 and 2 under
+
+    monkeypatch.setattr(cp.probe_model, "__wrapped__", timed, raising=False)
+    keys = [cp._probe_key(TINY, TrainConfig(micro_batch=mb, precision="fp32", seq_len=64), 1) for mb in (8, 1, 4, 2)]
+    got = cp.probe_passes(keys, 2)
+    assert calls == [1, 2, 4, 8, 1, 2]
+    assert got[keys[0]][0] == 2 * cp.LONG_PROBE_S
+
+
+@pytest.mark.slow
+def test_a_long_forward_and_backward_is_timed_once(monkeypatch):
+    """probe_model itself: with the line at 0 every shape is long, so one timing after the warm-up
+    (a real tiny model, its forward counted by a hook)."""
+    import torch
+
+    calls = []
+    real = torch.nn.Module.__call__
+
+    def counting(self, *a, **kw):
+        if type(self).__name__.endswith("ForCausalLM"):
+            calls.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", counting)
+    for line, want in ((float("inf"), 1 + cp.PROBE_TIMINGS), (0.0, 2)):
+        monkeypatch.setattr(cp, "LONG_PROBE_S", line)
+        calls.clear()
+        cp.probe_model.__wrapped__(TINY, 32, 2, "fp32", "sdpa", 1)
+        assert len(calls) == want
+
+
 def test_ring_volumes_and_calls_follow_the_stage():
     """ZeRO-0 all-reduces once per step; ZeRO-2 reduces every micro step; ZeRO-3 also gathers twice."""
     cfg = lambda z, ga: TrainConfig(zero_stage=z, micro_batch=1, grad_accum=ga, precision="fp32", seq_len=64)  # noqa: E731
