@@ -93,7 +93,7 @@ def test_a_shape_timed_at_long_probe_s_is_not_probed_again(monkeypatch):
 @pytest.mark.slow
 def test_a_long_forward_and_backward_is_timed_once(monkeypatch):
     """probe_model itself: with the line at 0 every shape is long, so one timing after the warm-up
-    (a real tiny model, its forward counted by a hook)."""
+    (a real tiny model, its forwards counted at the causal-LM module's call)."""
     import torch
 
     calls = []
