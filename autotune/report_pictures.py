@@ -22,6 +22,7 @@ import optuna
 from autotune import costmodel
 from autotune import memory as mem
 from autotune import study as st
+from autotune.reads_memo import ReadsMemo
 from autotune.trial.record import FAILED
 from autotune.units import GiB
 
@@ -155,6 +156,7 @@ def frontier_points(recs, model, cluster, source: str, objective: str = "samples
     on a CPU cluster the cost model has no calibrated device, so they sit on the axis."""
     ranked = _ranked_runs(recs, objective)
     winner = ranked[0].number if ranked else None
+    simulate = ReadsMemo(costmodel.simulate)     # pruned candidates that differ only in what it does not read
     pts = []
     for r in recs:
         if r.status not in ("ok", "pruned", *FAILED) or r.config is None:
@@ -164,7 +166,7 @@ def frontier_points(recs, model, cluster, source: str, objective: str = "samples
             pts.append(FrontierPoint(r.number, "ok", "", peak, _speed(r, objective), r.result.source or source,
                                      r.number == winner))
         elif r.status == "pruned":
-            sim = _simulated_samples(model, cluster, r.config)
+            sim = _simulated_samples(model, cluster, r.config, simulate)
             if sim is not None and objective == "tokens":
                 sim *= r.config.seq_len
             pts.append(FrontierPoint(r.number, "pruned", r.pruned_by or "", peak, sim,
@@ -174,10 +176,10 @@ def frontier_points(recs, model, cluster, source: str, objective: str = "samples
     return pts
 
 
-def _simulated_samples(model, cluster, cfg) -> float | None:
+def _simulated_samples(model, cluster, cfg, simulate=costmodel.simulate) -> float | None:
     if cluster.gpu.is_cpu:     # the cost model prices GPU kernels and links only
         return None
-    return costmodel.simulate(model, cluster, cfg).samples_per_s
+    return simulate(model, cluster, cfg).samples_per_s
 
 
 def time_bars(recs, model, cluster, source: str, objective: str = "samples") -> list[TimeBar]:
