@@ -37,7 +37,7 @@ from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
 from autotune.models.hf_config import default_attention
-from autotune.train_config import TrainConfig, allowed_text, check_config, check_value, searched_fields
+from autotune.train_config import LORA_FIELDS, TrainConfig, allowed_text, check_config, check_value, searched_fields
 from autotune.units import parse_duration_s
 
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
@@ -276,6 +276,12 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     for i in fi:
         n_free *= len(lists[i])
     defaults = TrainConfig().to_dict()
+    # a combination whose values each pass check_value, and whose combination passed check_combination on the
+    # namespace, is built without checking them again (TrainConfig.prechecked); any other is built with the checks,
+    # which say why it is refused. Where check_combination reads an adapter setting, which __post_init__ resets
+    # without adapters before it checks, the namespace's check is not the config's: every config is built checked.
+    valid = [[_valid_value(n, v) for v in values] for n, values in zip(names, lists)]
+    trusted = not (checked & set(LORA_FIELDS)) and all(_valid_value(n, v) for n, v in defaults.items() if n not in names)
     found: list[tuple[tuple[int, ...], TrainConfig]] = []
     counts: dict[str, int] = {}
     first: dict[str, tuple[int, ...]] = {}
@@ -308,7 +314,10 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
             values = {**base, **{names[i]: lists[i][j] for i, j in zip(fi, fidx)}}
             where = tuple(at)
             try:
-                cfg = TrainConfig(**{n: values[n] for n in names})
+                if trusted and all(valid[i][j] for i, j in enumerate(where)):
+                    cfg = TrainConfig.prechecked(values)
+                else:
+                    cfg = TrainConfig(**{n: values[n] for n in names})
                 check_config(cfg, model, cluster)
             except SpecError as e:
                 exclude(str(e), where)
@@ -322,6 +331,14 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
             seen.add(cfg.key())
             out.append(cfg)
     return _expansion(space, model, cluster, out, {why: counts[why] for why in sorted(counts, key=first.get)})
+
+
+def _valid_value(name: str, v: Any) -> bool:
+    try:
+        check_value(name, v)
+    except SpecError:
+        return False
+    return True
 
 
 def _expansion(space: SearchSpace, model: ModelSpec, cluster: Cluster, out: list[TrainConfig],

@@ -244,6 +244,25 @@ class TrainConfig:
             raise SpecError("allgather_bucket_size must be even: DeepSpeed asserts a multiple of "
                             "nccl_start_alignment_factor 2 (stage_1_and_2.py)")
 
+    @classmethod
+    def prechecked(cls, values: dict[str, Any]) -> "TrainConfig":
+        """The config of `values` (every field), built without the checks of `__post_init__`, for a caller that
+        made them: `search_space.expand`, where each value passed `check_value` and the combination passed
+        `check_combination` on a namespace, does this for each of the tens of thousands of candidates of a large
+        space (`full.yaml` for 13B on 4 x A100: 48,996; a frozen dataclass' own `__init__` sets each field
+        through `object.__setattr__`). The adapter settings are reset without adapters, and an integer
+        dropout made a float, as `__post_init__` does."""
+        cfg = object.__new__(cls)
+        fields = object.__getattribute__(cfg, "__dict__")    # frozen: the instance's dict, filled directly
+        fields.update(values)
+        if len(fields) != len(_FIELD_NAMES):
+            raise ValueError(f"prechecked needs every field: {sorted(set(_FIELD_NAMES) ^ set(fields))}")
+        if fields["method"] == "full":
+            fields.update(_LORA_DEFAULTS)
+        elif isinstance(fields["lora_dropout"], int) and not isinstance(fields["lora_dropout"], bool):
+            fields["lora_dropout"] = float(fields["lora_dropout"])
+        return cfg
+
     @property
     def alpha(self) -> int:
         """peft's lora_alpha: the field, or 2 x rank for the sentinel 0."""
@@ -290,6 +309,7 @@ class TrainConfig:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_LORA_DEFAULTS = {name: TrainConfig.__dataclass_fields__[name].default for name in LORA_FIELDS}
 _SORTED_NAMES = tuple(sorted(_FIELD_NAMES))
 
 

@@ -96,6 +96,37 @@ def test_expand_counts_and_global_batch():
     assert sum(exp.excluded.values()) == 2 * 2 and "does not divide --global-batch 16" in next(iter(exp.excluded))
 
 
+@pytest.mark.parametrize("space,gpus", [(s.name, g) for s in sorted(SPACES_DIR.glob("*.yaml"))
+                                         for g in ("4xA100", "2xcpu") if not (s.name == "full.yaml" and g == "2xcpu")])
+def test_expand_builds_what_checking_every_combination_builds(space, gpus):
+    """expand checks each combination of check_combination's fields once and builds the configs that pass it
+    without TrainConfig's checks (TrainConfig.prechecked): the same candidates, in the same order, and the same
+    reasons with the same counts as `_expand_each`, which checks and builds every combination of the product, and
+    each candidate passes TrainConfig's checks when built again from its values."""
+    from autotune.search_space import _expand_each
+    from autotune.train_config import TrainConfig, searched_fields
+
+    model, cluster, sp = resolve_model("13b"), parse_gpus(gpus), load_space(SPACES_DIR / space)
+    names = [f.name for f in searched_fields()]
+    fast = expand(sp, model, cluster, seq_len=2048)
+    each = _expand_each(sp, model, cluster, names, [sp.resolved(n, model, cluster, 2048) for n in names], None)
+    assert [c.key() for c in fast.candidates] == [c.key() for c in each.candidates]
+    assert list(fast.excluded.items()) == list(each.excluded.items())
+    assert all(TrainConfig(**c.to_dict()) == c for c in fast.candidates)
+
+
+def test_a_prechecked_config_is_reset_as_a_checked_one():
+    from autotune.train_config import TrainConfig
+
+    values = {**TrainConfig().to_dict(), "method": "full", "lora_rank": 64, "zero_stage": 2}
+    assert TrainConfig.prechecked(values) == TrainConfig(**values) and TrainConfig(**values).lora_rank == 8
+    values = {**values, "method": "lora", "lora_dropout": 0}
+    got = TrainConfig.prechecked(values)
+    assert got == TrainConfig(**values) and isinstance(got.lora_dropout, float)
+    with pytest.raises(ValueError):
+        TrainConfig.prechecked({"zero_stage": 1})
+
+
 def test_expand_auto_precision_without_bf16_and_invalid_combinations(tmp_path):
     space = parse_space("zero_stage: [0, 1]\nprecision: [auto, fp16]\nmicro_batch: [1]\nckpt_layers: [0]\n"
                         "offload_optimizer: [false, true]\n")
