@@ -374,6 +374,7 @@ def test_records_read_from_the_rows_equal_optunas_trials(tmp_path, monkeypatch):
     kind of trial (pruned in bulk, complete with a result, failed, running, one left running by a dead
     process) reads back as record_of(FrozenTrial) reads it."""
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
+    monkeypatch.setattr(st, "_CONFIGS", {})      # no config text read by an earlier test
     cfgs = [TrainConfig(zero_stage=z, micro_batch=b) for z in (0, 2) for b in (1, 4)]
     dists = st.distributions(cfgs)
     study = st.create_study("rows", None, {"x": 1}, sampler=st.ChosenSampler())
@@ -390,5 +391,7 @@ def test_records_read_from_the_rows_equal_optunas_trials(tmp_path, monkeypatch):
     slow = [st.record_of(t) for t in sorted(fresh.get_trials(deepcopy=False), key=lambda t: t.number)]
     fast = st.records(fresh)
     assert fast == slow and len(fast) == 5 and st.records(study) == fast
+    # the pruned records' configs are those add_finished wrote, filed under the text it wrote: not parsed again
+    assert fast[0].config is cfgs[0] and fast[1].config is cfgs[1]
     assert [r.status for r in fast][:3] == ["pruned", "pruned", "ok"] and fast[2].value == 3.25
     assert fast[2].result.samples_per_s == 3.25 and fast[4].state == optuna.trial.TrialState.RUNNING
