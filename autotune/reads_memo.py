@@ -2,7 +2,7 @@
 
 A search estimates every candidate of its space before it runs anything: `search_spaces/full.yaml` for 13B
 on 4 x A100 expands to 48,996 candidates, and the memory model reads only some of their settings (ZeRO++
-quantization and the hpZ partition nowhere, overlap_comm and grad_accum_dtype only at some stages). Its
+quantization nowhere; the hpZ partition, overlap_comm and grad_accum_dtype only for some candidates). Its
 48,996 estimates hold 7,020 distinct results.
 
 `ReadsMemo(fn)` runs `fn(model, cluster, cfg)` on a copy of `cfg` that notes every field read from it

@@ -255,8 +255,8 @@ class TrainConfig:
         cfg = object.__new__(cls)
         fields = object.__getattribute__(cfg, "__dict__")    # frozen: the instance's dict, filled directly
         fields.update(values)
-        if len(fields) != len(_FIELD_NAMES):
-            raise ValueError(f"prechecked needs every field: {sorted(set(_FIELD_NAMES) ^ set(fields))}")
+        if fields.keys() != _FIELD_SET:
+            raise ValueError(f"prechecked needs every field and no other: {sorted(_FIELD_SET ^ fields.keys())}")
         if fields["method"] == "full":
             fields.update(_LORA_DEFAULTS)
         elif isinstance(fields["lora_dropout"], int) and not isinstance(fields["lora_dropout"], bool):
@@ -309,6 +309,7 @@ class TrainConfig:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_FIELD_SET = frozenset(_FIELD_NAMES)
 _LORA_DEFAULTS = {name: TrainConfig.__dataclass_fields__[name].default for name in LORA_FIELDS}
 _SORTED_NAMES = tuple(sorted(_FIELD_NAMES))
 

@@ -125,6 +125,8 @@ def test_a_prechecked_config_is_reset_as_a_checked_one():
     assert got == TrainConfig(**values) and isinstance(got.lora_dropout, float)
     with pytest.raises(ValueError):
         TrainConfig.prechecked({"zero_stage": 1})
+    with pytest.raises(ValueError):
+        TrainConfig.prechecked({**{k: v for k, v in values.items() if k != "seq_len"}, "seqlen": 2048})
 
 
 def test_expand_auto_precision_without_bf16_and_invalid_combinations(tmp_path):
