@@ -47,13 +47,6 @@ class _Noting(TrainConfig):
         return object.__getattribute__(self, name)
 
 
-def _noting(cfg: TrainConfig) -> _Noting:
-    """A noting copy of `cfg`, its values as they are (TrainConfig's checks ran when `cfg` was built)."""
-    copy = object.__new__(_Noting)
-    object.__getattribute__(copy, "__dict__").update({f: getattr(cfg, f) for f in _FIELDS})
-    return copy
-
-
 class ReadsMemo:
     """`fn(model, cluster, cfg)` memoised by the fields of `cfg` it reads (module docstring). One memo serves
     one model and cluster: it is keyed on the configuration alone."""
@@ -78,7 +71,7 @@ class ReadsMemo:
         noted: set[str] = set()
         _noted = noted
         try:
-            out = self.fn(model, cluster, _noting(cfg))
+            out = self.fn(model, cluster, _Noting.prechecked(cfg.to_dict()))   # cfg's checks ran when it was built
         finally:
             _noted = None
         self.calls += 1

@@ -176,7 +176,7 @@ def frontier_points(recs, model, cluster, source: str, objective: str = "samples
     return pts
 
 
-def _simulated_samples(model, cluster, cfg, simulate=costmodel.simulate) -> float | None:
+def _simulated_samples(model, cluster, cfg, simulate) -> float | None:
     if cluster.gpu.is_cpu:     # the cost model prices GPU kernels and links only
         return None
     return simulate(model, cluster, cfg).samples_per_s

@@ -217,11 +217,7 @@ def _allowed(key: str, v: Any) -> bool:
         return v == "all" or _ckpt_ok(v)
     if key in ("precision", "seq_len", "attention") and v == "auto":
         return True
-    try:
-        check_value(key, v)
-    except SpecError:
-        return False
-    return True
+    return _valid_value(key, v)
 
 
 def _ckpt_ok(v: str) -> bool:
@@ -281,7 +277,7 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     # which say why it is refused. Where check_combination reads an adapter setting, which __post_init__ resets
     # without adapters before it checks, the namespace's check is not the config's: every config is built checked.
     valid = [[_valid_value(n, v) for v in values] for n, values in zip(names, lists)]
-    trusted = not (checked & set(LORA_FIELDS)) and all(_valid_value(n, v) for n, v in defaults.items() if n not in names)
+    trusted = not checked & set(LORA_FIELDS)    # the fields not searched keep their defaults, valid by TrainConfig()
     found: list[tuple[tuple[int, ...], TrainConfig]] = []
     counts: dict[str, int] = {}
     first: dict[str, tuple[int, ...]] = {}
