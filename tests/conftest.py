@@ -95,6 +95,42 @@ def finished_runs(db: Path) -> list[dict]:
     return [{"number": n, "state": s, "config": json.loads(v)} for n, s, v in rows]
 
 
+# Seconds per work unit in a full run on two workers (2026-12-06, 2 cores; `--durations`): the units are
+# handed out longest first, so that no long one starts last and runs alone. Order only; no test reads it.
+UNIT_SECONDS = {"tests/test_memory_hf.py": 232, "tests/test_knobs.py": 228, "tests/test_trial.py": 194,
+                "tests/test_lora.py": 156, "tests/test_sequence_parallel.py": 106, "tests/test_ray_executor.py": 99,
+                "killed_and_resumed": 92, "tests/test_hf.py": 87, "tests/test_gpu_check.py": 69,
+                "tests/test_parallel.py": 66, "tests/test_seq_family.py": 55, "tests/test_correction.py": 49,
+                "tests/test_export_sp.py": 47, "tests/test_stopping.py": 47}
+
+
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs as a whole: a module, so that a module-scoped fixture (real runs of a
+    minute or more) is built once; the tests named for the session's `killed_and_resumed` search (in two
+    modules) go together, so that it runs once."""
+    return "killed_and_resumed" if "killed_and_resumed" in nodeid else nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)   # before xdist's own
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's two workers (pyproject's addopts: `-n 2 --dist loadscope --no-loadscope-reorder`)
+    take `work_unit`s in the order collected. (`--dist loadgroup` would say the grouping with marks, but
+    xdist 3.8 cannot rename pytest 9.2's node ids, and ignores them.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByUnit(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The longest work units first (UNIT_SECONDS), the others in file order after them."""
+    items.sort(key=lambda item: -UNIT_SECONDS.get(work_unit(item.nodeid), 0))
+
+
 _EXIT_STATUS = {}
 
 

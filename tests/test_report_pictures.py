@@ -103,7 +103,7 @@ def test_simulated_13b_pictures(sim_study, tmp_path):
 
 
 @pytest.mark.slow
-def test_measured_cpu_pictures(killed_and_resumed, tmp_path, monkeypatch):
+def test_measured_cpu_pictures_of_the_killed_and_resumed_search(killed_and_resumed, tmp_path, monkeypatch):
     """The study of a real CPU search through the CLI, killed and resumed (conftest.killed_and_resumed)."""
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(killed_and_resumed.trials))
     study = st.load_study("e2e")
