@@ -58,6 +58,31 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="autotune-parent-watch").start()
 
 
+def import_muon_eagerly() -> None:
+    """DeepSpeed's ZeRO engines import its Muon optimizer module to check an optimizer's type
+    (deepspeed/runtime/zero/utils.py is_zero_supported_optimizer), and that module decorates three
+    functions with torch.compile at import (zero/muon/original_muon.py), which loads the inductor
+    backend: 1.3-2.1 s of every rank's start, measured on 2 cores (`import
+    deepspeed.runtime.zero.muon.muon_optimizer` after `import deepspeed, torch._dynamo`; 0.01 s with
+    TorchDynamo off). No trial runs Muon (TrainConfig.optimizer), so the module is imported here once
+    with TORCHDYNAMO_DISABLE=1, under which torch.compile returns the function as it is
+    (torch/_dynamo/eval_frame.py _optimize). The variable is put back at once: a config that compiles
+    (deepcompile) and any torch.compile in the model's own code compile as they would in training."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed.runtime.zero.muon") is None:   # a DeepSpeed without it
+        return
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
+
+
 def main(argv: list[str]) -> int:
     die_with_parent()
     t_start = time.perf_counter()
@@ -76,6 +101,7 @@ def main(argv: list[str]) -> int:
     # Skip DeepSpeed's shared-memory comm op: compiled at first use (42 s) and leaks /dev/shm files
     # (measured: docs/platform.md "DeepSpeed on CPU").
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    import_muon_eagerly()
     requests = pickle.loads(Path(argv[1]).read_bytes())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
