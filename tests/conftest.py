@@ -3,7 +3,6 @@ Also `quick`, which keeps a few cases of a long parametrisation in the quick loo
 `killed_and_resumed`, one real search through the CLI that two test modules read."""
 
 import atexit
-import contextlib
 import json
 import os
 import shutil
@@ -33,25 +32,18 @@ if not os.environ.get("AUTOTUNE_CACHE_DIR"):
     os.environ["AUTOTUNE_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 # Nor do they read the traces shipped for the presets (autotune/trace_pack.py), which would stand in
-# for the tracing they test; tests/test_trace_pack.py tests those.
+# for the tracing they test; tests/test_trace_pack.py tests those, and a test that takes the
+# `shipped_traces` fixture reads them.
 os.environ.setdefault("AUTOTUNE_SHIPPED_TRACES", "0")
 
 
-@contextlib.contextmanager
-def reading_shipped_traces():
-    """For a test of what is done with estimates of a preset (a simulated search, a plan), not of how they
-    are traced: its estimates read the traces shipped for the presets, as a user's first run does, where
-    they were written by this code (trace_cache.shipped). tests/test_trace_pack.py checks that they are
-    this code's, and fails when they are stale; until they are written again, such a test traces."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AUTOTUNE_SHIPPED_TRACES", "1")
-        yield
-
-
 @pytest.fixture
-def shipped_traces():
-    with reading_shipped_traces():
-        yield
+def shipped_traces(monkeypatch):
+    """For a test of what is done with estimates of a preset (a simulated search), not of how they are
+    traced: its estimates read the traces shipped for the presets, as a user's first run does, where they
+    were written by this code (trace_cache.shipped). tests/test_trace_pack.py checks that they are this
+    code's, and fails when they are stale; until they are written again, such a test traces."""
+    monkeypatch.setenv("AUTOTUNE_SHIPPED_TRACES", "1")
 
 
 def quick(cases, fast):

@@ -621,7 +621,7 @@ def test_full_space_knobs_do_not_multiply_the_trials(shipped_traces):
     measured, with an earlier memory model): at most 36 trials run (the
     simulated search ran exactly 34 on 2026-12-02, in 2.2 min with its 48,962 pruned candidates written
     in bulk, study.add_finished; one Optuna trial at a time it had not finished writing them after 10
-    minutes). Its estimates read the shipped traces (conftest.reading_shipped_traces; the pack traces this
+    minutes). Its estimates read the shipped traces (the shipped_traces fixture; the pack traces this
     space's search for 13B x 4 x A100): 16 s here where tracing every program took 60 s (2026-12-07)."""
     import collections
 
