@@ -94,7 +94,7 @@ def test_waiting_on_a_running_trial_leaves_the_cores_to_its_ranks(tmp_path):
         log, end = out / "log.txt", time.monotonic() + 25
         while not (log.exists() and "injected hang" in log.read_text()) and time.monotonic() < end:
             time.sleep(0.2)   # placed, and its rank past the warm-up step
-        assert "injected hang" in log.read_text()
+        assert log.exists() and "injected hang" in log.read_text(), "the trial's rank did not reach the hang in 25 s"
         cpu, wall = time.process_time(), time.monotonic()
         assert ex.wait_any(timeout_s=2.0) == []
         cpu, wall = time.process_time() - cpu, time.monotonic() - wall
