@@ -69,6 +69,18 @@ def test_hf_gpt2_neox_mpt_configs(tmp_path):
     assert mpt.num_params == presets()["mpt-7b"].num_params
 
 
+@pytest.mark.parametrize("config", [
+    {"model_type": "opt", "num_hidden_layers": 2, "hidden_size": 192, "num_attention_heads": 6, "ffn_dim": 640,
+     "word_embed_proj_dim": 192, "vocab_size": 2048},
+    {"model_type": "falcon", "num_hidden_layers": 2, "hidden_size": 192, "num_attention_heads": 6,
+     "ffn_hidden_size": 640, "vocab_size": 2048}], ids=["opt-ffn_dim", "falcon-ffn_hidden_size"])
+def test_the_ffn_width_is_read_under_the_name_the_family_gives_it(tmp_path, config):
+    """OPT (and XGLM) call it ffn_dim, Falcon ffn_hidden_size: the header line and the spec's shape said
+    4 x hidden (768) for a config that says 640."""
+    s = resolve_model(str(_write(tmp_path, config)))
+    assert s.ffn_hidden_size == 640 and "ffn 640" in s.describe()
+
+
 def test_hf_config_missing_field_and_unknown_type(tmp_path):
     p = _write(tmp_path, {"model_type": "llama", "hidden_size": 64})
     # The stand-in parses each family's fields itself and needs them all ...

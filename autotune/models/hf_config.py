@@ -256,7 +256,7 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
     family = _FAMILY_OF.get(config.model_type)
     if family is None:  # nearest family for the analytic formulas; the count above is exact anyway
         family = "llama" if g("hidden_act", "activation_function", default="") in ("silu", "swish") else "gpt_neox"
-    ffn = g("intermediate_size", "n_inner")
+    ffn = g("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")  # ffn_dim: OPT, XGLM; Falcon's own
     if ffn is None:
         ratio = g("expansion_ratio")
         ffn = int(ratio * h) if ratio is not None else 4 * h  # GPT2MLP: n_inner or 4 * n_embd
