@@ -108,14 +108,14 @@ class TrainConfig:
              "on a 4-bit NF4 base: GPU only)")
     """full fine-tuning; LoRA (Hu et al. 2021, arXiv:2106.09685): the base frozen, low-rank adapters B·A
     trained, by peft; QLoRA (Dettmers et al. 2023, arXiv:2305.14314): the frozen base in 4-bit NF4
-    (bitsandbytes). autotune/lora.py applies them through the model seam."""
+    (bitsandbytes). autotune/impl/lora.py applies them through the model seam."""
     lora_rank: int = _setting(8, space=(8,), minimum=1, help="LoRA rank r (method lora/qlora)")
     """Rank r of each adapter (A: r x in, B: out x r). Ignored (normalised to the default) for full."""
     lora_targets: Literal["attention", "all-linear"] = _setting(
         "attention", space=("attention",),
         help="adapted layers: attention (q, k, v, o projections, fused or not) or all-linear "
              "(peft's: every linear layer but the LM head)")
-    """Which linear layers get adapters (autotune/lora.py `target_modules`)."""
+    """Which linear layers get adapters (autotune/impl/lora.py `target_modules`)."""
     lora_alpha: int = _setting(0, space=(0,), minimum=0, help="LoRA alpha; 0 means 2 x rank")
     """peft's lora_alpha (scaling alpha/r). 0 is the sentinel for 2 x lora_rank (`alpha`)."""
     lora_dropout: float = _setting(0.05, space=(0.05,), help="dropout on the adapters' input")

@@ -156,7 +156,7 @@ def _step(name: str, implementation: str, attention: str, mb: int, seq: int):
     torch.manual_seed(0)
     model = impl.build(spec, dtype=torch.float32, attention=attention)
     if implementation == "builtin":
-        from autotune.builtin import init_weights
+        from autotune.impl.builtin import init_weights
 
         init_weights(model)   # as its trials do: nn.Linear's default init meets denormals in GPT-2's tied head
     batch = torch.randint(0, spec.vocab_size, (mb, seq + 1))

@@ -1,4 +1,4 @@
-"""The search's CPU prior (autotune/cpu_prior.py) against measured trials.
+"""The search's CPU prior (autotune/search/cpu_prior.py) against measured trials.
 
     python benchmarks/cpu_prior.py              # ~1 min on 2 idle cores
     python benchmarks/cpu_prior.py --no-trials  # only the recorded landscapes (~15 s)
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from search_efficiency import DATA, TARGET, cpu_landscape  # noqa: E402
 
-from autotune import cpu_prior as cp  # noqa: E402
+from autotune.search import cpu_prior as cp  # noqa: E402
 from autotune.hardware import parse_gpus  # noqa: E402
 from autotune.memory import estimate  # noqa: E402
 from autotune.models import ModelSpec, from_shape  # noqa: E402

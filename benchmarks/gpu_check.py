@@ -102,7 +102,7 @@ def model_spec() -> ModelSpec:
 
 def implementation(model: ModelSpec) -> str:
     return getattr(model, "implementation", None) or (
-        "autotune.builtin.Transformer (autotune's own Llama-style code; ModelSpec has no "
+        "autotune.impl.builtin.Transformer (autotune's own Llama-style code; ModelSpec has no "
         "implementation field yet)")
 
 

@@ -2,7 +2,7 @@
 judges the estimate with (`measure_all` records them, `report` prints the per-family table).
 
 Each row of benchmarks/data/hf_memory_runs.csv is one real trial: autotune.trial.launch.run_trials,
-2 CPU ranks (gloo), the model built by autotune/impl.py's hf implementation (AutoModelForCausalLM
+2 CPU ranks (gloo), the model built by autotune/impl/'s hf implementation (AutoModelForCausalLM
 from the row's config, random init), 1 warm-up and 2 measured optimizer steps; `measured_bytes` is
 the largest per-rank tensor peak of the measured steps, from the profiler's live CPU bytes
 (autotune/trial/memprof.py). The versions that measured it are in the row.
@@ -68,7 +68,7 @@ CONFIGS = [
 
 
 def spec_of(family: str, config: dict | None = None):
-    """The ModelSpec autotune makes of the family's config (autotune/hf.py, exact parameter count)."""
+    """The ModelSpec autotune makes of the family's config (autotune/impl/hf.py, exact parameter count)."""
     from transformers import AutoConfig
 
     from autotune.models import hf_config as hf

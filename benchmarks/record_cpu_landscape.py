@@ -24,7 +24,7 @@ vocabulary, so per-step costs (optimizer, gloo reductions) and the logits' memor
 micro batches amortise the step until the per-rank cap stops them, and micro batch 16 fits only
 with checkpointing. `cpu_landscape_gpt2`: a GPT-2-style model of another shape (LayerNorm, GELU,
 biases, learned positions, tied embeddings, longer sequences), recorded after the CPU prior
-(autotune/cpu_prior.py) was written, to judge it on a landscape it was not developed on. It found
+(autotune/search/cpu_prior.py) was written, to judge it on a landscape it was not developed on. It found
 one bug (the probe's model lacked the trial's initialisation); no constant was set from it.
 """
 
@@ -154,8 +154,8 @@ def from_study(name: str, out: Path, recorded: str, space_note: str) -> int:
     values exactly; the Granite one has the same form, from a study no longer at hand). Its trials ran as a
     search runs them (through Ray, one at a time), not under this script's quiet-load wait, so the load columns
     are empty. Returns the rows."""
-    from autotune import study as st
-    from autotune.search_space import parse_space
+    from autotune.search import study as st
+    from autotune.search.space import parse_space
 
     study = st.load_study(name)
     model, _, attrs = st.specs_of(study)

@@ -11,7 +11,7 @@ Landscapes (a config "runs" by reading its outcome; each run is a trial and cost
   cpu     real trials recorded on this machine's CPU (benchmarks/data/cpu_landscape.csv, written by
           benchmarks/record_cpu_landscape.py); trial-seconds = each trial's measured wall time.
   cpu-gpt2  the same for a GPT-2-style model of another shape (cpu_landscape_gpt2.csv), recorded
-          after ours' CPU prior (autotune/cpu_prior.py) was written: the held-out landscape.
+          after ours' CPU prior (autotune/search/cpu_prior.py) was written: the held-out landscape.
   cpu-granite  the same for a Granite config (4 layers, hidden 128, 8 heads, 2 KV heads, tied), recorded
           by `autotune search --exhaustive` on 2 CPU ranks on 2026-12-05 (one run per group, so 20
           configs): the held-out live check on which a stopped search missed the best (docs/search.md).
@@ -36,7 +36,7 @@ Strategies: the exhaustive grid (the space's order); random order; DeepSpeed's a
 per ZeRO stage: micro batch 1, its memory-derived largest micro batch, binary search, then its
 micro-batch list; deepspeed/autotuning/autotuner.py, restricted to the space's micro batches,
 no checkpointing, gradient accumulation 1); Optuna TPE over the same space with no memory model
-(an OOM costs its trial and is told as 0 samples/s); and ours (autotune.search.Search, memory model
+(an OOM costs its trial and is told as 0 samples/s); and ours (autotune.search.loop.Search, memory model
 first), with its stopping rule and with --exhaustive (every feasible group, the behaviour before the rule).
 Random and TPE run once per seed; the others are deterministic, except that ours' CPU prior times
 the model here, so its order can move with this machine's noise. Ours is charged the seconds it
@@ -74,7 +74,7 @@ from autotune.executors.base import Executor
 from autotune.trial.record import TrialResult
 from autotune.hardware import Cluster, parse_gpus
 from autotune.models import ModelSpec, resolve_model
-from autotune.search_space import DEFAULT_SPACE, SearchSpace, expand, load_space
+from autotune.search.space import DEFAULT_SPACE, SearchSpace, expand, load_space
 from autotune.train_config import TrainConfig
 
 DATA = Path(__file__).parent / "data"
@@ -429,8 +429,8 @@ def ours(ls: Landscape, seed: int, exhaustive: bool = False, cpu_prior: dict | N
     probe; its probing seconds are not charged."""
     import optuna
 
-    from autotune.cpu_prior import probe_adamw_s_per_param, probe_model
-    from autotune.search import Search
+    from autotune.search.cpu_prior import probe_adamw_s_per_param, probe_model
+    from autotune.search.loop import Search
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for probe in (probe_model, probe_adamw_s_per_param):
@@ -661,9 +661,9 @@ def main() -> None:
 def probed_cpu_priors(ls: Landscape, k: int) -> tuple[list[dict], float]:
     """`k` CPU priors of a recorded landscape, each probed anew over the configs that fit (config key ->
     samples/s), and the median seconds one probing took."""
-    from autotune.cpu_prior import probe_adamw_s_per_param, probe_model
+    from autotune.search.cpu_prior import probe_adamw_s_per_param, probe_model
     from autotune.memory import estimate
-    from autotune.search import default_prior
+    from autotune.search.loop import default_prior
 
     fits = [c for c in ls.configs if estimate(ls.model, ls.cluster, c).fits]
     priors, seconds = [], []
@@ -692,7 +692,7 @@ def replay_priors(k: int, overrides: dict[str, float | None], only: str = "all",
     readings of every configuration give --exhaustive's winner, for reference: the noise's own share of the misses."""
     import pickle
 
-    from autotune import stopping
+    from autotune.search import stopping
 
     for name, value in overrides.items():
         if value is not None:
@@ -745,8 +745,8 @@ def prior_error(ls: Landscape) -> None:
     """The CPU prior against a recorded landscape: sd of log(measured / prior) over the groups a search
     could run (each group's first member that fits), about their mean (stopping.KNOWN_ERROR)."""
     from autotune.memory import estimate
-    from autotune.search import Candidate, Plan, default_prior
-    from autotune.search_order import speed_order
+    from autotune.search.loop import Candidate, Plan, default_prior
+    from autotune.search.order import speed_order
 
     cands = [Candidate(c, estimate(ls.model, ls.cluster, c)) for c in ls.configs]
     heads = Plan(cands, lambda c: c.est.fits, speed_order(ls.model)).available(set())

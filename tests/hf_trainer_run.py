@@ -1,6 +1,6 @@
 """One rank of `test_trainer_runs_the_exported_json` (tests/test_hf.py), started by torch.distributed.run:
 the Hugging Face Trainer trains a tiny Llama for 2 steps with autotune's exported DeepSpeed JSON, the
-arguments `autotune export` prints, and checkpointing of the first k layers by autotune.hf.
+arguments `autotune export` prints, and checkpointing of the first k layers by autotune.impl.hf.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_run.py CONFIG_DIR DS_JSON K OUT_DIR
 """
@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
 from autotune.deepspeed_config import ADAMW
-from autotune.hf import checkpoint_first_layers, decoder_layers
+from autotune.impl.hf import checkpoint_first_layers, decoder_layers
 
 
 def trainer_args(ds_path: str, out_dir: str) -> TrainingArguments:

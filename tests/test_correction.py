@@ -12,15 +12,15 @@ import json
 
 import pytest
 
-from autotune import study as st
+from autotune.search import study as st
 from autotune.trial.record import TrialResult
 from autotune.executors.ray_executor import RayExecutor
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.memory.correction import Correction
 from autotune.models import resolve_model
-from autotune.search import Search
-from autotune.search_space import parse_space
+from autotune.search.loop import Search
+from autotune.search.space import parse_space
 from autotune.train_config import TrainConfig
 from autotune.units import MiB
 

@@ -1,4 +1,4 @@
-"""The CPU prior (autotune/cpu_prior.py): its probes time the real trial model, and its sum puts each
+"""The CPU prior (autotune/search/cpu_prior.py): its probes time the real trial model, and its sum puts each
 probed part where the module docstring says. How well it ranks measured trials is a benchmark
 (benchmarks/cpu_prior.py), not a test: timings on a shared machine are noisy."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune import cpu_prior as cp
+from autotune.search import cpu_prior as cp
 from autotune.hardware import parse_gpus
 from autotune.models import from_shape
 from autotune.train_config import TrainConfig

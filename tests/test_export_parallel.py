@@ -30,7 +30,7 @@ def make_study(name: str, gpus: str = "2xcpu", **over):
     import optuna
     from optuna.trial import TrialState
 
-    from autotune import study as st
+    from autotune.search import study as st
     from autotune.hardware import parse_gpus
     from autotune.models import resolve_model
     from autotune.train_config import TrainConfig
@@ -109,7 +109,7 @@ def test_accelerate_config_loads_with_accelerates_own_loader(tmp_path, monkeypat
 def test_accelerate_config_for_two_nodes(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from autotune.export import accelerate_config_yaml
+    from autotune.report.export import accelerate_config_yaml
     from autotune.hardware import parse_gpus
     from autotune.train_config import TrainConfig
 
@@ -146,7 +146,7 @@ def test_accelerate_launch_accepts_the_file_for_gpus_and_would_refuse_mixed_prec
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from autotune.deepspeed_config import deepspeed_config
-    from autotune.export import accelerate_config_yaml
+    from autotune.report.export import accelerate_config_yaml
     from autotune.hardware import parse_gpus
     from autotune.models import resolve_model
     from autotune.train_config import TrainConfig
@@ -218,7 +218,7 @@ def test_the_deepcompile_lines_against_transformers_and_accelerate(tmp_path, mon
     from transformers import TrainingArguments
 
     from autotune.deepspeed_config import deepspeed_config
-    from autotune.export import accelerate_config_yaml
+    from autotune.report.export import accelerate_config_yaml
     from autotune.hardware import parse_gpus
     from autotune.models import resolve_model
     from autotune.train_config import TrainConfig

@@ -115,7 +115,7 @@ def test_accelerate_reads_the_files_parallelism_config(tmp_path, monkeypatch, ca
 def test_yaml_counts_data_parallel_ranks(tmp_path, sp, gpus, dp):
     import yaml
 
-    from autotune.export import accelerate_config_yaml
+    from autotune.report.export import accelerate_config_yaml
     from autotune.hardware import parse_gpus
     from autotune.train_config import TrainConfig
 

@@ -1,4 +1,4 @@
-"""Hugging Face models and the model-code seam (autotune/hf.py, autotune/impl.py): configs from files,
+"""Hugging Face models and the model-code seam (autotune/impl/hf.py, autotune/impl/): configs from files,
 directories and the local hub cache; exact counts from the meta-device model; checkpointing the first
 k layers through transformers' mechanism; the user's own module; real trials of all three codes."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune import hf
+from autotune.impl import hf
 from autotune.models import hf_config
 from autotune.hardware import parse_gpus
 from autotune.impl import impl_for
@@ -282,7 +282,7 @@ def test_real_trials_of_hf_and_factory_code(tmp_path, monkeypatch):
 def test_trainer_runs_the_exported_json(tmp_path):
     """The Hugging Face Trainer, 2 gloo ranks, trains 2 steps with the DeepSpeed JSON `autotune export`
     writes (deepspeed_config, ZeRO-3), the TrainingArguments it prints, and the first 2 of 4 layers
-    checkpointed by autotune.hf.checkpoint_first_layers (tests/hf_trainer_run.py)."""
+    checkpointed by autotune.impl.hf.checkpoint_first_layers (tests/hf_trainer_run.py)."""
     import subprocess
     import sys
 

@@ -17,13 +17,13 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from autotune import interrupts
-from autotune import study as st
+from autotune.search import study as st
 from autotune.executors.base import Executor
 from autotune.hardware import parse_gpus
 from autotune.models import from_hf_config
 from autotune.report import render
-from autotune.search import Search
-from autotune.search_space import parse_space
+from autotune.search.loop import Search
+from autotune.search.space import parse_space
 from autotune.trial.record import TrialResult
 
 TINY = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,

@@ -500,8 +500,8 @@ seq_len: [1024, 2048, 4096]
 
 def simulated_search(tmp_path, monkeypatch, space: str, gpus: str = "4xA100", **kw):
     """A simulated search of 13B over `space` (YAML text) in its own trials folder: the study."""
-    from autotune import study as st
-    from autotune.workflow import open_search
+    from autotune.search import study as st
+    from autotune.search.session import open_search
 
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
     (tmp_path / "space.yaml").write_text(space)
@@ -530,7 +530,8 @@ def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
     assert f"ranked by {objective}/s" in report.header(study)[1] and "seq len searched" in report.header(study)[1]
     if objective == "samples":
         assert best["seq_len"] == 1024     # shorter sequences are more samples per second
-    from autotune import report_page, report_pictures
+    from autotune.report import page as report_page
+    from autotune.report import pictures as report_pictures
     why = report_page.why_lines(study, report_pictures.pictures(study))[0]   # the page's winner is the same
     assert f"Winner #{best['trial']}**:" in why and f"{objective}/s" in why and f"seq len {best['seq_len']}" in why
 
@@ -625,9 +626,9 @@ def test_full_space_knobs_do_not_multiply_the_trials(shipped_traces):
     space's search for 13B x 4 x A100): 16 s here where tracing every program took 60 s (2026-12-07)."""
     import collections
 
-    from autotune.search import Candidate
-    from autotune.search_order import MEMORY_FOR_SPEED
-    from autotune.search_space import expand, load_space, SPACES_DIR
+    from autotune.search.loop import Candidate
+    from autotune.search.order import MEMORY_FOR_SPEED
+    from autotune.search.space import expand, load_space, SPACES_DIR
     from autotune.trace_cache import in_parallel
     from autotune.train_config import searched_fields
 

@@ -15,7 +15,7 @@ from autotune.impl import impl_for
 from autotune.memory import estimate
 from autotune.memory import lora as mlora
 from autotune.models import resolve_model
-from autotune.search_space import expand, load_space
+from autotune.search.space import expand, load_space
 from autotune.train_config import TrainConfig, check_config
 
 from steady import per_rank_steps, steady_peak  # noqa: I001 - a helper module of these tests
@@ -109,7 +109,7 @@ def test_a_stack_of_mixed_layers_has_its_adapters_and_quantised_weights_counted_
     import torch
     from transformers import AutoConfig
 
-    from autotune.lora import LINEAR_TYPES
+    from autotune.impl.lora import LINEAR_TYPES
     from autotune.models import hf_config
 
     s = hf_config.spec_from_config(AutoConfig.for_model(model_type, **MIXED_STACKS[model_type]),
@@ -149,7 +149,7 @@ def test_lora_static_memory_is_far_below_full_fine_tuning_for_13b():
 def test_export_writes_a_lora_config_peft_accepts(tmp_path):
     from peft import LoraConfig
 
-    from autotune.export import lora_config_json
+    from autotune.report.export import lora_config_json
 
     text = lora_config_json(spec("hf-gpt2"), TrainConfig(method="lora", lora_rank=16, lora_dropout=0.1))
     cfg = LoraConfig(**json.loads(text))
@@ -224,7 +224,7 @@ def test_autotune_export_writes_the_lora_config_beside_the_deepspeed_json(tmp_pa
     from optuna.trial import TrialState
     from peft import LoraConfig
 
-    from autotune import study as st
+    from autotune.search import study as st
     from autotune.cli import main
 
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))

@@ -13,7 +13,7 @@ import torch
 from autotune.memory import activations as act
 from autotune.models import resolve_model
 from autotune.trial.memprof import enable_cpu_memory_reporting
-from autotune.builtin import Transformer, init_weights
+from autotune.impl.builtin import Transformer, init_weights
 
 enable_cpu_memory_reporting()
 

@@ -187,7 +187,7 @@ def test_throughput_counts_a_tp_groups_batch_once():
 
 
 def test_global_batch_counts_data_parallel_ranks():
-    from autotune.search_space import SearchSpace, expand
+    from autotune.search.space import SearchSpace, expand
 
     space = SearchSpace.of(autotp_size=(1, 2), zero_stage=(1,), micro_batch=(2,), ckpt_layers=(0,))
     exp = expand(space, spec_of("llama"), FOUR, seq_len=64, global_batch=16)

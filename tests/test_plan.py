@@ -13,9 +13,9 @@ from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import resolve_model
 from autotune.plan import Option, best_config, pareto_front, plan_space, price_option
-from autotune.plan_picture import front, plan_points
-from autotune.plan_prices import Price, default_prices, parse_price
-from autotune.search_space import expand
+from autotune.plan.picture import front, plan_points
+from autotune.plan.prices import Price, default_prices, parse_price
+from autotune.search.space import expand
 from autotune.train_config import TrainConfig
 
 GPUS = "8xA100,8xH100,4xH100"
@@ -164,7 +164,7 @@ def test_prices_table_and_overrides():
 
 
 def test_simulated_study_cannot_calibrate(tmp_path, monkeypatch, capsys):
-    from autotune.workflow import open_search
+    from autotune.search.session import open_search
 
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
     space = tmp_path / "one.yaml"
@@ -201,7 +201,7 @@ def _measured_a100_study(name: str, ratio: float):
     import optuna
     from optuna.trial import TrialState
 
-    from autotune import study as st
+    from autotune.search import study as st
 
     model, cluster = resolve_model("13b"), parse_gpus("8xA100")
     attrs = st.study_attrs(model, cluster, seq_len=2048, global_batch=None, space_text="", space_path="t",

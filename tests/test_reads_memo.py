@@ -1,4 +1,4 @@
-"""ReadsMemo: a function of a configuration memoised by the fields it reads (autotune/reads_memo.py)."""
+"""ReadsMemo: a function of a configuration memoised by the fields it reads (autotune/search/reads_memo.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from autotune.errors import SpecError
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import resolve_model
-from autotune.reads_memo import ReadsMemo
-from autotune.search_space import expand, load_space
+from autotune.search.reads_memo import ReadsMemo
+from autotune.search.space import expand, load_space
 from autotune.train_config import TrainConfig
 
 BASE = TrainConfig(zero_stage=1, micro_batch=4, ckpt_layers=0, precision="fp32", seq_len=128)

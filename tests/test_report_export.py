@@ -14,7 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune import report
-from autotune import study as st
+from autotune.search import study as st
 from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
 from autotune.hardware import parse_gpus

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from autotune import memory as mem
-from autotune import report, report_pictures as rp
-from autotune import study as st
+from autotune import report
+from autotune.report import pictures as rp
+from autotune.search import study as st
 from autotune.trial.record import FAILED
-from autotune.workflow import open_search
+from autotune.search.session import open_search
 
 PICTURES = ("memory_terms.png", "frontier.png", "step_time.png")
 
@@ -113,7 +114,7 @@ def test_measured_cpu_pictures_of_the_killed_and_resumed_search(killed_and_resum
     assert all(t.source.startswith("measured") for t in p.time)
     check_files(study, tmp_path / "out")
     # the winner's margin is flagged exactly when its own steps spread by more than it
-    from autotune import report_page
+    from autotune.report import page as report_page
 
     ok = sorted((r for r in st.records(study) if r.status == "ok"), key=lambda r: -r.result.samples_per_s)
     assert len(ok) > 1
@@ -124,7 +125,7 @@ def test_measured_cpu_pictures_of_the_killed_and_resumed_search(killed_and_resum
 
 
 def test_a_margin_within_the_winners_step_spread_is_flagged():
-    from autotune.report_page import within_noise
+    from autotune.report.page import within_noise
     from autotune.trial.record import TrialResult
 
     steps = TrialResult(status="ok", step_time_s=1.0, step_time_spread_s=0.15)   # steps 15% apart

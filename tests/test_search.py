@@ -17,15 +17,15 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune import study as st
+from autotune.search import study as st
 from autotune.cli import main
 from autotune.executors.base import Executor
 from autotune.trial.record import TrialResult
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import SpecError, from_hf_config
-from autotune.search import Search
-from autotune.search_space import expand, parse_space
+from autotune.search.loop import Search
+from autotune.search.space import expand, parse_space
 from autotune.train_config import TrainConfig
 from autotune.units import MiB
 

@@ -11,7 +11,7 @@ import pytest
 
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
-from autotune.search_space import SearchSpace, expand
+from autotune.search.space import SearchSpace, expand
 
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "search_efficiency.py"
 spec = importlib.util.spec_from_file_location("search_efficiency", PATH)

@@ -10,7 +10,7 @@ import pytest
 from autotune.cli import main
 from autotune.hardware import parse_gpus
 from autotune.models import SpecError, resolve_model
-from autotune.search_space import DEFAULT_SPACE, SPACES_DIR, SearchSpace, expand, load_space, parse_space
+from autotune.search.space import DEFAULT_SPACE, SPACES_DIR, SearchSpace, expand, load_space, parse_space
 
 TINY = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
@@ -103,7 +103,7 @@ def test_expand_builds_what_checking_every_combination_builds(space, gpus):
     without TrainConfig's checks (TrainConfig.prechecked): the same candidates, in the same order, and the same
     reasons with the same counts as `_expand_each`, which checks and builds every combination of the product, and
     each candidate passes TrainConfig's checks when built again from its values."""
-    from autotune.search_space import _expand_each
+    from autotune.search.space import _expand_each
     from autotune.train_config import TrainConfig, searched_fields
 
     model, cluster, sp = resolve_model("13b"), parse_gpus(gpus), load_space(SPACES_DIR / space)

@@ -127,7 +127,7 @@ def test_single_node_trial_listens_on_loopback_only(tmp_path):
 def test_the_cpu_priors_gloo_probe_listens_on_loopback_only():
     """cpu_prior.probe_gloo's two processes meet through a file and talk gloo on the loopback
     interface: every socket they listen on is on 127.0.0.1, and the probe says it measured."""
-    from autotune import cpu_prior
+    from autotune.search import cpu_prior
 
     done, listening = listening_while(lambda: cpu_prior.probe_gloo.__wrapped__(2), poll_s=0.05)
     call_s, bus, source = done[0]

@@ -1,4 +1,4 @@
-"""The stopping rule (autotune/stopping.py) in the real search loop: a real Optuna study in SQLite, the
+"""The stopping rule (autotune/search/stopping.py) in the real search loop: a real Optuna study in SQLite, the
 real memory model, and an executor that answers from a formula (pure glue: the throughput of a
 candidate is what the rule reasons about, so it is given, not measured)."""
 
@@ -11,16 +11,16 @@ import math
 import optuna
 import pytest
 
-from autotune import study as st
+from autotune.search import study as st
 from autotune.cli import main
 from autotune.executors.base import Executor
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import from_hf_config
 from autotune.report import render
-from autotune.search import Search
-from autotune.search_space import expand, parse_space
-from autotune.stopping import ResidualModel, error_kernel, t_quantile
+from autotune.search.loop import Search
+from autotune.search.space import expand, parse_space
+from autotune.search.stopping import ResidualModel, error_kernel, t_quantile
 from autotune.train_config import TrainConfig
 from autotune.trial.record import TrialResult
 
@@ -161,7 +161,7 @@ def test_bad_tolerance_exits_2(value, tmp_path, monkeypatch, capsys):
 def test_settings_the_prior_prices_alike_share_their_error_and_another_stage_does_not():
     """error_kernel: LoRA ranks 0.4% apart by the prior are mispriced alike; what the prior prices further
     apart shares less of the smooth part; another ZeRO stage shares only the smooth part."""
-    from autotune.stopping import W_SMOOTH, W_STAGE, NUGGET
+    from autotune.search.stopping import W_SMOOTH, W_STAGE, NUGGET
 
     var = W_STAGE + W_SMOOTH + NUGGET
     r8 = TrainConfig(method="lora", lora_rank=8, seq_len=SEQ)
@@ -181,7 +181,7 @@ def test_the_cost_models_calibration_counts_and_the_cpu_priors_does_not_as_much(
     pseudo-measurements; the first measurement only fixes its level), 2.92 for the CPU prior (one, and the
     first measurement checks the level it predicts: stopping.SHARED), 6.3 for a given prior (one; its level
     unknown)."""
-    from autotune.stopping import Bounded, QUANTILE
+    from autotune.search.stopping import Bounded, QUANTILE
 
     for kind, t in (("cost model", 1.943), ("cpu prior", 2.920), ("given prior", 6.314)):
         b = Bounded(lambda c: 1.0, 4, kind)
@@ -194,7 +194,7 @@ def test_simulated_13b_stops_after_the_first_trial_with_the_exhaustive_answer(tm
     """13B on 4 x A100 (the default space, simulated): the cost model prices the runner-up (micro batch 2,
     15 layers checkpointed) 3.8% below micro batch 1 in the same stage; with the calibration's weight and a
     trend-like smooth part one trial settles it, and --exhaustive's four find nothing better."""
-    from autotune.workflow import open_search
+    from autotune.search.session import open_search
 
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     runs = {}
@@ -213,7 +213,7 @@ def _granite(kind: str, measured: float) -> tuple:
     """Bounded over the Granite landscape's shape at micro batch 8 and 16, ZeRO-0 and -1: the prior prices 16
     faster than 8 (153 and 134 samples/s at ZeRO-0, 123 and 94 at ZeRO-1); micro batch 16 measured at
     `measured` x the prior in both stages. -> (the rule, the ZeRO-0 micro batch 8 candidate, the best measured)."""
-    from autotune.stopping import Bounded
+    from autotune.search.stopping import Bounded
 
     c = lambda z, mb: TrainConfig(seq_len=128, zero_stage=z, micro_batch=mb)  # noqa: E731
     priced = {c(0, 8).key(): 134.0, c(0, 16).key(): 153.0, c(1, 8).key(): 94.0, c(1, 16).key(): 123.0}
@@ -242,7 +242,7 @@ def test_one_micro_batch_does_not_vouch_for_the_next_on_the_cpu_prior(monkeypatc
     and keeps the search going; without the trend, the bend and the readings' noise (the rule before 2026-12-05)
     the smooth part lets micro batch 16 vouch for it, and the rule stops, as it did 35% below the best on that
     landscape."""
-    from autotune import stopping
+    from autotune.search import stopping
 
     b, mb8, best = _granite("cpu prior", 0.52)
     assert math.exp(b.bounds([mb8])[0]) / best - 1 > 0.02
@@ -255,8 +255,8 @@ def test_one_micro_batch_does_not_vouch_for_the_next_on_the_cpu_prior(monkeypatc
 def _between(monkeypatch, curve: float, noise: float, measured: dict) -> tuple:
     """The CPU prior's rule over ZeRO-0 and -1 x micro batch 1-16, every candidate priced at 100, after `measured`
     ((stage, micro batch) -> samples/s), with stopping.CURVE and NOISE set -> (the rule, the config maker)."""
-    from autotune import stopping
-    from autotune.stopping import Bounded
+    from autotune.search import stopping
+    from autotune.search.stopping import Bounded
 
     monkeypatch.setitem(stopping.CURVE, "cpu prior", curve)
     monkeypatch.setitem(stopping.NOISE, "cpu prior", noise)
@@ -271,8 +271,8 @@ def test_a_micro_batch_between_two_measured_ones_stays_open_on_the_cpu_prior(mon
     """stopping.CURVE: micro batch 4 and 16 measured alike do not settle micro batch 8 (the NeoX landscape ran 8 at
     76 samples/s, 4 and 16 at 66 and 65): its spread is wider with the bend than with the slope alone; the cost
     model, and a rule that does not know the space's range, have none."""
-    from autotune import stopping
-    from autotune.stopping import Bounded
+    from autotune.search import stopping
+    from autotune.search.stopping import Bounded
 
     spread = {}
     for curve in (0.1, 0.0):

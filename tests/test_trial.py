@@ -24,7 +24,7 @@ from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 from autotune.trial import run_trials
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
-from autotune.builtin import Transformer
+from autotune.impl.builtin import Transformer
 from steady import per_rank_steps, steady_peak
 
 pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs

@@ -20,8 +20,8 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autotune import study as st
-    from autotune.export import export
+    from autotune.search import study as st
+    from autotune.report.export import export
 
     study = st.load_study(args.study, args.storage)
     _, _, text = export(study, args.out, args.trial, args.accelerate_config)

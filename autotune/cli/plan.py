@@ -1,4 +1,4 @@
-"""`autotune plan`: which GPUs to rent for a token budget (autotune/plan.py)."""
+"""`autotune plan`: which GPUs to rent for a token budget (autotune/plan/)."""
 
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ def run(args: argparse.Namespace) -> int:
     from autotune.cli.common import model_from_args
     from autotune.models import default_seq_len
     from autotune.plan import default_options, make_plan
-    from autotune.plan_calibrate import calibration_from_studies
-    from autotune.plan_picture import draw_plan, plan_points
-    from autotune.plan_prices import prices_for
-    from autotune.search_space import load_space
-    from autotune.study import trials_root
+    from autotune.plan.calibrate import calibration_from_studies
+    from autotune.plan.picture import draw_plan, plan_points
+    from autotune.plan.prices import prices_for
+    from autotune.search.space import load_space
+    from autotune.search.study import trials_root
 
     model = model_from_args(args)
     seq_len = args.seq_len if args.seq_len is not None else default_seq_len(model)
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def to_json(result, model: str, seq_len: int, picture: str) -> dict:
-    from autotune.plan_prices import NOTE
+    from autotune.plan.prices import NOTE
 
     return {"model": model, "tokens": result.tokens, "seq_len": seq_len, "by": result.by, "space": result.space,
             "source": "simulated", "options": [o.to_json() for o in result.options],
@@ -87,7 +87,7 @@ def to_json(result, model: str, seq_len: int, picture: str) -> dict:
 
 
 def render(result, model: str, seq_len: int, picture: str) -> str:
-    from autotune.plan_prices import NOTE
+    from autotune.plan.prices import NOTE
 
     lines = [f"plan: {model}, {result.tokens:.4g} tokens at seq len {seq_len}, ranked by {result.by} "
              f"(every throughput simulated by the cost model; * = on the hours-vs-dollars Pareto front)",

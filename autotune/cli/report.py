@@ -20,7 +20,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autotune import report
-    from autotune import study as st
+    from autotune.search import study as st
     from autotune.errors import SpecError
 
     if args.top is not None and args.top < 1:

@@ -1,4 +1,4 @@
-"""`autotune search`: find the fastest DeepSpeed configuration (see autotune/search.py)."""
+"""`autotune search`: find the fastest DeepSpeed configuration (see autotune/search/loop.py)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,9 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autotune import interrupts, report
-    from autotune import study as st
+    from autotune.search import study as st
     from autotune.units import parse_duration_s
-    from autotune.workflow import open_search
+    from autotune.search.session import open_search
 
     # `kill` ends a search like Ctrl-C: running trials are recorded as interrupted, the rest is kept.
     signal.signal(signal.SIGTERM, interrupts.raise_interrupted)

@@ -24,7 +24,7 @@ from autotune.costops.ops import Op, OpProfile  # noqa: F401 - the package's nam
 from autotune.models import ModelSpec
 
 
-# ---- the code priced: through the model-code seam (autotune/impl.py) -------------------------
+# ---- the code priced: through the model-code seam (autotune/impl/) -------------------------
 @cache
 def profile_for(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
                 seq_len: int, depth: int = 0) -> OpProfile:

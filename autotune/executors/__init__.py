@@ -74,7 +74,7 @@ def make(kind: Kind, cluster: Cluster, ray_address: str | None = None, concurren
     from autotune.executors.simulated import SimulatedExecutor
 
     # As many in flight as the search would run on the GPUs themselves: the stopping rule reads each
-    # result before it picks the next (autotune/stopping.py), so a plan with 256 slots dispatched
+    # result before it picks the next (autotune/search/stopping.py), so a plan with 256 slots dispatched
     # every feasible group before the first result came back and never stopped (lora.yaml, 13B x
     # 4xA100: 196 simulated trials where the rule stops after about 11).
     return SimulatedExecutor(slots=concurrent_trials)

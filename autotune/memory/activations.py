@@ -1,4 +1,4 @@
-"""Activation memory of the trial transformer (autotune/builtin.py), in bytes.
+"""Activation memory of the trial transformer (autotune/impl/builtin.py), in bytes.
 
 Every count below is the list of tensors autograd saves for backward in that code, read off with
 `torch.autograd.graph.saved_tensors_hooks` (measured: tests/test_memory_activations.py compares

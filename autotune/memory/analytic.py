@@ -82,7 +82,7 @@ class MemoryEstimate:
 
 
 def builtin(model: ModelSpec) -> bool:
-    """Whether `model` runs autotune/builtin.py, which the analytic activation terms describe;
+    """Whether `model` runs autotune/impl/builtin.py, which the analytic activation terms describe;
     any other code (Hugging Face, a factory module) is traced (memory/code_trace.py)."""
     return getattr(model, "implementation", "builtin") == "builtin"
 

@@ -1,5 +1,5 @@
 """The memory of the code a trial really runs (Hugging Face, a user's factory module, or the builtin
-stand-in), traced through autotune/impl.py's one seam: `impl.build`, `impl.layers`, `impl.loss`,
+stand-in), traced through autotune/impl/'s one seam: `impl.build`, `impl.layers`, `impl.loss`,
 `impl.checkpoint_first`.
 
 `trace_program(spec, cfg, ckpt=, full=, ...)` is tracer.py's `builtin_program` for any
@@ -41,7 +41,7 @@ _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
 
 
 def impl_of(spec: ModelSpec, cfg: TrainConfig | None = None):
-    """The ModelImpl that builds `spec`'s module in trials (autotune/impl.py), with `cfg`'s LoRA
+    """The ModelImpl that builds `spec`'s module in trials (autotune/impl/), with `cfg`'s LoRA
     adapters where its method says so."""
     from autotune.impl import impl_for
 

@@ -28,7 +28,7 @@ class Correction:
     observations: list[dict] = field(default_factory=list)
 
     def __call__(self, est: MemoryEstimate, cfg=None) -> int:
-        """The search's corrector protocol (autotune/search.py, Corrector): corrected total bytes."""
+        """The search's corrector protocol (autotune/search/loop.py, Corrector): corrected total bytes."""
         return self.total_bytes(est)
 
     def observe(self, est: MemoryEstimate, cfg, result) -> None:

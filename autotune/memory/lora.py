@@ -1,4 +1,4 @@
-"""Memory of LoRA and QLoRA fine-tuning (method lora/qlora; autotune/lora.py builds the module).
+"""Memory of LoRA and QLoRA fine-tuning (method lora/qlora; autotune/impl/lora.py builds the module).
 
 What DeepSpeed 0.19.8 keeps when only the adapters require grad (the worker passes
 `model_parameters=[p for p in model.parameters() if p.requires_grad]`):
@@ -76,7 +76,7 @@ def _read_layout(spec: ModelSpec, method: str, rank: int, targets: str):
     import torch
 
     from autotune.impl import impl_for
-    from autotune.lora import LINEAR_TYPES
+    from autotune.impl.lora import LINEAR_TYPES
 
     # dropout makes no parameters; peft refuses it on wrapped parameters (MoE experts), which the trace says
     cfg = TrainConfig(method=method, lora_rank=rank, lora_targets=targets, lora_dropout=0.0)

@@ -79,7 +79,7 @@ def persistent_params(spec: ModelSpec, threshold: int) -> int:
 def param_numels(spec: ModelSpec) -> list[int]:
     """Element counts of the trial model's parameters in registration order (the order an
     optimizer's for-loop visits them): embeddings, then per block norm1, qkv, out, norm2, MLP,
-    then the final norm and an untied head (autotune/builtin.py)."""
+    then the final norm and an untied head (autotune/impl/builtin.py)."""
     h, b = spec.hidden_size, spec.linear_bias
     norm = [h, h] if spec.norm_bias else [h]
     qkv_out = spec.q_dim + 2 * spec.kv_dim

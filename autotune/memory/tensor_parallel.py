@@ -24,7 +24,7 @@ from functools import cache
 
 from autotune.errors import SpecError
 from autotune.hardware import Cluster
-from autotune.hf import VOCAB_PARALLEL_LOSS
+from autotune.impl.hf import VOCAB_PARALLEL_LOSS
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 
@@ -133,7 +133,7 @@ def local_model(model: ModelSpec, tp: int) -> ModelSpec:
     d["intermediate_size"] = -(-d["intermediate_size"] // tp)   # an uneven split: the largest shard
     if model.tied_embeddings:
         d["vocab_size"] = -(-model.vocab_size // tp)
-        d[VOCAB_PARALLEL_LOSS] = True   # the trace runs DeepSpeed's vocabulary-parallel loss (autotune/hf.py)
+        d[VOCAB_PARALLEL_LOSS] = True   # the trace runs DeepSpeed's vocabulary-parallel loss (autotune/impl/hf.py)
     mtype = d.pop("model_type")
     local = spec_from_config(AutoConfig.for_model(mtype, **_without_derived(d)), name=f"{model.name} (tp {tp} shard)",
                              source=model.source)

@@ -1,5 +1,5 @@
 """Traced tier of the memory model: `trace(model, cluster, cfg)` runs the trial model's own code
-(autotune/builtin.py) on fake tensors and counts the bytes it allocates; `compare(est, traced)`
+(autotune/impl/builtin.py) on fake tensors and counts the bytes it allocates; `compare(est, traced)`
 sets it beside `autotune.memory.estimate`. docs/memory.md ("The traced tier") explains it; the
 checks against real CPU runs, the analytic terms and direct traces are in tests/test_traced.py.
 

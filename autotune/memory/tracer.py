@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autotune.builtin import Transformer
+from autotune.impl.builtin import Transformer
 from autotune.memory.segments import classify, segment_points
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, torch_dtype

@@ -86,7 +86,7 @@ def resolve_model(text: str, *, implementation: Implementation = "hf", factory: 
 
     hf: presets become the config of their family (autotune.models.hf_config.preset_config); a config keeps all
     its fields and its exact parameter count is that of the model built on the meta device.
-    builtin: the stand-in of autotune/builtin.py, for the four families it reproduces.
+    builtin: the stand-in of autotune/impl/builtin.py, for the four families it reproduces.
     factory: the shape from `text`, the module from `factory` ("package.module:function")."""
     if implementation not in IMPLEMENTATIONS:
         raise SpecError(f"--impl must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")

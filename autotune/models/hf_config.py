@@ -6,7 +6,7 @@
 - Shape: the fields the memory model uses come from the config; the exact parameter count from
   the model built on the meta device (no memory, no per-family arithmetic), so any architecture
   AutoModelForCausalLM knows is accepted.
-The code a trial runs from such a config is autotune/hf.py.
+The code a trial runs from such a config is autotune/impl/hf.py.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class ModelSpec:
     source: str = ""
     """Where the shape comes from (model card, config.json on the Hub, paper)."""
     implementation: Implementation = "hf"
-    """Whose code trials run and the memory model prices (autotune/impl.py): `hf` the Hugging Face
-    transformers model of `hf_config`, `builtin` the stand-in of autotune/builtin.py, `factory`
+    """Whose code trials run and the memory model prices (autotune/impl/): `hf` the Hugging Face
+    transformers model of `hf_config`, `builtin` the stand-in of autotune/impl/builtin.py, `factory`
     the user's module made by `factory`."""
     hf_config: dict | None = field(default=None, hash=False)
     """The Hugging Face config (PretrainedConfig.to_dict(), or for a preset the few keys of its

@@ -1,4 +1,4 @@
-"""Real trials: one process group of N ranks trains the model under DeepSpeed (through autotune/impl.py:
+"""Real trials: one process group of N ranks trains the model under DeepSpeed (through autotune/impl/:
 the Hugging Face code by default, docs/models.md) and reports measured speed and memory (docs/trials.md).
 
     run_trial(request) -> TrialResult               one trial here

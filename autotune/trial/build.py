@@ -1,11 +1,11 @@
-"""Building a trial's model on one rank: through the seam of autotune/impl.py, initialised, with its
+"""Building a trial's model on one rank: through the seam of autotune/impl/, initialised, with its
 checkpointing set, without the full fp32 model ever on the rank (autotune/trial/worker.py calls it)."""
 
 from __future__ import annotations
 
 
 def build_model(req, device, ds_cfg: dict):
-    """The trial's model through the seam (autotune/impl.py), initialised, checkpointing set,
+    """The trial's model through the seam (autotune/impl/), initialised, checkpointing set,
     without the full fp32 model ever on this rank.
 
     hf: AutoModelForCausalLM.from_config initialises with the model's own _init_weights. ZeRO-3
@@ -26,7 +26,7 @@ def build_model(req, device, ds_cfg: dict):
     from autotune.train_config import torch_dtype
 
     cfg = req.config
-    impl = impl_for(req.model, cfg)  # with the config's LoRA adapters, if any (autotune/lora.py)
+    impl = impl_for(req.model, cfg)  # with the config's LoRA adapters, if any (autotune/impl/lora.py)
     dtype = torch_dtype(cfg.precision)
     make = lambda: impl.build(req.model, dtype=dtype, attention=cfg.attention)  # noqa: E731
     if impl.name == "builtin":
@@ -58,7 +58,7 @@ def _build_builtin(make, cfg, device, ds_cfg: dict, dtype):
     import deepspeed
     import torch
 
-    from autotune.builtin import init_weights
+    from autotune.impl.builtin import init_weights
 
     if cfg.zero_stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_cfg):

@@ -6,7 +6,7 @@
     TrialResult   -> the trial, all ranks and nodes together (what the search records)
 
 Every figure in a TrialResult says where it came from in `source`: "measured" (a real run) or
-"simulated" (the cost model). `autotune.study` is the one place that maps a TrialResult to and from
+"simulated" (the cost model). `autotune.search.study` is the one place that maps a TrialResult to and from
 Optuna's user attributes.
 """
 

@@ -21,8 +21,8 @@ import optuna
 
 from autotune import costmodel
 from autotune import memory as mem
-from autotune import study as st
-from autotune.reads_memo import ReadsMemo
+from autotune.search import study as st
+from autotune.search.reads_memo import ReadsMemo
 from autotune.trial.record import FAILED
 from autotune.units import GiB
 

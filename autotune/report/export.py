@@ -12,7 +12,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune import study as st
+from autotune.search import study as st
 from autotune.deepspeed_config import ADAMW
 from autotune.deepspeed_config import deepspeed_config
 from autotune.hardware import Cluster
@@ -76,12 +76,12 @@ def lora_config_path(ds_path: Path) -> Path:
 
 
 def lora_config_json(model: ModelSpec, cfg: TrainConfig) -> str:
-    """The LoraConfig the trials ran (autotune/lora.py), as JSON: `peft.LoraConfig(**json.load(f))`
+    """The LoraConfig the trials ran (autotune/impl/lora.py), as JSON: `peft.LoraConfig(**json.load(f))`
     accepts it. The attention targets are named from the model's own decoder layers (meta device)."""
     import torch
 
     from autotune.impl import impl_for
-    from autotune.lora import lora_config_dict, target_modules
+    from autotune.impl.lora import lora_config_dict, target_modules
 
     base = impl_for(model)
     depth = 1 if model.uniform_blocks else None   # a stack of mixed layers: all of them
@@ -346,7 +346,7 @@ def _ckpt_lines(cfg: TrainConfig, model: ModelSpec) -> list[str]:
     if model.implementation == "hf":
         where = _HF_LAYERS.get(model.model_type, "model.model.layers")
         return [head,
-                "  from autotune.hf import checkpoint_first_layers",
+                "  from autotune.impl.hf import checkpoint_first_layers",
                 f"  checkpoint_first_layers(model, {k})",
                 "  (what the trials ran; the same as transformers' own mechanism by hand:",
                 '  model.activation_checkpointing_enable({"use_reentrant": False})',

@@ -40,7 +40,7 @@ from autotune.models.hf_config import default_attention
 from autotune.train_config import LORA_FIELDS, TrainConfig, allowed_text, check_config, check_value, searched_fields
 from autotune.units import parse_duration_s
 
-SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 DEFAULT_SPACE = SPACES_DIR / "default.yaml"
 
 TRIAL_KEYS = ("steps", "warmup_steps", "timeout")

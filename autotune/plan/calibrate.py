@@ -13,7 +13,7 @@ from autotune.errors import SpecError
 
 def study_factor(name: str) -> tuple[str, float, int]:
     """(GPU type, median measured / simulated tokens/s, runs used) of a measured study."""
-    from autotune import study as st
+    from autotune.search import study as st
     from autotune.costmodel import simulate
 
     study = st.load_study(name)                  # an unknown study is a SpecError naming the known ones

@@ -9,7 +9,7 @@ search's own parts, composed here and not copied:
 
 then hours = tokens / (tokens/s), dollars = hours x GPUs x $/GPU-hour, $ per million tokens. Every
 throughput is the cost model's (simulated), or the cost model rescaled by a measured study of that
-GPU type (`--calibrate`, `calibration_from_study`). Prices are inputs (autotune/plan_prices.py).
+GPU type (`--calibrate`, `calibration_from_study`). Prices are inputs (autotune/plan/prices.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from autotune.errors import SpecError
 from autotune.hardware import Cluster, gpu_presets, parse_gpus
 from autotune.models import ModelSpec
-from autotune.plan_prices import Price
-from autotune.search_space import SearchSpace
+from autotune.plan.prices import Price
+from autotune.search.space import SearchSpace
 from autotune.train_config import TrainConfig
 
 DEFAULT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -85,7 +85,7 @@ class PlanResult:
 def default_options() -> list[str]:
     """Every priced GPU preset (not CPU ranks) at 1-64 GPUs in powers of two, nodes of the type's
     gpus_per_node (8 for all priced types)."""
-    from autotune.plan_prices import default_prices
+    from autotune.plan.prices import default_prices
 
     priced = default_prices()
     return [f"{n}x{name}" for name in gpu_presets() if name in priced for n in DEFAULT_COUNTS]
@@ -103,9 +103,9 @@ def best_config(model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len:
     """(the fastest fitting config, its simulated tokens/s over the cluster), or why there is none.
     The candidates, estimate, grouping and prior are the search's (module docstring)."""
     from autotune.memory import estimate
-    from autotune.search import Candidate, Plan, default_prior
-    from autotune.search_order import speed_order
-    from autotune.search_space import expand
+    from autotune.search.loop import Candidate, Plan, default_prior
+    from autotune.search.order import speed_order
+    from autotune.search.space import expand
 
     try:
         exp = expand(space, model, cluster, seq_len=seq_len)

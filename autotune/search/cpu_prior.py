@@ -295,7 +295,7 @@ def _probe_net(model: ModelSpec, attention: str, dtype, lora: tuple | None = Non
         torch.manual_seed(0)
         net = impl_for(model, _lora_config(lora)).build(model, dtype=dtype, attention=attention)
     if model.implementation == "builtin":
-        from autotune.builtin import init_weights
+        from autotune.impl.builtin import init_weights
 
         # The trial's own initialisation: with nn.Linear's default one, the tied GPT-2 head's backward
         # meets denormal floats and its GEMMs run ~7x slower on x86 (0.43 vs 0.06 s, landscape-gpt2).

@@ -1,5 +1,5 @@
 """LoRA and QLoRA through the model seam: `LoraImpl` builds the base through its own ModelImpl
-(autotune/impl.py), then wraps it with peft (`get_peft_model(model, LoraConfig(...))`), so trials,
+(autotune/impl/), then wraps it with peft (`get_peft_model(model, LoraConfig(...))`), so trials,
 the CPU prior and the traced memory model all run the same adapted module.
 
 - Targets: `attention` is every linear projection inside each decoder layer's attention block

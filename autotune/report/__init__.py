@@ -14,8 +14,8 @@ from pathlib import Path
 import optuna
 import pandas as pd
 
-from autotune import study as st
-from autotune.search_space import parse_space
+from autotune.search import study as st
+from autotune.search.space import parse_space
 from autotune.train_config import STABILITY_RISKS, searched_fields
 from autotune.units import GiB
 
@@ -166,7 +166,7 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None, titl
     if corr:
         lines += ["", corr]
     stop = (study.user_attrs.get("stopping") or {}).get("line")
-    if stop:   # the stopping rule's verdict when it ended the search (autotune/stopping.py)
+    if stop:   # the stopping rule's verdict when it ended the search (autotune/search/stopping.py)
         lines += ["", f"stopped: {stop}"]
     lines += risk_lines(df, table, fmt)
     for kind in ("pruned", "failed", "interrupted"):
@@ -212,7 +212,8 @@ def write_outputs(study: optuna.Study, out_dir: Path | None = None,
                   recs: list[st.TrialRecord] | None = None) -> list[Path]:
     """trials/<study>/report.md, report.html, trials.csv, the three pictures of report_pictures,
     throughput.png, memory.png. The study's records are read once (`recs`, or here) for all of them."""
-    from autotune import report_page, report_pictures
+    from autotune.report import page as report_page
+    from autotune.report import pictures as report_pictures
 
     out_dir = Path(out_dir or st.study_dir(study.study_name))
     out_dir.mkdir(parents=True, exist_ok=True)

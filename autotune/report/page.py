@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 
 from autotune import memory as mem
-from autotune import study as st
+from autotune.search import study as st
 from autotune.errors import SpecError
-from autotune.report_pictures import Pictures
+from autotune.report.pictures import Pictures
 from autotune.units import GiB
 
 CAPTIONS = {

@@ -14,13 +14,13 @@ from pathlib import Path
 import optuna
 
 from autotune import executors
-from autotune import study as st
+from autotune.search import study as st
 from autotune.errors import SpecError
 from autotune.hardware import Cluster, parse_gpus
 from autotune.memory.correction import Correction
 from autotune.models import ModelSpec, default_seq_len, resolve_model
-from autotune.search import Search, Summary
-from autotune.search_space import SearchSpace, load_space, parse_space
+from autotune.search.loop import Search, Summary
+from autotune.search.space import SearchSpace, load_space, parse_space
 
 @dataclass(frozen=True)
 class Inputs:
@@ -91,7 +91,7 @@ def open_search(*, model: str | None = None, impl: str | None = None, model_fact
     """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts.
     `impl`: the model code (hf when not given); on resume, only an explicit one is checked.
     `exhaustive`: run every feasible group; else stop when no unrun candidate can beat the best by more
-    than `tolerance` (a fraction; autotune/stopping.py). Neither is kept by the study: a resume chooses again."""
+    than `tolerance` (a fraction; autotune/search/stopping.py). Neither is kept by the study: a resume chooses again."""
     _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials)
     spec = resolve_model(model, implementation=impl or "hf", factory=model_factory) if model else None
     cluster = parse_gpus(gpus) if gpus else None

@@ -12,9 +12,9 @@ categorical spaces; grid and random ignore structure. What is known before any r
 recomputation costs about a forward pass per checkpointed layer, larger micro batches amortise
 per-step costs, higher ZeRO stages move more bytes. So the choice is deterministic: enumerate the
 feasible frontier, rank it by a prior (the cost model on GPUs; on CPU ranks the model's own step
-timed here, autotune.cpu_prior), and after each measurement bound what every unrun candidate could
+timed here, autotune.search.cpu_prior), and after each measurement bound what every unrun candidate could
 still reach: the prior corrected by the measured neighbours, widened by the error the prior has shown
-in this study (autotune/stopping.py). The next trial is the largest bound; the search stops when no
+in this study (autotune/search/stopping.py). The next trial is the largest bound; the search stops when no
 bound beats the best measured by more than the tolerance. The first pick is the prior's best guess.
 The chosen point is written to the study as a RUNNING trial with its params (`study.start_trial`)
 and told its result, an ordinary trial of the study.
@@ -34,15 +34,15 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import interrupts
-from autotune import study as st
+from autotune.search import study as st
 from autotune.executors.base import Executor
 from autotune.trial.record import RUN, TrialRequest, TrialResult
 from autotune.hardware import Cluster
 from autotune.errors import SpecError
 from autotune.models import ModelSpec
-from autotune.search_space import SearchSpace, expand
-from autotune.search_order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
-from autotune.stopping import Bounded
+from autotune.search.space import SearchSpace, expand
+from autotune.search.order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
+from autotune.search.stopping import Bounded
 from autotune.train_config import TrainConfig
 from autotune.units import fmt_bytes
 
@@ -73,13 +73,13 @@ class Candidate:
 
 # ---- prior -----------------------------------------------------------------------------------------
 def default_prior(model: ModelSpec, cluster: Cluster, configs: list[TrainConfig] = ()) -> Callable[[TrainConfig], float]:
-    """On CPU ranks the model's own step timed here (autotune.cpu_prior; `configs`, those it will
+    """On CPU ranks the model's own step timed here (autotune.search.cpu_prior; `configs`, those it will
     rank, are probed up front); on GPUs the cost model.
     A GPU the cost model cannot price for a precision (no datasheet peak) gets no preference there:
     its candidates keep the space's order. Never the CPU probe for a GPU: it would build the model
     in host memory, and a host is no stand-in for the GPU's speed."""
     if cluster.gpu.is_cpu:
-        from autotune.cpu_prior import cpu_prior
+        from autotune.search.cpu_prior import cpu_prior
 
         return cpu_prior(model, cluster, configs)
     from autotune.costmodel import simulate
@@ -200,10 +200,10 @@ class Search:
                  exhaustive: bool = False, tolerance: float = 0.02, prior_kind: str | None = None):
         if estimate_fn is None:
             from autotune.memory import estimate
-            from autotune.reads_memo import ReadsMemo
+            from autotune.search.reads_memo import ReadsMemo
 
             # most candidates of a large space differ only in settings the memory model does not read at
-            # their stage: full.yaml's 48,996 for 13B on 4 x A100 are 14,436 estimates (autotune/reads_memo.py)
+            # their stage: full.yaml's 48,996 for 13B on 4 x A100 are 14,436 estimates (autotune/search/reads_memo.py)
             estimate_fn = ReadsMemo(estimate)
         self.study, self.model, self.cluster, self.space, self.executor = study, model, cluster, space, executor
         self.corrector = corrector
@@ -223,7 +223,7 @@ class Search:
         samples = prior or default_prior(model, cluster, fitting)
         # priors are in samples/s; a sequence is seq_len tokens
         ranked_prior = samples if objective == "samples" else (lambda cfg: samples(cfg) * cfg.seq_len)
-        # the strategy picks by the bound, and stops by it (autotune/stopping.py)
+        # the strategy picks by the bound, and stops by it (autotune/search/stopping.py)
         self.strategy = Bounded(ranked_prior, model.num_layers, known, fitting)
         self.sampler = st.ChosenSampler()
         study.sampler = self.sampler
@@ -378,7 +378,7 @@ class Search:
         return self.strategy.pick(cands) or "exhausted"
 
     def _bound_says_stop(self, cands: list[Candidate]) -> bool:
-        """The stopping rule (autotune/stopping.py), once a run has a value; its verdict is kept in the
+        """The stopping rule (autotune/search/stopping.py), once a run has a value; its verdict is kept in the
         summary and, when it stops the search, in the study's user attr `stopping` (the report shows it)."""
         s = self.summary
         if s.best_value is None or not cands:

@@ -3,8 +3,8 @@
 A `ModelImpl` is named by `ModelSpec.implementation` (torchtitan's TrainSpec idea: a small protocol,
 registered by name):
 
-- `hf`      autotune/hf.py: the Hugging Face transformers model of the spec's config (the default);
-- `builtin` autotune/builtin.py: autotune's own stand-in transformer;
+- `hf`      autotune/impl/hf.py: the Hugging Face transformers model of the spec's config (the default);
+- `builtin` autotune/impl/builtin.py: autotune's own stand-in transformer;
 - `factory` the user's module from `ModelSpec.factory` ("package.module:function"; docs/models.md).
 """
 
@@ -76,12 +76,12 @@ def _next_token_loss(logits, tokens):
 
 
 class BuiltinImpl:
-    """`builtin`: autotune.builtin.Transformer, the stand-in that computes its own loss."""
+    """`builtin`: autotune.impl.builtin.Transformer, the stand-in that computes its own loss."""
 
     name = "builtin"
 
     def build(self, spec, *, dtype, attention, num_layers=None):
-        from autotune.builtin import Transformer
+        from autotune.impl.builtin import Transformer
 
         if attention not in ("sdpa", "eager"):
             raise SpecError(f"the builtin model has attention sdpa or eager, not {attention!r}")
@@ -178,21 +178,21 @@ def _set_checkpointed(layer, on: bool) -> None:
         layer.forward = functools.partial(checkpoint, plain, use_reentrant=False)
 
 
-IMPLS: dict[str, str] = {"hf": "autotune.hf:HfImpl", "builtin": "autotune.impl:BuiltinImpl",
+IMPLS: dict[str, str] = {"hf": "autotune.impl.hf:HfImpl", "builtin": "autotune.impl:BuiltinImpl",
                          "factory": "autotune.impl:FactoryImpl"}
 """Name -> "module:class"; imported on use, so transformers loads only when the hf code is asked for."""
 
 
 def impl_for(spec: ModelSpec, cfg=None) -> ModelImpl:
     """The ModelImpl that `spec.implementation` names; with a TrainConfig `cfg` whose method is lora
-    or qlora, that ModelImpl wrapped with peft's adapters (autotune/lora.py `LoraImpl`)."""
+    or qlora, that ModelImpl wrapped with peft's adapters (autotune/impl/lora.py `LoraImpl`)."""
     if spec.implementation not in IMPLS:
         raise SpecError(f"model {spec.name}: unknown implementation {spec.implementation!r}; "
                         f"known: {', '.join(IMPLS)}")
     mod, _, cls = IMPLS[spec.implementation].partition(":")
     impl = getattr(importlib.import_module(mod), cls)()
     if cfg is not None and cfg.method != "full":
-        from autotune.lora import LoraImpl
+        from autotune.impl.lora import LoraImpl
 
         impl = LoraImpl(impl, cfg)
     return impl

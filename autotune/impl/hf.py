@@ -1,4 +1,4 @@
-"""The Hugging Face `transformers` code a trial runs (the `hf` implementation of autotune/impl.py).
+"""The Hugging Face `transformers` code a trial runs (the `hf` implementation of autotune/impl/).
 Configs and the specs they give are autotune/models/hf_config.py.
 
 Checkpointing the first k decoder layers: transformers' own mechanism

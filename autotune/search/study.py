@@ -214,7 +214,7 @@ def load_study(name: str | None, url: str | None = None,
 
 class ChosenSampler(optuna.samplers.BaseSampler):
     """The study's sampler: every param is taken from `chosen`, where something asks (the search
-    itself writes its trials whole, `start_trial`; autotune/search.py says why no stock sampler)."""
+    itself writes its trials whole, `start_trial`; autotune/search/loop.py says why no stock sampler)."""
 
     def __init__(self) -> None:
         self.chosen: dict[str, Any] = {}

@@ -49,7 +49,7 @@ a study has measured anything; pooled with the study's own error as NU0 says. Co
 calibration points miss by -7.3% to +7.1% (docs/costmodel.md,
 `python benchmarks/costmodel_accuracy.py`), and two of them (ZeRO-1 and -2 on the V100s) are 12% apart where it
 puts them 2% apart: 0.07. CPU prior: its rank correlation with the recorded landscapes is 0.95-0.985 on
-a quiet machine (autotune/cpu_prior.py), yet on a held-back live search it put the true best 10th with
+a quiet machine (autotune/search/cpu_prior.py), yet on a held-back live search it put the true best 10th with
 the runner-up 13% slower (issue 29), and probed on a loaded machine (2026-12-03, load average 6 on 2
 cores) the feasible groups' log residuals had sd 0.22-0.26 in two probings, most of it a trend in micro
 batch that the study learns (`python benchmarks/search_efficiency.py --prior-error`): 0.10, and the
@@ -116,7 +116,7 @@ possible; the first measurement fixes it and says nothing about the ranking): th
 datasheet peaks and efficiencies a GPU may miss whole. The CPU prior times the model on this machine, so its
 level is itself a prediction: measured/prior at its best candidate was 0.83-1.01 on the Llama landscape and
 1.06-1.11 on the GPT-2 one in six probings each (2026-12-05), a median 0.85-0.88 over both landscapes
-(autotune/cpu_prior.py): an offset of sd 2 sigma (0.2 at the known 10%). The Granite landscape's best-priced
+(autotune/search/cpu_prior.py): an offset of sd 2 sigma (0.2 at the known 10%). The Granite landscape's best-priced
 candidate ran at 0.52 of its prior: a first measurement that far off widens the error the study has shown, and
 counts as one more contrast (the offset is no longer fixed by it alone)."""
 CURVE = {"cost model": 0.0, "cpu prior": 0.1, "given prior": 0.0}

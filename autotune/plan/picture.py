@@ -1,5 +1,5 @@
 """The plan's picture: hours against dollars per GPU option, the Pareto front joined and labelled.
-As the report's pictures (autotune/report_pictures.py): computed first as plain data, so tests and the
+As the report's pictures (autotune/report/pictures.py): computed first as plain data, so tests and the
 notebook check what is drawn, then drawn with matplotlib (Agg, files only). Every point is simulated."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def front(points: list[PlanPoint]) -> list[PlanPoint]:
 def draw_plan(points: list[PlanPoint], path: Path, model: str, tokens: float) -> Path | None:
     if not points:
         return None
-    from autotune.report_pictures import _pyplot, _save
+    from autotune.report.pictures import _pyplot, _save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 6))
