@@ -17,7 +17,6 @@ Per GPU, data parallel over all `world_size` ranks:
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from importlib import resources
@@ -164,11 +163,18 @@ class SimulatedStep:
         offload), host. LoRA's adapter GEMMs count as compute, QLoRA's dequantisation (a memory-bound
         kernel) as elementwise: the terms sum to the step time."""
         b = self.breakdown_s
-        comm = sum(b.get(k, 0.0) for k in ("grad_reduce", "param_gather", "stage3_gather", "overlap", "tp_comm", "sp_comm"))
-        return {"compute": b["compute"] + b.get("adapters", 0.0), "attention": b["attention"],
-                "elementwise": b["elementwise"] + b.get("dequantize", 0.0),
-                "recompute": b["recompute"], "communication exposed": comm,
-                "optimizer": b.get("optimizer", 0.0) + b.get("offload", 0.0), "host": b.get("host", 0.0)}
+        comm = sum(
+            b.get(k, 0.0) for k in ("grad_reduce", "param_gather", "stage3_gather", "overlap", "tp_comm", "sp_comm")
+        )
+        return {
+            "compute": b["compute"] + b.get("adapters", 0.0),
+            "attention": b["attention"],
+            "elementwise": b["elementwise"] + b.get("dequantize", 0.0),
+            "recompute": b["recompute"],
+            "communication exposed": comm,
+            "optimizer": b.get("optimizer", 0.0) + b.get("offload", 0.0),
+            "host": b.get("host", 0.0),
+        }
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -181,6 +187,7 @@ class SimulatedStep:
 def _calibration() -> dict:
     return yaml.safe_load(resources.files("autotune").joinpath("data/calibration.yaml").read_text())
 
+
 def gemm_efficiency(gpu: GpuSpec) -> float:
     """Fraction of the datasheet peak a large GEMM reaches: measured per GPU where a measurement
     exists (data/calibration.yaml, `gemm_efficiency`), else that table's `default`."""
@@ -192,8 +199,10 @@ def peak_flops(gpu: GpuSpec, precision: str) -> float:
     """Dense datasheet peak; fp32 is the plain FP32 peak (no TF32, see data/gpus.yaml)."""
     peak = gpu.peak_flops(precision)
     if not peak or not gpu.hbm_gbps:
-        raise SpecError(f"the cost model needs {gpu.name}'s {precision} peak and memory bandwidth "
-                        f"(CPU ranks are measured, not simulated)")
+        raise SpecError(
+            f"the cost model needs {gpu.name}'s {precision} peak and memory bandwidth "
+            f"(CPU ranks are measured, not simulated)"
+        )
     return peak
 
 
@@ -216,11 +225,25 @@ def compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, rt: Runtime, c: 
     scores); `recompute` reruns the forward of each checkpointed block in backward.
     Under tensor or sequence parallelism it is one rank's step (costops.parallel.shard_price): the tp shard's
     ops on seq / sp tokens, attention over the whole sequence for heads / sp."""
-    p = shard_price(model, cfg.autotp_size, sequence_parallel_size(cfg), rt.implementation, cfg.precision,
-                    cfg.attention, cfg.micro_batch, cfg.seq_len, price_key(gpu, cfg.precision), c.for_gpu(gpu.name),
-                    rt.attention_kernel)
-    return {"compute": p.gemm, "attention": p.attention, "elementwise": p.elementwise,
-            "recompute": cfg.ckpt_layers * p.layer_forward}
+    p = shard_price(
+        model,
+        cfg.autotp_size,
+        sequence_parallel_size(cfg),
+        rt.implementation,
+        cfg.precision,
+        cfg.attention,
+        cfg.micro_batch,
+        cfg.seq_len,
+        price_key(gpu, cfg.precision),
+        c.for_gpu(gpu.name),
+        rt.attention_kernel,
+    )
+    return {
+        "compute": p.gemm,
+        "attention": p.attention,
+        "elementwise": p.elementwise,
+        "recompute": cfg.ckpt_layers * p.layer_forward,
+    }
 
 
 ROUTED_FLOPS_FRACTION = 0.75
@@ -238,8 +261,10 @@ def model_flops_per_token(model: ModelSpec, cfg: TrainConfig, implementation: st
     from autotune.costops import step_flops
 
     formula = model.flops_per_token(cfg.seq_len)
-    traced = step_flops(model, implementation, cfg.precision, cfg.attention, cfg.micro_batch,
-                        cfg.seq_len) / cfg.tokens_per_micro_batch
+    traced = (
+        step_flops(model, implementation, cfg.precision, cfg.attention, cfg.micro_batch, cfg.seq_len)
+        / cfg.tokens_per_micro_batch
+    )
     return traced if traced < ROUTED_FLOPS_FRACTION * formula else formula
 
 
@@ -282,10 +307,11 @@ def grad_reduce_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster, rt: Runt
     """One reduction of all gradients. ZeRO-0 all-reduces (2 Psi moved); ZeRO >= 1 reduce-scatters
     (Psi) (Rajbhandari et al. 2020, "ZeRO", sec. 7.2), unless ZeRO-1/2 falls back to all-reduce.
     Under Ulysses the gradients travel in fp32 (SEQ_PARALLEL_REDUCE_BYTES)."""
-    nbytes = model.num_params * (SEQ_PARALLEL_REDUCE_BYTES if sequence_parallel_size(cfg) > 1
-                                 else dtype_bytes(cfg.precision))
+    nbytes = model.num_params * (
+        SEQ_PARALLEL_REDUCE_BYTES if sequence_parallel_size(cfg) > 1 else dtype_bytes(cfg.precision)
+    )
     if cfg.zero_quantized_gradients:
-        nbytes /= 4   # qgZ: int4 all-to-all, 1/4 of bf16 (ZeRO++ arXiv:2306.10209, sec. 3.3)
+        nbytes /= 4  # qgZ: int4 all-to-all, 1/4 of bf16 (ZeRO++ arXiv:2306.10209, sec. 3.3)
     if cfg.zero_stage == 0 or (cfg.zero_stage in (1, 2) and not rt.contiguous_gradients):
         return all_reduce_s(nbytes, cluster)
     return all_gather_s(nbytes, cluster)
@@ -395,13 +421,22 @@ def runtime_for(cfg: TrainConfig, model: ModelSpec) -> Runtime:
     from autotune.deepspeed_config import zero_section
 
     z = zero_section(cfg, model)
-    return Runtime(overlap_comm=bool(z.get("overlap_comm", False)),
-                   contiguous_gradients=bool(z.get("contiguous_gradients", True)),
-                   implementation=model.implementation)
+    return Runtime(
+        overlap_comm=bool(z.get("overlap_comm", False)),
+        contiguous_gradients=bool(z.get("contiguous_gradients", True)),
+        implementation=model.implementation,
+    )
 
 
-def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: Runtime | None = None,
-             constants: Constants | None = None, scope: str = "end_to_end") -> SimulatedStep:
+def simulate(
+    model: ModelSpec,
+    cluster: Cluster,
+    cfg: TrainConfig,
+    *,
+    runtime: Runtime | None = None,
+    constants: Constants | None = None,
+    scope: str = "end_to_end",
+) -> SimulatedStep:
     """Simulated step time and throughput of `cfg` (the sum in the module docstring).
 
     scope "end_to_end": what a user's training loop gets, the host's per-step work included;
@@ -426,7 +461,7 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     micro = compute_s(model, cfg, cluster.gpu, rt, constants or Constants())
     gathered = trained = shard  # what ZeRO-3 gathers (the rank's whole module) and what is reduced and stepped
     if cfg.method != "full":  # frozen base: its compute here, and only the adapters reduced and stepped
-        mine = dataclasses.replace(cfg, seq_len=cfg.seq_len // sp) if sp > 1 else cfg   # the rank's tokens
+        mine = dataclasses.replace(cfg, seq_len=cfg.seq_len // sp) if sp > 1 else cfg  # the rank's tokens
         micro = lora_compute_s(model, mine, cluster.gpu, micro, (constants or Constants()).for_gpu(cluster.gpu.name))
         trained, rt = lora_trained(model, cfg, rt)
     fwd_bwd = sum(micro.values())
@@ -435,23 +470,26 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     # reduce_ready_partitions_and_remove_grads).
     reduce = grad_reduce_s(trained, cfg, zc, rt)
     # the part of the stage-3 gathers fetched on demand stays on the critical path (stage3_prefetched)
-    per_micro = stage3_gather_s(gathered, cfg, zc) * stage3_prefetched(gathered, cfg) + \
-        (reduce if cfg.zero_stage >= 2 else 0.0)
+    per_micro = stage3_gather_s(gathered, cfg, zc) * stage3_prefetched(gathered, cfg) + (
+        reduce if cfg.zero_stage >= 2 else 0.0
+    )
     boundary_reduce = reduce if cfg.zero_stage < 2 else 0.0
     # A micro step's collectives hide under its forward+backward; the boundary reduction only under
     # the last backward (2/3 of it); ZeRO-1/2's gather after the step under nothing.
-    overlap = ga * hidden_s(per_micro, fwd_bwd, L, rt.overlap_comm) + \
-        hidden_s(boundary_reduce, fwd_bwd * 2 / 3, L, rt.overlap_comm)
+    overlap = ga * hidden_s(per_micro, fwd_bwd, L, rt.overlap_comm) + hidden_s(
+        boundary_reduce, fwd_bwd * 2 / 3, L, rt.overlap_comm
+    )
     parts = {k: ga * v for k, v in micro.items()} | {
         "grad_reduce": reduce * (ga if cfg.zero_stage >= 2 else 1),
         "param_gather": param_gather_s(trained, cfg, zc),
         "stage3_gather": ga * stage3_gather_s(gathered, cfg, zc),
         "overlap": -overlap,
         "optimizer": optimizer_s(trained, cfg, zc, rt),
-        "offload": offload_s(trained, cfg, zc)}
-    if tp > 1:   # AutoTP's per-layer all-reduces and the gathered head, on the tp group's link
+        "offload": offload_s(trained, cfg, zc),
+    }
+    if tp > 1:  # AutoTP's per-layer all-reduces and the gathered head, on the tp group's link
         parts["tp_comm"] = ga * tp_comm_s(model, cfg, cluster, link_bytes_per_s, dtype_bytes(cfg.precision))
-    if sp > 1:   # Ulysses' per-layer all-to-alls, on the sp group's link
+    if sp > 1:  # Ulysses' per-layer all-to-alls, on the sp group's link
         parts["sp_comm"] = ga * ulysses_comm_s(model, cfg, cluster, link_bytes_per_s, dtype_bytes(cfg.precision))
     if scope == "end_to_end":
         parts["host"] = ga * HOST_STEP_S  # a batch is fetched per micro step
@@ -460,14 +498,22 @@ def simulate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, *, runtime: R
     # seq / sp of their tokens (UlyssesSPDataLoaderAdapter): tokens per GPU are the group's over tp x sp GPUs,
     # and the sequences of a step come from world / (tp x sp) groups.
     tok_s = cfg.tokens_per_micro_batch * ga / step_s / (tp * sp)
-    flops = (model_flops_per_token(model, cfg, rt.implementation) if cfg.method == "full"
-             else model.flops_per_token(cfg.seq_len)) * tok_s
+    flops = (
+        model_flops_per_token(model, cfg, rt.implementation)
+        if cfg.method == "full"
+        else model.flops_per_token(cfg.seq_len)
+    ) * tok_s
     if cfg.method != "full":  # frozen weights: 4N, not 6N (no weight gradients), plus the adapters' 6
         flops += (6.0 * trained.num_params - 2.0 * model.num_params) * tok_s
     dp = cluster.world_size // (tp * sp)
-    return SimulatedStep(step_time_s=step_s, samples_per_s=cfg.micro_batch * ga * dp / step_s,
-                         tokens_per_s_per_gpu=tok_s, tflops_per_gpu=flops / TFLOPS,
-                         mfu=flops / peak_flops(cluster.gpu, cfg.precision), breakdown_s=parts)
+    return SimulatedStep(
+        step_time_s=step_s,
+        samples_per_s=cfg.micro_batch * ga * dp / step_s,
+        tokens_per_s_per_gpu=tok_s,
+        tflops_per_gpu=flops / TFLOPS,
+        mfu=flops / peak_flops(cluster.gpu, cfg.precision),
+        breakdown_s=parts,
+    )
 
 
 # ---- calibration -----------------------------------------------------------------------------
@@ -493,21 +539,36 @@ def calibration_points() -> list[CalibrationPoint]:
     out = []
     for name, p in _calibration()["points"].items():
         metric, value = next(iter(p["measured"].items()))
-        out.append(CalibrationPoint(name=name, model=resolve_model(p["model"]), cluster=parse_gpus(p["gpus"]),
-                                    config=TrainConfig(**p["config"]), runtime=Runtime(**p["runtime"]),
-                                    metric=metric, scope=p.get("scope", "end_to_end"), measured=float(value),
-                                    source=p["source"]))
+        out.append(
+            CalibrationPoint(
+                name=name,
+                model=resolve_model(p["model"]),
+                cluster=parse_gpus(p["gpus"]),
+                config=TrainConfig(**p["config"]),
+                runtime=Runtime(**p["runtime"]),
+                metric=metric,
+                scope=p.get("scope", "end_to_end"),
+                measured=float(value),
+                source=p["source"],
+            )
+        )
     return out
 
 
 def calibration_errors(constants: Constants | None = None) -> dict[str, float]:
     """Point name -> simulated / measured - 1."""
-    return {p.name: getattr(simulate(p.model, p.cluster, p.config, runtime=p.runtime, constants=constants,
-                                     scope=p.scope), p.metric) / p.measured - 1 for p in calibration_points()}
+    return {
+        p.name: getattr(
+            simulate(p.model, p.cluster, p.config, runtime=p.runtime, constants=constants, scope=p.scope), p.metric
+        )
+        / p.measured
+        - 1
+        for p in calibration_points()
+    }
 
 
 # ---- LoRA / QLoRA (issue #12): additive terms, called from simulate ------------------------------
-@cache   # a LoRA space asks the same few shapes for every candidate: 160k calls for lora.yaml's 13B plan
+@cache  # a LoRA space asks the same few shapes for every candidate: 160k calls for lora.yaml's 13B plan
 def _gemm_fwd_bwd_s(m: int, k: int, n: int, key: tuple, precision: str, sustained: float) -> float:
     """An (m x k) @ (k x n) product's forward GEMM and its two backward ones (input gradient
     (m x n) @ (n x k), weight gradient (k x m) @ (m x n)), each priced as costops prices a traced
@@ -516,12 +577,15 @@ def _gemm_fwd_bwd_s(m: int, k: int, n: int, key: tuple, precision: str, sustaine
 
     size = dtype_bytes(precision)
     shapes = (("fwd", m, k, n), ("bwd", m, n, k), ("bwd", k, m, n))
-    return sum(gemm_s(Op("gemm", "mm", phase, 2.0 * a * b * c, (a * b + b * c + a * c) * size, (1, a, b, c)), key, sustained)
-               for phase, a, b, c in shapes)
+    return sum(
+        gemm_s(Op("gemm", "mm", phase, 2.0 * a * b * c, (a * b + b * c + a * c) * size, (1, a, b, c)), key, sustained)
+        for phase, a, b, c in shapes
+    )
 
 
-def lora_compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, micro: dict[str, float],
-                   sustained: float) -> dict[str, float]:
+def lora_compute_s(
+    model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, micro: dict[str, float], sustained: float
+) -> dict[str, float]:
     """A micro step's compute with a frozen base. The base's weight GEMMs (layers and LM head) run
     forward and the input-gradient GEMM, not the weight-gradient one: 2/3 of their three
     (Hu et al. 2021, LoRA, sec. 4.2: no gradients for the frozen weights). Each adapter adds x·A
@@ -536,8 +600,10 @@ def lora_compute_s(model: ModelSpec, cfg: TrainConfig, gpu: GpuSpec, micro: dict
     out["compute"] = micro["compute"] * 2.0 / 3.0  # costops' weight GEMMs (layers and LM head)
     key, r = price_key(gpu, cfg.precision), cfg.lora_rank
     out["adapters"] = sum(
-        _gemm_fwd_bwd_s(tokens, k, r, key, cfg.precision, sustained) + _gemm_fwd_bwd_s(tokens, r, n, key, cfg.precision, sustained)
-        for k, n in adapter_shapes(model, cfg))
+        _gemm_fwd_bwd_s(tokens, k, r, key, cfg.precision, sustained)
+        + _gemm_fwd_bwd_s(tokens, r, n, key, cfg.precision, sustained)
+        for k, n in adapter_shapes(model, cfg)
+    )
     if cfg.method == "qlora":
         q, _ = quantized_weights(model, cfg)
         uses = 2.0 + cfg.ckpt_layers / model.num_layers

@@ -22,8 +22,13 @@ GRADIENT_CLIPPING = 1.0
 # 2000 clean steps, backoff 0.5). DeepSpeed's DynamicLossScaler halves the scale on overflow
 # (scale_factor 2.0, deepspeed/runtime/fp16/loss_scaler.py), which is the article's backoff 0.5;
 # hysteresis 2 and min scale 1 are DeepSpeed's defaults.
-FP16_LOSS_SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
-                    "hysteresis": 2, "min_loss_scale": 1}
+FP16_LOSS_SCALER = {
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 2000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
 
 STAGE3_MAX_LIVE_PARAMETERS = int(1e9)
 STAGE3_MAX_REUSE_DISTANCE = int(1e9)
@@ -48,8 +53,8 @@ def bucket_sizes(model: ModelSpec, cfg: TrainConfig | None = None) -> dict[str, 
         "stage3_prefetch_bucket_size": (cfg and cfg.stage3_prefetch_bucket_size) or int(0.9 * h2),
         "stage3_max_live_parameters": (cfg and cfg.stage3_max_live_parameters) or STAGE3_MAX_LIVE_PARAMETERS,
         "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
-        "stage3_param_persistence_threshold":
-            (cfg and cfg.stage3_param_persistence_threshold) or 10 * model.hidden_size,
+        "stage3_param_persistence_threshold": (cfg and cfg.stage3_param_persistence_threshold)
+        or 10 * model.hidden_size,
     }
 
 
@@ -62,20 +67,30 @@ def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
     b = bucket_sizes(model, cfg)
     z: dict = {"stage": cfg.zero_stage}
     if cfg.zero_stage in (1, 2):
-        z.update(reduce_bucket_size=b["reduce_bucket_size"], allgather_bucket_size=b["allgather_bucket_size"],
-                 contiguous_gradients=True, overlap_comm=cfg.overlap_comm, reduce_scatter=True)
+        z.update(
+            reduce_bucket_size=b["reduce_bucket_size"],
+            allgather_bucket_size=b["allgather_bucket_size"],
+            contiguous_gradients=True,
+            overlap_comm=cfg.overlap_comm,
+            reduce_scatter=True,
+        )
     elif cfg.zero_stage == 3:
-        z.update(reduce_bucket_size=b["reduce_bucket_size"],
-                 stage3_prefetch_bucket_size=b["stage3_prefetch_bucket_size"],
-                 stage3_param_persistence_threshold=b["stage3_param_persistence_threshold"],
-                 stage3_max_live_parameters=b["stage3_max_live_parameters"],
-                 stage3_max_reuse_distance=b["stage3_max_reuse_distance"],
-                 contiguous_gradients=True, overlap_comm=True,
-                 stage3_gather_16bit_weights_on_model_save=True)
-    if cfg.zero_stage == 3:   # ZeRO++ keys (runtime/zero/config.py); DeepSpeed's defaults when off
-        z.update(zero_quantized_weights=cfg.zero_quantized_weights,
-                 zero_quantized_gradients=cfg.zero_quantized_gradients,
-                 zero_hpz_partition_size=cfg.zero_hpz_partition_size)
+        z.update(
+            reduce_bucket_size=b["reduce_bucket_size"],
+            stage3_prefetch_bucket_size=b["stage3_prefetch_bucket_size"],
+            stage3_param_persistence_threshold=b["stage3_param_persistence_threshold"],
+            stage3_max_live_parameters=b["stage3_max_live_parameters"],
+            stage3_max_reuse_distance=b["stage3_max_reuse_distance"],
+            contiguous_gradients=True,
+            overlap_comm=True,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
+    if cfg.zero_stage == 3:  # ZeRO++ keys (runtime/zero/config.py); DeepSpeed's defaults when off
+        z.update(
+            zero_quantized_weights=cfg.zero_quantized_weights,
+            zero_quantized_gradients=cfg.zero_quantized_gradients,
+            zero_hpz_partition_size=cfg.zero_hpz_partition_size,
+        )
     if cfg.offload_param != "none":
         z["offload_param"] = {"device": cfg.offload_param, "pin_memory": True}
     if cfg.offload_optimizer:
@@ -136,7 +151,12 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
     if cfg.ckpt_layers:
         # Which layers are checkpointed is the model's code (torch.utils.checkpoint around the
         # first k blocks); DeepSpeed's section records the count and keeps its own options off.
-        ds["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
-                                          "cpu_checkpointing": False, "number_checkpoints": cfg.ckpt_layers,
-                                          "synchronize_checkpoint_boundary": False, "profile": False}
+        ds["activation_checkpointing"] = {
+            "partition_activations": False,
+            "contiguous_memory_optimization": False,
+            "cpu_checkpointing": False,
+            "number_checkpoints": cfg.ckpt_layers,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
     return ds

@@ -30,8 +30,10 @@ import yaml
 from autotune.errors import SpecError
 from autotune.units import GB, TFLOPS, GiB, MiB
 
-GRAMMAR = ("expected [NODESx]COUNTxTYPE[@MEM][@host=SIZE][@net=GBITSGbps], e.g. 4xA100, 8xH100, 2xA100-40GB, "
-           "16xH100 (2 nodes of 8), 2x8xH100, 2xcpu, 2xcpu@2GiB, 8xH100@host=512GiB, 2x8xA100@net=100Gbps")
+GRAMMAR = (
+    "expected [NODESx]COUNTxTYPE[@MEM][@host=SIZE][@net=GBITSGbps], e.g. 4xA100, 8xH100, 2xA100-40GB, "
+    "16xH100 (2 nodes of 8), 2x8xH100, 2xcpu, 2xcpu@2GiB, 8xH100@host=512GiB, 2x8xA100@net=100Gbps"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,11 +107,19 @@ def gpu_presets() -> dict[str, GpuSpec]:
 
 
 def _spec(name: str, e: dict, memory_bytes: int | None = None) -> GpuSpec:
-    return GpuSpec(name=name, memory_bytes=memory_bytes if memory_bytes is not None else e["memory_mib"] * MiB,
-                   peak_tflops=dict(e.get("peak_tflops") or {}), hbm_gbps=e["hbm_gbps"],
-                   intra_node_gbps=e["intra_node_gbps"], inter_node_gbps=e["inter_node_gbps"],
-                   bf16=e["bf16"], gpus_per_node=e["gpus_per_node"], source=e["source"], p2p=e.get("p2p", True),
-                   host_memory_bytes=int((e.get("host_memory_gib") or 0) * GiB))
+    return GpuSpec(
+        name=name,
+        memory_bytes=memory_bytes if memory_bytes is not None else e["memory_mib"] * MiB,
+        peak_tflops=dict(e.get("peak_tflops") or {}),
+        hbm_gbps=e["hbm_gbps"],
+        intra_node_gbps=e["intra_node_gbps"],
+        inter_node_gbps=e["inter_node_gbps"],
+        bf16=e["bf16"],
+        gpus_per_node=e["gpus_per_node"],
+        source=e["source"],
+        p2p=e.get("p2p", True),
+        host_memory_bytes=int((e.get("host_memory_gib") or 0) * GiB),
+    )
 
 
 def _lookup(type_text: str) -> tuple[str, dict]:
@@ -122,8 +132,7 @@ def _lookup(type_text: str) -> tuple[str, dict]:
     names = list(_raw()) + [str(a) for e in _raw().values() for a in e.get("aliases", [])]
     close = difflib.get_close_matches(type_text, names, n=3, cutoff=0.4)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
-    raise SpecError(f"unknown GPU type {type_text!r}.{hint} Known: {', '.join(_raw())} "
-                    f"(run `autotune gpus`).")
+    raise SpecError(f"unknown GPU type {type_text!r}.{hint} Known: {', '.join(_raw())} (run `autotune gpus`).")
 
 
 def _parse_mem(text: str) -> int:
@@ -148,8 +157,10 @@ def _net_part(suffix: str, text: str) -> tuple[str | None, float | None]:
         return suffix, None
     m = re.fullmatch(r"net=(\d+(?:\.\d+)?)\s*gbps", nets[0].strip().lower())
     if len(nets) > 1 or not m or float(m.group(1)) <= 0:
-        raise SpecError(f"malformed --gpus {text!r}: @net= takes the node's network in Gb/s, e.g. @net=100Gbps; {GRAMMAR}")
-    return (rest or None), float(m.group(1)) / 8   # Gb/s -> GB/s
+        raise SpecError(
+            f"malformed --gpus {text!r}: @net= takes the node's network in Gb/s, e.g. @net=100Gbps; {GRAMMAR}"
+        )
+    return (rest or None), float(m.group(1)) / 8  # Gb/s -> GB/s
 
 
 def parse_gpus(text: str) -> Cluster:
@@ -168,8 +179,10 @@ def parse_gpus(text: str) -> Cluster:
         nodes, per_node = int(nodes_txt), count
     elif count > per_node_max:
         if count % per_node_max:
-            raise SpecError(f"--gpus {text!r}: {count} {name} do not fill nodes of {per_node_max}; "
-                            f"write NODESxCOUNTx{type_txt} to say how they are split")
+            raise SpecError(
+                f"--gpus {text!r}: {count} {name} do not fill nodes of {per_node_max}; "
+                f"write NODESxCOUNTx{type_txt} to say how they are split"
+            )
         nodes, per_node = count // per_node_max, per_node_max
     else:
         nodes, per_node = 1, count
@@ -181,14 +194,14 @@ def parse_gpus(text: str) -> Cluster:
         mem_txt, net = _net_part(mem_txt, text)
         if net is not None:
             notes.append(f"network between nodes {net * 8:g} Gb/s per node (given)")
-    if mem_txt is not None:   # "@MEM", "@host=SIZE" or "@MEM@host=SIZE"
+    if mem_txt is not None:  # "@MEM", "@host=SIZE" or "@MEM@host=SIZE"
         parts = mem_txt.split("@")
         hosts = [p for p in parts if p.lower().startswith("host=")]
         rest = [p for p in parts if not p.lower().startswith("host=")]
         if len(hosts) > 1 or len(rest) > 1:
             raise SpecError(f"malformed --gpus {text!r}: at most one @MEM and one @host=SIZE; {GRAMMAR}")
         if hosts:
-            host = _parse_mem(hosts[0][len("host="):])
+            host = _parse_mem(hosts[0][len("host=") :])
             notes.append(f"host memory {host / GiB:.0f} GiB per node")
         mem_txt = rest[0] if rest else None
     if mem_txt is not None:
@@ -202,7 +215,6 @@ def parse_gpus(text: str) -> Cluster:
     spec = _spec(name, entry, mem)
     if host is not None:
         spec = dataclasses.replace(spec, host_memory_bytes=host)
-    if net is not None:   # GB/s per GPU, as data/gpus.yaml's inter_node_gbps
+    if net is not None:  # GB/s per GPU, as data/gpus.yaml's inter_node_gbps
         spec = dataclasses.replace(spec, inter_node_gbps=net / per_node)
-    return Cluster(gpu=spec, num_nodes=nodes, gpus_per_node=per_node,
-                   text=raw, note="; ".join(notes))
+    return Cluster(gpu=spec, num_nodes=nodes, gpus_per_node=per_node, text=raw, note="; ".join(notes))

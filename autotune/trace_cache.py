@@ -87,7 +87,7 @@ def load(key: tuple) -> dict | None:
         entry = json.loads(_path(key).read_text())
     except (OSError, ValueError):
         return shipped().get(repr(key))
-    return entry["value"] if entry.get("key") == repr(key) else None   # a hash collision reads as a miss
+    return entry["value"] if entry.get("key") == repr(key) else None  # a hash collision reads as a miss
 
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "shipped_traces.json.gz"
@@ -153,11 +153,11 @@ def in_parallel(here: list, there: list, *, timeout_s: float = 300.0) -> None:
         for call in here + there:
             call()
         return
-    fingerprint()   # hashed once, before the fork, for both processes
+    fingerprint()  # hashed once, before the fork, for both processes
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:   # the child: its calls, then out without the parent's exit handlers or buffers
+    if pid == 0:  # the child: its calls, then out without the parent's exit handlers or buffers
         code = 1
         try:
             for call in there:
@@ -171,7 +171,7 @@ def in_parallel(here: list, there: list, *, timeout_s: float = 300.0) -> None:
             call()
         done = True
     finally:
-        deadline = time.monotonic() + (timeout_s if done else 0.0)   # interrupted here: the child too
+        deadline = time.monotonic() + (timeout_s if done else 0.0)  # interrupted here: the child too
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)

@@ -53,16 +53,56 @@ def commands() -> list[list[str]]:
                     for zero in (0, 1, 2, 3):
                         # the families over lengths and micro batches hold for any count: traced at 4
                         for extra in ([], ["--max-seq-len"], ["--max-micro-batch"]) if n == 4 else ([],):
-                            out.append(["estimate", "--model", name, "--gpus", f"{n}x{gpu}", *precision, "--impl",
-                                        impl, "--zero", str(zero), *extra])
+                            out.append(
+                                [
+                                    "estimate",
+                                    "--model",
+                                    name,
+                                    "--gpus",
+                                    f"{n}x{gpu}",
+                                    *precision,
+                                    "--impl",
+                                    impl,
+                                    "--zero",
+                                    str(zero),
+                                    *extra,
+                                ]
+                            )
         for n in COUNTS:
             for method in ("lora", "qlora"):
                 for zero in (0, 1, 2, 3):
-                    out.append(["estimate", "--model", name, "--gpus", f"{n}x{GPUS[0][0]}", "--method", method,
-                                "--zero", str(zero)])
+                    out.append(
+                        [
+                            "estimate",
+                            "--model",
+                            name,
+                            "--gpus",
+                            f"{n}x{GPUS[0][0]}",
+                            "--method",
+                            method,
+                            "--zero",
+                            str(zero),
+                        ]
+                    )
     for space in PLANNED_SPACES:
-        out.append(["search", "--model", "13b", "--gpus", "4xA100", "--space", str(SPACES / space), "--executor",
-                    "simulated", "--n-trials", "1", "--no-progress", "--study", f"pack-{Path(space).stem}"])
+        out.append(
+            [
+                "search",
+                "--model",
+                "13b",
+                "--gpus",
+                "4xA100",
+                "--space",
+                str(SPACES / space),
+                "--executor",
+                "simulated",
+                "--n-trials",
+                "1",
+                "--no-progress",
+                "--study",
+                f"pack-{Path(space).stem}",
+            ]
+        )
     return out
 
 
@@ -80,11 +120,13 @@ def main() -> int:
     from autotune.cli import main as cli
 
     todo = commands()
-    with tempfile.TemporaryDirectory(prefix="autotune-pack-") as root, \
-            tempfile.TemporaryDirectory(prefix="autotune-pack-studies-") as studies:
+    with (
+        tempfile.TemporaryDirectory(prefix="autotune-pack-") as root,
+        tempfile.TemporaryDirectory(prefix="autotune-pack-studies-") as studies,
+    ):
         os.environ["AUTOTUNE_CACHE_DIR"] = root
-        os.environ["AUTOTUNE_TRIALS_DIR"] = studies     # the searches' studies, thrown away
-        os.environ["AUTOTUNE_SHIPPED_TRACES"] = "0"   # what a first run traces, not what the old file holds
+        os.environ["AUTOTUNE_TRIALS_DIR"] = studies  # the searches' studies, thrown away
+        os.environ["AUTOTUNE_SHIPPED_TRACES"] = "0"  # what a first run traces, not what the old file holds
         t0 = time.perf_counter()
         for i, argv in enumerate(todo, 1):
             with contextlib.redirect_stdout(io.StringIO()):
@@ -95,14 +137,20 @@ def main() -> int:
             print(f"\r[{i}/{len(todo)}] {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
         entries = entries_of(Path(root))
-    pack = {"fingerprint": trace_cache.fingerprint(), "libraries": trace_cache.libraries(),
-            "commands": [" ".join(c) for c in todo], "entries": entries}
+    pack = {
+        "fingerprint": trace_cache.fingerprint(),
+        "libraries": trace_cache.libraries(),
+        "commands": [" ".join(c) for c in todo],
+        "entries": entries,
+    }
     tmp = trace_cache.SHIPPED.with_suffix(".tmp")
     with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
-        f.write(json.dumps(pack, sort_keys=True, separators=(",", ":")).encode())   # the same bytes each time
+        f.write(json.dumps(pack, sort_keys=True, separators=(",", ":")).encode())  # the same bytes each time
     os.replace(tmp, trace_cache.SHIPPED)
-    print(f"{trace_cache.SHIPPED}: {len(entries)} entries from {len(todo)} estimates, "
-          f"{trace_cache.SHIPPED.stat().st_size:,} bytes, fingerprint {pack['fingerprint']}")
+    print(
+        f"{trace_cache.SHIPPED}: {len(entries)} entries from {len(todo)} estimates, "
+        f"{trace_cache.SHIPPED.stat().st_size:,} bytes, fingerprint {pack['fingerprint']}"
+    )
     return 0
 
 

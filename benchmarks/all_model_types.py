@@ -29,7 +29,7 @@ LAYERS = 4
 def one(model_type: str, root: Path) -> tuple[str, str, str]:
     try:
         d = AutoConfig.for_model(model_type).to_dict()
-    except Exception as e:  # noqa: BLE001 - transformers cannot make its own default config
+    except Exception as e:
         return model_type, "no default config", " ".join(str(e).split())[:160]
     depth = None
     for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
@@ -42,10 +42,31 @@ def one(model_type: str, root: Path) -> tuple[str, str, str]:
     path = root / model_type
     path.mkdir()
     (path / "config.json").write_text(json.dumps(d))
-    p = subprocess.run([sys.executable, "-m", "autotune", "estimate", "--model", str(path), "--gpus", "1xA100",
-                        "--zero", "2", "--precision", "bf16"], capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "estimate",
+            "--model",
+            str(path),
+            "--gpus",
+            "1xA100",
+            "--zero",
+            "2",
+            "--precision",
+            "bf16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("[transformers]")]
-    return model_type, f"rc={p.returncode}", ("TB " if "Traceback" in p.stderr else "") + (lines[-1][:200] if lines else "")
+    return (
+        model_type,
+        f"rc={p.returncode}",
+        ("TB " if "Traceback" in p.stderr else "") + (lines[-1][:200] if lines else ""),
+    )
 
 
 def main(types: list[str]) -> None:

@@ -28,10 +28,13 @@ from pathlib import Path
 from autotune.costmodel import calibration_points, simulate
 from autotune.train_config import TrainConfig
 
-E2E_CHECK = {"point": "gpt2-large-16xv100-z1", "samples_per_s": 69.061,
-             "source": "microsoft/DeepSpeedExamples autotuning/hf/gpt2-large/README.md, 'HF + DS autotuning "
-                       "(fast-mode)': 69.061 samples/s (z = 1, mbs = 3), the Trainer's end-to-end figure for the "
-                       "configuration whose engine-timer figure is 87.3"}
+E2E_CHECK = {
+    "point": "gpt2-large-16xv100-z1",
+    "samples_per_s": 69.061,
+    "source": "microsoft/DeepSpeedExamples autotuning/hf/gpt2-large/README.md, 'HF + DS autotuning "
+    "(fast-mode)': 69.061 samples/s (z = 1, mbs = 3), the Trainer's end-to-end figure for the "
+    "configuration whose engine-timer figure is 87.3",
+}
 """Not fitted: how far the end-to-end price is from the end-to-end figure of the same setup."""
 
 
@@ -56,9 +59,17 @@ def mpt(name: str, seq_len: int):
 
     if name in MPT_SHAPES:
         h, layers, heads = MPT_SHAPES[name]
-        spec = dataclasses.replace(resolve_model("mpt-7b", implementation="builtin"), name=f"mpt-{name}",
-                                   num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=heads,
-                                   ffn_hidden_size=4 * h, vocab_size=50368, param_count=0)
+        spec = dataclasses.replace(
+            resolve_model("mpt-7b", implementation="builtin"),
+            name=f"mpt-{name}",
+            num_layers=layers,
+            hidden_size=h,
+            num_heads=heads,
+            num_kv_heads=heads,
+            ffn_hidden_size=4 * h,
+            vocab_size=50368,
+            param_count=0,
+        )
     else:
         spec = resolve_model(f"mpt-{name}", implementation="builtin")
     return dataclasses.replace(spec, max_seq_len=max(seq_len, spec.max_seq_len))
@@ -76,11 +87,18 @@ def pair_rows(path: Path = PAIRS) -> list[tuple[dict, float, float]]:
     for row in csv.DictReader(path.open()):
         seq = int(row["seq_len"])
         spec = mpt(row["model"], seq)
-        cfg = TrainConfig(zero_stage=3, micro_batch=int(row["micro_batch"]), grad_accum=int(row["grad_accum"]),
-                          precision="bf16", seq_len=seq, attention="sdpa",
-                          ckpt_layers=spec.num_layers if row["activation_checkpointing"] == "true" else 0)
-        rt = Runtime(overlap_comm=True, fused_optimizer=False, optimizer_tensors=spec.num_layers + 1,
-                     attention_kernel="triton")
+        cfg = TrainConfig(
+            zero_stage=3,
+            micro_batch=int(row["micro_batch"]),
+            grad_accum=int(row["grad_accum"]),
+            precision="bf16",
+            seq_len=seq,
+            attention="sdpa",
+            ckpt_layers=spec.num_layers if row["activation_checkpointing"] == "true" else 0,
+        )
+        rt = Runtime(
+            overlap_comm=True, fused_optimizer=False, optimizer_tensors=spec.num_layers + 1, attention_kernel="triton"
+        )
         sim = simulate(spec, parse_gpus(f"{row['gpus']}x{row['gpu']}"), cfg, runtime=rt).tokens_per_s_per_gpu
         out.append((row, sim, float(row["tokens_per_s_per_gpu"])))
     return out
@@ -109,11 +127,15 @@ def print_pairs(path: Path = PAIRS) -> None:
         if not is_fit:
             ratio_held.append(abs(err_r))
             absolute_held += [abs(s / m - 1), abs(sa / ma - 1)]
-        print(f"{r['model']:<6} {r['seq_len']:>6} {r['activation_checkpointing'][:5]:>5} {s / m - 1:>+8.1%} "
-              f"{sa / ma - 1:>+8.1%} {s / sa:>10.2f} {m / ma:>9.2f} {err_r:>+7.1%}{' *' if is_fit else ''}")
+        print(
+            f"{r['model']:<6} {r['seq_len']:>6} {r['activation_checkpointing'][:5]:>5} {s / m - 1:>+8.1%} "
+            f"{sa / ma - 1:>+8.1%} {s / sa:>10.2f} {m / ma:>9.2f} {err_r:>+7.1%}{' *' if is_fit else ''}"
+        )
     for name, a, r in (("all", absolute, ratio), ("not fitted", absolute_held, ratio_held)):
-        print(f"{name}: H100/A100 ratio |error| median {statistics.median(r):.1%}, worst {max(r):.1%} ({len(r)} pairs); "
-              f"absolute median {statistics.median(a):.1%}, worst {max(a):.1%} ({len(a)} rows)")
+        print(
+            f"{name}: H100/A100 ratio |error| median {statistics.median(r):.1%}, worst {max(r):.1%} ({len(r)} pairs); "
+            f"absolute median {statistics.median(a):.1%}, worst {max(a):.1%} ({len(a)} rows)"
+        )
 
 
 def _median_s(fn, reps: int = 5) -> float:
@@ -135,9 +157,9 @@ def cpu_roofline() -> tuple[float, float, float]:
     from autotune import costops as co
 
     a, b = torch.randn(512, 512), torch.randn(512, 512)
-    flops = 2 * 512 ** 3 / _median_s(lambda: a @ b)
-    x, y, z = torch.randn(2 ** 24), torch.randn(2 ** 24), torch.empty(2 ** 24)
-    bw = 3 * 4 * 2 ** 24 / _median_s(lambda: torch.add(x, y, out=z))
+    flops = 2 * 512**3 / _median_s(lambda: a @ b)
+    x, y, z = torch.randn(2**24), torch.randn(2**24), torch.empty(2**24)
+    bw = 3 * 4 * 2**24 / _median_s(lambda: torch.add(x, y, out=z))
     spec, step = _step("tiny-llama", "builtin", "sdpa", 1, 8)
     kernels = sum(co.profile_for(spec, "builtin", "fp32", "sdpa", 1, 8).ops(spec.num_layers).values())
     return flops, bw, _median_s(step) / kernels
@@ -158,12 +180,13 @@ def _step(name: str, implementation: str, attention: str, mb: int, seq: int):
     if implementation == "builtin":
         from autotune.impl.builtin import init_weights
 
-        init_weights(model)   # as its trials do: nn.Linear's default init meets denormals in GPT-2's tied head
+        init_weights(model)  # as its trials do: nn.Linear's default init meets denormals in GPT-2's tied head
     batch = torch.randint(0, spec.vocab_size, (mb, seq + 1))
 
     def step():
         impl.loss(model, batch).backward()
         model.zero_grad(set_to_none=True)
+
     return spec, step
 
 
@@ -176,12 +199,18 @@ def cpu_cases() -> list[tuple[str, float, float]]:
 
     torch.set_num_threads(1)  # a shared machine
     flops_s, bytes_s, op_s = cpu_roofline()
-    print(f"\nthis CPU, one thread: matmul {flops_s / 1e9:.1f} GFLOP/s, add {bytes_s / 1e9:.1f} GB/s, "
-          f"{op_s * 1e6:.1f} us per op of a training step")
+    print(
+        f"\nthis CPU, one thread: matmul {flops_s / 1e9:.1f} GFLOP/s, add {bytes_s / 1e9:.1f} GB/s, "
+        f"{op_s * 1e6:.1f} us per op of a training step"
+    )
     out = []
     for implementation in ("builtin", "hf"):
-        for name, mb, seq, attention in (("tiny-gpt2", 4, 256, "sdpa"), ("tiny-llama", 4, 256, "sdpa"),
-                                         ("tiny-gpt2", 2, 512, "eager"), ("tiny-llama", 8, 128, "sdpa")):
+        for name, mb, seq, attention in (
+            ("tiny-gpt2", 4, 256, "sdpa"),
+            ("tiny-llama", 4, 256, "sdpa"),
+            ("tiny-gpt2", 2, 512, "eager"),
+            ("tiny-llama", 8, 128, "sdpa"),
+        ):
             spec, step = _step(name, implementation, attention, mb, seq)
             measured = _median_s(step)
             ops = co.profile_for(spec, implementation, "fp32", attention, mb, seq).ops(spec.num_layers)
@@ -206,21 +235,27 @@ def main() -> None:
         rows.append((p, s))
         print(f"{p.name:<24} {p.metric:<22} {p.scope:<14} {p.measured:>10.1f} {sim:>10.1f} {err:>+7.1%}")
     abs_err = [abs(e) for e in errors]
-    print(f"\nmedian |error| {statistics.median(abs_err):.1%}, worst |error| {max(abs_err):.1%} "
-          f"over {len(errors)} calibration figures")
+    print(
+        f"\nmedian |error| {statistics.median(abs_err):.1%}, worst |error| {max(abs_err):.1%} "
+        f"over {len(errors)} calibration figures"
+    )
 
     print("\nper-term breakdown of each simulated step (seconds, share of the step):")
     for p, s in rows:
         terms = s.terms()
-        print(f"  {p.name:<24} step {s.step_time_s:.4f} s, MFU {100 * s.mfu:.1f}%: " + ", ".join(
-            f"{k} {v:.4f} ({100 * v / s.step_time_s:.0f}%)" for k, v in terms.items() if v))
+        print(
+            f"  {p.name:<24} step {s.step_time_s:.4f} s, MFU {100 * s.mfu:.1f}%: "
+            + ", ".join(f"{k} {v:.4f} ({100 * v / s.step_time_s:.0f}%)" for k, v in terms.items() if v)
+        )
 
     point = next(p for p in calibration_points() if p.name == E2E_CHECK["point"])
     cfg: TrainConfig = point.config
     e2e = simulate(point.model, point.cluster, cfg, runtime=point.runtime, scope="end_to_end").samples_per_s
     measured = E2E_CHECK["samples_per_s"]
-    print(f"\nnot fitted, end to end: {point.name} simulated {e2e:.1f} vs HF Trainer end-to-end {measured} "
-          f"samples/s: {e2e / measured - 1:+.1%}\n  ({E2E_CHECK['source']})")
+    print(
+        f"\nnot fitted, end to end: {point.name} simulated {e2e:.1f} vs HF Trainer end-to-end {measured} "
+        f"samples/s: {e2e / measured - 1:+.1%}\n  ({E2E_CHECK['source']})"
+    )
     if not args.no_pairs:
         print_pairs(PAIRS)
         print_pairs(PAIRS_MORE)

@@ -37,7 +37,7 @@ from autotune.train_config import TrainConfig
 def main() -> None:
     # A cache of our own, empty: "first" below is a first run's tracing (autotune/trace_cache.py)
     root = os.environ["AUTOTUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="estimate-speed-")
-    os.environ["AUTOTUNE_SHIPPED_TRACES"] = "0"   # the grids below time tracing; max_seq_len says per run
+    os.environ["AUTOTUNE_SHIPPED_TRACES"] = "0"  # the grids below time tracing; max_seq_len says per run
     try:
         builtin()
         hugging_face()
@@ -63,25 +63,37 @@ def max_seq_len() -> None:
     print()
     root = os.environ["AUTOTUNE_CACHE_DIR"]
     for impl in ("hf", "builtin"):
-        times: dict[str, list[float]] = {"first run (shipped traces)": [], "first run (nothing shipped)": [],
-                                         "a later run": []}
+        times: dict[str, list[float]] = {
+            "first run (shipped traces)": [],
+            "first run (nothing shipped)": [],
+            "a later run": [],
+        }
         for _ in range(3):
             cache = tempfile.mkdtemp(dir=root)
             for run in times:
-                cmd = [sys.executable, "-m", "autotune", *COMMAND] + (["--impl", "builtin"] if impl == "builtin" else [])
-                env = {**os.environ, "AUTOTUNE_CACHE_DIR": tempfile.mkdtemp(dir=root) if "shipped)" in run else cache,
-                       "AUTOTUNE_SHIPPED_TRACES": "0" if "nothing" in run else "1"}
+                cmd = [sys.executable, "-m", "autotune", *COMMAND] + (
+                    ["--impl", "builtin"] if impl == "builtin" else []
+                )
+                env = {
+                    **os.environ,
+                    "AUTOTUNE_CACHE_DIR": tempfile.mkdtemp(dir=root) if "shipped)" in run else cache,
+                    "AUTOTUNE_SHIPPED_TRACES": "0" if "nothing" in run else "1",
+                }
                 t0 = time.perf_counter()
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                 times[run].append(time.perf_counter() - t0)
                 last = out.strip().splitlines()[-1]
         for run, ts in times.items():
-            print(f"--max-seq-len ({impl}, {run}): {last}; the whole command {min(ts):.2f}-{max(ts):.2f} s "
-                  f"wall over 3 runs -> target under 1 s: {'met' if max(ts) < 1 else 'MISSED'}")
+            print(
+                f"--max-seq-len ({impl}, {run}): {last}; the whole command {min(ts):.2f}-{max(ts):.2f} s "
+                f"wall over 3 runs -> target under 1 s: {'met' if max(ts) < 1 else 'MISSED'}"
+            )
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch, transformers.models.llama.modeling_llama"], check=True)
-    print(f"(for scale: importing torch and transformers' Llama alone takes {time.perf_counter() - t0:.2f} s "
-          f"here, which a first run that traces cannot avoid)")
+    print(
+        f"(for scale: importing torch and transformers' Llama alone takes {time.perf_counter() - t0:.2f} s "
+        f"here, which a first run that traces cannot avoid)"
+    )
 
 
 def hugging_face() -> None:
@@ -95,20 +107,26 @@ def hugging_face() -> None:
     t0 = time.perf_counter()
     fits = sum(int((grid_total_bytes(model, cluster, b, mbs, ks) <= cluster.capacity_bytes).sum()) for b in bases)
     first = time.perf_counter() - t0
-    print(f"first grid:  {first:.1f} s, the one-time trace of {len(code_trace._PROGRAMS)} small programs "
-          f"(3 precisions x micro batch 1, 2 x k 0, 1, 2; each 2-5 layers at seq 2048)")
+    print(
+        f"first grid:  {first:.1f} s, the one-time trace of {len(code_trace._PROGRAMS)} small programs "
+        f"(3 precisions x micro batch 1, 2 x k 0, 1, 2; each 2-5 layers at seq 2048)"
+    )
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
         fits = sum(int((grid_total_bytes(model, cluster, b, mbs, ks) <= cluster.capacity_bytes).sum()) for b in bases)
         best = min(best, time.perf_counter() - t0)
-    print(f"cached grid: {n:,} candidates in {best * 1e3:.1f} ms; {fits:,} fit "
-          f"-> target well under 1 s: {'met' if best < 0.5 else 'MISSED'}")
+    print(
+        f"cached grid: {n:,} candidates in {best * 1e3:.1f} ms; {fits:,} fit "
+        f"-> target well under 1 s: {'met' if best < 0.5 else 'MISSED'}"
+    )
     code_trace._PROGRAMS.clear()
     t0 = time.perf_counter()
     sum(int((grid_total_bytes(model, cluster, b, mbs, ks) <= cluster.capacity_bytes).sum()) for b in bases)
-    print(f"a later run's first grid: {time.perf_counter() - t0:.2f} s, the {len(code_trace._PROGRAMS)} programs "
-          f"read back from the disk cache")
+    print(
+        f"a later run's first grid: {time.perf_counter() - t0:.2f} s, the {len(code_trace._PROGRAMS)} programs "
+        f"read back from the disk cache"
+    )
 
 
 def builtin() -> None:
@@ -122,15 +140,19 @@ def builtin() -> None:
         t0 = time.perf_counter()
         fits = sum(int((grid_total_bytes(model, cluster, b, mbs, ks) <= cluster.capacity_bytes).sum()) for b in bases)
         best = min(best, time.perf_counter() - t0)
-    print(f"grid:        {n:,} candidates in {best * 1e3:.1f} ms ({best / n * 1e6:.2f} us each); {fits:,} fit "
-          f"-> target < 100 ms: {'met' if best < 0.1 else 'MISSED'}")
+    print(
+        f"grid:        {n:,} candidates in {best * 1e3:.1f} ms ({best / n * 1e6:.2f} us each); {fits:,} fit "
+        f"-> target < 100 ms: {'met' if best < 0.1 else 'MISSED'}"
+    )
     sample = [(b, int(mb), int(k)) for b in bases for mb in mbs[::8] for k in ks[::8]]
     t0 = time.perf_counter()
     for b, mb, k in sample:
         estimate(model, cluster, dataclasses.replace(b, micro_batch=mb, ckpt_layers=k))
     per = (time.perf_counter() - t0) / len(sample)
-    print(f"pointwise:   {per * 1e6:.1f} us per estimate -> whole space would take {per * n:.2f} s "
-          f"({per * n / best:.0f}x the grid)")
+    print(
+        f"pointwise:   {per * 1e6:.1f} us per estimate -> whole space would take {per * n:.2f} s "
+        f"({per * n / best:.0f}x the grid)"
+    )
 
 
 if __name__ == "__main__":

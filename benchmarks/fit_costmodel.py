@@ -40,8 +40,10 @@ def main() -> None:
         c = c.with_share(gen, share)
     errors = calibration_errors(c)
     for p in calibration_points():
-        print(f"  {p.name:24s} {generation(p.cluster.gpu.name):7s} {p.metric:22s} {p.scope:14s} "
-              f"measured {p.measured:10.1f}  error {errors[p.name]:+.1%}")
+        print(
+            f"  {p.name:24s} {generation(p.cluster.gpu.name):7s} {p.metric:22s} {p.scope:14s} "
+            f"measured {p.measured:10.1f}  error {errors[p.name]:+.1%}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,23 +34,32 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 # TrialRequest and TrialResult are moving to autotune.trial: this is the one line to change then.
-from autotune.trial.record import TrialRequest, TrialResult  # noqa: E402
-
 import gpu_check_install as setup  # noqa: E402
+from gpu_check_run import Gauge, leftover, rows_for, write_summary  # noqa: E402
+
 from autotune.costmodel import simulate  # noqa: E402
 from autotune.deepspeed_config import deepspeed_config  # noqa: E402
 from autotune.hardware import Cluster, parse_gpus  # noqa: E402
 from autotune.memory import estimate  # noqa: E402
 from autotune.models import ModelSpec, SpecError, from_shape  # noqa: E402
 from autotune.train_config import TrainConfig, check_config  # noqa: E402
+from autotune.trial.record import TrialRequest, TrialResult  # noqa: E402
 from autotune.units import GiB  # noqa: E402
-from gpu_check_run import Gauge, leftover, rows_for, write_summary  # noqa: E402
 
-MODEL_SHAPE = dict(num_layers=22, hidden_size=2048, num_heads=32, num_kv_heads=4, ffn_hidden_size=5632,
-                   vocab_size=32000, max_seq_len=2048)
-MODEL_SOURCE = ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json (Hugging Face Hub): "
-                "LlamaForCausalLM, 22 layers, hidden 2048, 32 heads, 4 kv heads, intermediate 5632, "
-                "vocab 32000, 2048 positions, untied head; 1,100,048,384 parameters")
+MODEL_SHAPE = dict(
+    num_layers=22,
+    hidden_size=2048,
+    num_heads=32,
+    num_kv_heads=4,
+    ffn_hidden_size=5632,
+    vocab_size=32000,
+    max_seq_len=2048,
+)
+MODEL_SOURCE = (
+    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json (Hugging Face Hub): "
+    "LlamaForCausalLM, 22 layers, hidden 2048, 32 heads, 4 kv heads, intermediate 5632, "
+    "vocab 32000, 2048 positions, untied head; 1,100,048,384 parameters"
+)
 IMPLEMENTATION: str | None = None
 """None: whatever ModelSpec builds by default. Once ModelSpec carries an implementation choice,
 name one here (e.g. "hf") to pin it; model_spec() applies it, the plan reports it."""
@@ -102,8 +111,8 @@ def model_spec() -> ModelSpec:
 
 def implementation(model: ModelSpec) -> str:
     return getattr(model, "implementation", None) or (
-        "autotune.impl.builtin.Transformer (autotune's own Llama-style code; ModelSpec has no "
-        "implementation field yet)")
+        "autotune.impl.builtin.Transformer (autotune's own Llama-style code; ModelSpec has no implementation field yet)"
+    )
 
 
 def importance(cfg: TrainConfig, base: TrainConfig) -> tuple:
@@ -138,12 +147,16 @@ def oom_micro_batch(model: ModelSpec, cluster: Cluster, base: TrainConfig, limit
 def plan(model: ModelSpec, cluster: Cluster) -> list[Planned]:
     """Baseline alone, the OOM probe alone, then the rest by importance in groups of GROUP_SIZE."""
     base = TrainConfig(zero_stage=0, precision="bf16", ckpt_layers=0, micro_batch=1, seq_len=SEQ_LEN)
-    rest = [TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=SEQ_LEN)
-            for z, p, k, mb in itertools.product(ZERO, PRECISION, (0, model.num_layers), MICRO_BATCH)]
+    rest = [
+        TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=SEQ_LEN)
+        for z, p, k, mb in itertools.product(ZERO, PRECISION, (0, model.num_layers), MICRO_BATCH)
+    ]
     rest = sorted((c for c in rest if c != base), key=lambda c: importance(c, base))
     probe = dataclasses.replace(base, micro_batch=oom_micro_batch(model, cluster, base))
-    out = [Planned(order=0, name=name(base), role="trial", group=0, config=base),
-           Planned(order=1, name="oom-probe-" + name(probe), role="oom_probe", group=1, config=probe)]
+    out = [
+        Planned(order=0, name=name(base), role="trial", group=0, config=base),
+        Planned(order=1, name="oom-probe-" + name(probe), role="oom_probe", group=1, config=probe),
+    ]
     for i, cfg in enumerate(rest):
         out.append(Planned(order=i + 2, name=name(cfg), role="trial", group=2 + i // GROUP_SIZE, config=cfg))
     return out
@@ -153,12 +166,23 @@ def name(cfg: TrainConfig) -> str:
     return f"z{cfg.zero_stage}-{cfg.precision}-k{cfg.ckpt_layers}-mb{cfg.micro_batch}"
 
 
-def make_requests(trials: list[Planned], model: ModelSpec, cluster: Cluster, root: Path,
-                  timeout_s: float = TRIAL_TIMEOUT_S) -> list[TrialRequest]:
+def make_requests(
+    trials: list[Planned], model: ModelSpec, cluster: Cluster, root: Path, timeout_s: float = TRIAL_TIMEOUT_S
+) -> list[TrialRequest]:
     """The one place trials become TrialRequests."""
-    return [TrialRequest(model=model, cluster=cluster, config=p.config, out_dir=root / "trials" / p.name,
-                         steps=STEPS, warmup_steps=WARMUP_STEPS, timeout_s=timeout_s, trial_id=p.order)
-            for p in trials]
+    return [
+        TrialRequest(
+            model=model,
+            cluster=cluster,
+            config=p.config,
+            out_dir=root / "trials" / p.name,
+            steps=STEPS,
+            warmup_steps=WARMUP_STEPS,
+            timeout_s=timeout_s,
+            trial_id=p.order,
+        )
+        for p in trials
+    ]
 
 
 class DataParallel:
@@ -179,19 +203,29 @@ def validate(ds: dict, world: int) -> dict:
     from deepspeed.runtime.config import DeepSpeedConfig
 
     c = DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=DataParallel(world))
-    return {"train_batch_size": c.train_batch_size, "micro_batch": c.train_micro_batch_size_per_gpu,
-            "zero_stage": c.zero_optimization_stage, "fp16": c.float16_config.enabled,
-            "bf16": c.bfloat16_config.enabled}
+    return {
+        "train_batch_size": c.train_batch_size,
+        "micro_batch": c.train_micro_batch_size_per_gpu,
+        "zero_stage": c.zero_optimization_stage,
+        "fp16": c.float16_config.enabled,
+        "bf16": c.bfloat16_config.enabled,
+    }
 
 
 def expected(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict:
     """What the models predict for `cfg`: the memory estimate and the cost model's speed."""
     est, sim = estimate(model, cluster, cfg), simulate(model, cluster, cfg)
-    return {"est_tensor_peak_gib": est.tensor_peak_bytes / GiB, "est_overhead_gib": est.overhead_bytes / GiB,
-            "est_total_gib": est.total_bytes / GiB, "est_fits": est.fits, "est_phase": est.phase,
-            "est_fragmentation_gib": est.overhead.get("allocator_fragmentation", 0) / GiB,
-            "est_context_gib": sum(v for k, v in est.overhead.items() if k != "allocator_fragmentation") / GiB,
-            "sim_samples_per_s": sim.samples_per_s, "sim_step_time_s": sim.step_time_s}
+    return {
+        "est_tensor_peak_gib": est.tensor_peak_bytes / GiB,
+        "est_overhead_gib": est.overhead_bytes / GiB,
+        "est_total_gib": est.total_bytes / GiB,
+        "est_fits": est.fits,
+        "est_phase": est.phase,
+        "est_fragmentation_gib": est.overhead.get("allocator_fragmentation", 0) / GiB,
+        "est_context_gib": sum(v for k, v in est.overhead.items() if k != "allocator_fragmentation") / GiB,
+        "sim_samples_per_s": sim.samples_per_s,
+        "sim_step_time_s": sim.step_time_s,
+    }
 
 
 def planned_entries(trials: list[Planned], model: ModelSpec, cluster: Cluster) -> list[dict]:
@@ -200,24 +234,45 @@ def planned_entries(trials: list[Planned], model: ModelSpec, cluster: Cluster) -
     for p in trials:
         check_config(p.config, model, cluster)
         ds = deepspeed_config(p.config, model, cluster)
-        out.append({"order": p.order, "name": p.name, "role": p.role, "group": p.group,
-                    "config": p.config.to_dict(), "deepspeed_config": ds,
-                    "parsed": validate(ds, cluster.world_size), **expected(model, cluster, p.config)})
+        out.append(
+            {
+                "order": p.order,
+                "name": p.name,
+                "role": p.role,
+                "group": p.group,
+                "config": p.config.to_dict(),
+                "deepspeed_config": ds,
+                "parsed": validate(ds, cluster.world_size),
+                **expected(model, cluster, p.config),
+            }
+        )
     return out
 
 
 def write_plan(out: Path, entries: list[dict], model: ModelSpec, cluster: Cluster) -> None:
-    head = {"model": model.describe(), "model_source": model.source, "implementation": implementation(model),
-            "gpus": cluster.describe(), "seq_len": SEQ_LEN, "steps": STEPS, "warmup_steps": WARMUP_STEPS}
+    head = {
+        "model": model.describe(),
+        "model_source": model.source,
+        "implementation": implementation(model),
+        "gpus": cluster.describe(),
+        "seq_len": SEQ_LEN,
+        "steps": STEPS,
+        "warmup_steps": WARMUP_STEPS,
+    }
     (out / "plan.json").write_text(json.dumps({**head, "trials": entries}, indent=2))
-    lines = ["# GPU check plan\n", *(f"- {k}: {v}" for k, v in head.items()), "",
-             "| # | group | trial | role | est. peak GiB (tensor + overhead) | fits | sim. samples/s "
-             "| DeepSpeed parser |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# GPU check plan\n",
+        *(f"- {k}: {v}" for k, v in head.items()),
+        "",
+        "| # | group | trial | role | est. peak GiB (tensor + overhead) | fits | sim. samples/s | DeepSpeed parser |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for e in entries:
-        lines.append(f"| {e['order']} | {e['group']} | {e['name']} | {e['role']} | {e['est_tensor_peak_gib']:.2f} + "
-                     f"{e['est_overhead_gib']:.2f} | {'yes' if e['est_fits'] else 'no'} | {e['sim_samples_per_s']:.2f} "
-                     f"| ok: train_batch {e['parsed']['train_batch_size']}, stage {e['parsed']['zero_stage']} |")
+        lines.append(
+            f"| {e['order']} | {e['group']} | {e['name']} | {e['role']} | {e['est_tensor_peak_gib']:.2f} + "
+            f"{e['est_overhead_gib']:.2f} | {'yes' if e['est_fits'] else 'no'} | {e['sim_samples_per_s']:.2f} "
+            f"| ok: train_batch {e['parsed']['train_batch_size']}, stage {e['parsed']['zero_stage']} |"
+        )
     (out / "plan.md").write_text("\n".join(lines) + "\n")
 
 
@@ -225,8 +280,10 @@ def print_plan(entries: list[dict], model: ModelSpec, cluster: Cluster) -> None:
     print(f"{model.describe()}\n  implementation: {implementation(model)}\n  on {cluster.describe()}, seq {SEQ_LEN}")
     print(f"{'#':>2} {'grp':>3}  {'trial':<28} {'est GiB':>8} {'fits':>4} {'sim sps':>8}  parsed")
     for e in entries:
-        print(f"{e['order']:>2} {e['group']:>3}  {e['name']:<28} {e['est_total_gib']:>8.2f} "
-              f"{'yes' if e['est_fits'] else 'no':>4} {e['sim_samples_per_s']:>8.2f}  ok")
+        print(
+            f"{e['order']:>2} {e['group']:>3}  {e['name']:<28} {e['est_total_gib']:>8.2f} "
+            f"{'yes' if e['est_fits'] else 'no':>4} {e['sim_samples_per_s']:>8.2f}  ok"
+        )
 
 
 def preset_for(device: str) -> str:
@@ -235,8 +292,13 @@ def preset_for(device: str) -> str:
     from autotune.hardware import _raw
 
     key = device.upper()
-    found = [(len(a), n) for n, e in _raw().items() if n != "cpu"
-             for a in (n, *map(str, e.get("aliases", []))) if a.upper() in key]
+    found = [
+        (len(a), n)
+        for n, e in _raw().items()
+        if n != "cpu"
+        for a in (n, *map(str, e.get("aliases", [])))
+        if a.upper() in key
+    ]
     if not found:
         raise SpecError(f"GPU {device!r} matches no preset in autotune/data/gpus.yaml; pass --gpus")
     return max(found)[1]
@@ -266,8 +328,11 @@ def preflight(args) -> dict:
     return env | setup.prebuild_ops()
 
 
-def run(args, runner: Callable[[list[TrialRequest]], list[TrialResult]] | None = None,
-        prepare: Callable[[argparse.Namespace], dict] = preflight) -> int:
+def run(
+    args,
+    runner: Callable[[list[TrialRequest]], list[TrialResult]] | None = None,
+    prepare: Callable[[argparse.Namespace], dict] = preflight,
+) -> int:
     """Preflight, then the plan group by group; rows written as each group ends. `runner`
     (autotune.trial.run_trials) and `prepare` are replaced only by the tests."""
     t0 = time.monotonic()
@@ -279,8 +344,12 @@ def run(args, runner: Callable[[list[TrialRequest]], list[TrialResult]] | None =
     entries = {e["name"]: e for e in listed}
     if runner is None:
         from autotune.trial import run_trials as runner
-    head = {"model": model.describe(), "implementation": implementation(model),
-            "gpus": f"{cluster.describe()} (--gpus {cluster.text})", **env}
+    head = {
+        "model": model.describe(),
+        "implementation": implementation(model),
+        "gpus": f"{cluster.describe()} (--gpus {cluster.text})",
+        **env,
+    }
     rows, gauge = [], Gauge()
     for group in sorted({p.group for p in trials}):
         todo = [p for p in trials if p.group == group]
@@ -295,8 +364,13 @@ def run(args, runner: Callable[[list[TrialRequest]], list[TrialResult]] | None =
         rows += rows_for(todo, results, entries, {**gauge.reading(), "processes_left": len(stray)}, "")
         write_summary(args.out, head, rows, time.monotonic() - t0)
         if group == 0 and results[0].status != "ok":
-            rows += rows_for([p for p in trials if p.group], [None] * (len(trials) - 1), entries, {},
-                             "not run: the first trial failed, and every other trial builds on it")
+            rows += rows_for(
+                [p for p in trials if p.group],
+                [None] * (len(trials) - 1),
+                entries,
+                {},
+                "not run: the first trial failed, and every other trial builds on it",
+            )
             break
     write_summary(args.out, head, rows, time.monotonic() - t0)
     print(f"[gpu-check] {len(rows)} rows in {args.out / 'gpu_check.csv'}, {time.monotonic() - t0:.0f} s", flush=True)
@@ -339,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         entries = planned_entries(plan(model, cluster), model, cluster)
         write_plan(args.out, entries, model, cluster)
         print_plan(entries, model, cluster)
-        print(f"{len(entries)} trials planned, every DeepSpeed config parsed, in {time.monotonic() - t0:.1f} s; "
-              f"plan in {args.out / 'plan.md'}")
+        print(
+            f"{len(entries)} trials planned, every DeepSpeed config parsed, in {time.monotonic() - t0:.1f} s; "
+            f"plan in {args.out / 'plan.md'}"
+        )
         return 0
     except SpecError as e:
         print(f"gpu_check: {e}", file=sys.stderr)

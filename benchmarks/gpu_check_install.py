@@ -46,8 +46,9 @@ def _metadata_requires(wheel: Path) -> list[str]:
     """Requires-Dist lines of a wheel's METADATA (PEP 566)."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        return [ln.split(":", 1)[1].strip() for ln in z.read(meta).decode().splitlines()
-                if ln.startswith("Requires-Dist:")]
+        return [
+            ln.split(":", 1)[1].strip() for ln in z.read(meta).decode().splitlines() if ln.startswith("Requires-Dist:")
+        ]
 
 
 def _requirements(wheel: Path) -> list[str]:
@@ -83,11 +84,37 @@ def prepare_wheels(dest: Path = WHEEL_DIR, python: str = TARGET_PYTHON) -> list[
     env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cuda"}
     # --no-build-isolation: DeepSpeed's setup.py imports torch, which is here; --no-cache-dir: a wheel
     # cached from a CPU build would carry accelerator_name 'cpu' and lack the CUDA requirements.
-    _pip(["wheel", "-q", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--no-binary", "deepspeed",
-          "-w", str(dest), f"deepspeed=={version}"], env=env)
+    _pip(
+        [
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "--no-binary",
+            "deepspeed",
+            "-w",
+            str(dest),
+            f"deepspeed=={version}",
+        ],
+        env=env,
+    )
     platforms = [a for p in TARGET_PLATFORMS for a in ("--platform", p)]
-    _pip(["download", "-q", "-d", str(dest), "--only-binary=:all:", "--python-version", python,
-          "--implementation", "cp", *platforms, *_requirements(dest / f"deepspeed-{version}-py3-none-any.whl")])
+    _pip(
+        [
+            "download",
+            "-q",
+            "-d",
+            str(dest),
+            "--only-binary=:all:",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            *platforms,
+            *_requirements(dest / f"deepspeed-{version}-py3-none-any.whl"),
+        ]
+    )
     wheels = sorted(dest.glob("*.whl"))
     total = sum(w.stat().st_size for w in wheels)
     print(f"[gpu-check] {len(wheels)} wheels, {total / 2**20:.1f} MiB in {dest}", flush=True)
@@ -117,14 +144,17 @@ def _missing(source: Path) -> list[Path]:
         from pip._vendor.packaging.requirements import Requirement
     wheels = {_canon(w.name.split("-")[0]): w for w in source.glob("*.whl")}
     if "deepspeed" not in wheels:
-        raise SystemExit(f"[gpu-check] {source} holds no deepspeed wheel: run `python benchmarks/gpu_check.py "
-                         f"--prepare-wheels` on a machine with the package index, and carry that folder")
+        raise SystemExit(
+            f"[gpu-check] {source} holds no deepspeed wheel: run `python benchmarks/gpu_check.py "
+            f"--prepare-wheels` on a machine with the package index, and carry that folder"
+        )
     out, todo = [], [("deepspeed", wheels["deepspeed"].name.split("-")[1])]
     while todo:
         name, spec = todo.pop()
         have = installed(name)
-        fits = have is not None and (spec == have if name == "deepspeed" else Requirement(f"x{spec}").specifier.contains(
-            have, prereleases=True))
+        fits = have is not None and (
+            spec == have if name == "deepspeed" else Requirement(f"x{spec}").specifier.contains(have, prereleases=True)
+        )
         if fits or name in KEEP or wheels.get(name) in out:
             continue
         if name not in wheels:
@@ -147,17 +177,20 @@ def install(source: Path = WHEEL_DIR) -> dict:
     if todo:
         extra = ["--break-system-packages"] if _externally_managed() else []
         _pip(["install", "-q", "--no-index", "--no-deps", *extra, *map(str, todo)])
-    probe = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True, text=True
+    )
     if probe.returncode:
         raise SystemExit(f"[gpu-check] deepspeed does not import after the install:\n{probe.stderr[-2000:]}")
     if installed("torch") != torch_before:
         raise SystemExit(f"[gpu-check] the install changed torch {torch_before} -> {installed('torch')}")
     took, names = time.monotonic() - t0, ", ".join(w.name.split("-")[0] for w in todo) or "nothing"
-    print(f"[gpu-check] installed {names} in {took:.1f} s; deepspeed {probe.stdout.strip().splitlines()[-1]} "
-          f"imports; torch {torch_before} kept", flush=True)
-    return {"install_s": round(took, 1), "installed": names, "deepspeed": installed("deepspeed"),
-            "torch": torch_before}
+    print(
+        f"[gpu-check] installed {names} in {took:.1f} s; deepspeed {probe.stdout.strip().splitlines()[-1]} "
+        f"imports; torch {torch_before} kept",
+        flush=True,
+    )
+    return {"install_s": round(took, 1), "installed": names, "deepspeed": installed("deepspeed"), "torch": torch_before}
 
 
 def put_scripts_on_path() -> None:
@@ -181,14 +214,18 @@ def prebuild_ops() -> dict:
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+") as log:
         try:
-            rc = subprocess.run([sys.executable, "-c", PREBUILD], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=OPS_TIMEOUT_S).returncode
+            rc = subprocess.run(
+                [sys.executable, "-c", PREBUILD], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=OPS_TIMEOUT_S
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         log.seek(0)
         tail = log.read()[-1500:]
     took = time.monotonic() - t0
     ok = rc == 0
-    print(f"[gpu-check] FusedAdam {'built' if ok else 'NOT built'} in {took:.1f} s"
-          + ("" if ok else f" (exit {rc}); every trial will fail in deepspeed.initialize:\n{tail}"), flush=True)
+    print(
+        f"[gpu-check] FusedAdam {'built' if ok else 'NOT built'} in {took:.1f} s"
+        + ("" if ok else f" (exit {rc}); every trial will fail in deepspeed.initialize:\n{tail}"),
+        flush=True,
+    )
     return {"ops_ok": ok, "ops_s": took, "ops_log_tail": "" if ok else tail}

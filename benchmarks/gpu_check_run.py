@@ -17,16 +17,53 @@ from autotune.units import GiB, MiB
 POLL_S = 0.5
 """nvidia-smi every half second: a config's peak lasts a whole step (0.05-0.2 s by the cost
 model) repeated over 10 steps, and the reserve only grows within a config."""
-COLUMNS = ["order", "group", "trial", "role", "zero", "precision", "ckpt_layers", "micro_batch", "status",
-           "check", "reason", "max_allocated_gib", "peak_gib", "est_tensor_peak_gib", "peak_error_pct",
-           "max_reserved_gib", "fragmentation_gib", "est_fragmentation_gib", "device_used_gib",
-           "non_allocator_gib", "est_context_gib", "est_overhead_gib", "samples_per_s", "sim_samples_per_s",
-           "speed_ratio", "step_time_s", "sim_step_time_s", "mfu", "loss_scale_initial", "loss_scale_final",
-           "overflow_count", "losses", "wall_s", "processes_left"]
-SHOWN = [("trial", "trial", "{}"), ("status", "status", "{}"), ("check", "check", "{}"),
-         ("peak_gib", "peak GiB", "{:.2f}"), ("est_tensor_peak_gib", "est", "{:.2f}"),
-         ("max_reserved_gib", "reserved", "{:.2f}"), ("samples_per_s", "samples/s", "{:.2f}"),
-         ("sim_samples_per_s", "sim", "{:.2f}"), ("loss_scale_final", "scale", "{:g}")]
+COLUMNS = [
+    "order",
+    "group",
+    "trial",
+    "role",
+    "zero",
+    "precision",
+    "ckpt_layers",
+    "micro_batch",
+    "status",
+    "check",
+    "reason",
+    "max_allocated_gib",
+    "peak_gib",
+    "est_tensor_peak_gib",
+    "peak_error_pct",
+    "max_reserved_gib",
+    "fragmentation_gib",
+    "est_fragmentation_gib",
+    "device_used_gib",
+    "non_allocator_gib",
+    "est_context_gib",
+    "est_overhead_gib",
+    "samples_per_s",
+    "sim_samples_per_s",
+    "speed_ratio",
+    "step_time_s",
+    "sim_step_time_s",
+    "mfu",
+    "loss_scale_initial",
+    "loss_scale_final",
+    "overflow_count",
+    "losses",
+    "wall_s",
+    "processes_left",
+]
+SHOWN = [
+    ("trial", "trial", "{}"),
+    ("status", "status", "{}"),
+    ("check", "check", "{}"),
+    ("peak_gib", "peak GiB", "{:.2f}"),
+    ("est_tensor_peak_gib", "est", "{:.2f}"),
+    ("max_reserved_gib", "reserved", "{:.2f}"),
+    ("samples_per_s", "samples/s", "{:.2f}"),
+    ("sim_samples_per_s", "sim", "{:.2f}"),
+    ("loss_scale_final", "scale", "{:g}"),
+]
 
 
 class Gauge:
@@ -43,8 +80,12 @@ class Gauge:
         if not self.smi:
             return None
         try:
-            out = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                 capture_output=True, text=True, timeout=10).stdout
+            out = subprocess.run(
+                [self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
             return float(out.strip().splitlines()[0])
         except (subprocess.SubprocessError, ValueError, IndexError):
             return None
@@ -103,15 +144,22 @@ def measured(res, cfg, group_reserved: int | None, extra: dict) -> dict:
     top = max((b for b in (res.peak_bytes, res.init_peak_bytes) if b is not None), default=None)
     alloc = top + (res.baseline_bytes or 0) if top is not None else None
     used = extra.get("device_used_gib")
-    return {"max_allocated_gib": _gib(alloc), "peak_gib": _gib(res.peak_bytes),
-            "max_reserved_gib": _gib(res.reserved_bytes),
-            "fragmentation_gib": _gib(res.reserved_bytes - alloc) if res.reserved_bytes and alloc else None,
-            "device_used_gib": used,
-            "non_allocator_gib": used - group_reserved / GiB if used is not None and group_reserved else None,
-            "samples_per_s": res.samples_per_s, "step_time_s": res.step_time_s, "mfu": res.mfu,
-            "loss_scale_initial": 2.0 ** FP16_LOSS_SCALER["initial_scale_power"] if cfg.precision == "fp16" else None,
-            "loss_scale_final": res.loss_scale, "overflow_count": res.overflow_count,
-            "losses": ";".join(f"{x:.4g}" for x in res.losses), "wall_s": res.wall_s}
+    return {
+        "max_allocated_gib": _gib(alloc),
+        "peak_gib": _gib(res.peak_bytes),
+        "max_reserved_gib": _gib(res.reserved_bytes),
+        "fragmentation_gib": _gib(res.reserved_bytes - alloc) if res.reserved_bytes and alloc else None,
+        "device_used_gib": used,
+        "non_allocator_gib": used - group_reserved / GiB if used is not None and group_reserved else None,
+        "samples_per_s": res.samples_per_s,
+        "step_time_s": res.step_time_s,
+        "mfu": res.mfu,
+        "loss_scale_initial": 2.0 ** FP16_LOSS_SCALER["initial_scale_power"] if cfg.precision == "fp16" else None,
+        "loss_scale_final": res.loss_scale,
+        "overflow_count": res.overflow_count,
+        "losses": ";".join(f"{x:.4g}" for x in res.losses),
+        "wall_s": res.wall_s,
+    }
 
 
 def rows_for(todo: list, results: list, entries: dict[str, dict], extra: dict, note: str) -> list[dict]:
@@ -120,17 +168,37 @@ def rows_for(todo: list, results: list, entries: dict[str, dict], extra: dict, n
     rows = []
     for p, res in zip(todo, results):
         e, c = entries[p.name], p.config
-        row = {"order": p.order, "group": p.group, "trial": p.name, "role": p.role, "zero": c.zero_stage,
-               "precision": c.precision, "ckpt_layers": c.ckpt_layers, "micro_batch": c.micro_batch,
-               **{k: e[k] for k in ("est_tensor_peak_gib", "est_fragmentation_gib", "est_context_gib",
-                                    "est_overhead_gib", "sim_samples_per_s", "sim_step_time_s")}}
+        row = {
+            "order": p.order,
+            "group": p.group,
+            "trial": p.name,
+            "role": p.role,
+            "zero": c.zero_stage,
+            "precision": c.precision,
+            "ckpt_layers": c.ckpt_layers,
+            "micro_batch": c.micro_batch,
+            **{
+                k: e[k]
+                for k in (
+                    "est_tensor_peak_gib",
+                    "est_fragmentation_gib",
+                    "est_context_gib",
+                    "est_overhead_gib",
+                    "sim_samples_per_s",
+                    "sim_step_time_s",
+                )
+            },
+        }
         if res is None:
             rows.append({**row, "status": "", "check": "not run", "reason": note})
             continue
         row |= measured(res, c, reserved, extra)
-        row |= {"status": res.status, "reason": res.reason.splitlines()[0][:300] if res.reason else "",
-                "processes_left": extra.get("processes_left", 0),
-                "check": _check(p.role, res, extra.get("processes_left", 0))}
+        row |= {
+            "status": res.status,
+            "reason": res.reason.splitlines()[0][:300] if res.reason else "",
+            "processes_left": extra.get("processes_left", 0),
+            "check": _check(p.role, res, extra.get("processes_left", 0)),
+        }
         if row["peak_gib"] is not None and p.role == "trial":
             row["peak_error_pct"] = 100 * (row["peak_gib"] / e["est_tensor_peak_gib"] - 1)
         if res.samples_per_s:
@@ -160,13 +228,20 @@ def write_summary(out: Path, head: dict, rows: list[dict], elapsed_s: float) -> 
     said = [f"- {k}: {v}" for k, v in head.items() if v not in ("", None) and k != "ops_log_tail"]
     if head.get("ops_log_tail"):
         said += ["- FusedAdam build log (tail):", "```", head["ops_log_tail"], "```"]
-    lines = ["# GPU check\n", *said, f"- elapsed: {elapsed_s:.0f} s", "",
-             "## Checks\n",
-             f"- first trial ran: {rows[0]['status'] or rows[0]['check'] if rows else 'no'}",
-             f"- OOM probe: {verdict}",
-             f"- processes left behind: {sum(r.get('processes_left') or 0 for r in rows)}",
-             f"- failed: {count['FAIL']}, findings: {count['finding']}, not run: {count['not run']}", "",
-             "## Trials (all columns in gpu_check.csv; docs/gpu_check.md says what each means)\n",
-             "| " + " | ".join(t for _, t, _ in SHOWN) + " |", "|" + "---|" * len(SHOWN)]
+    lines = [
+        "# GPU check\n",
+        *said,
+        f"- elapsed: {elapsed_s:.0f} s",
+        "",
+        "## Checks\n",
+        f"- first trial ran: {rows[0]['status'] or rows[0]['check'] if rows else 'no'}",
+        f"- OOM probe: {verdict}",
+        f"- processes left behind: {sum(r.get('processes_left') or 0 for r in rows)}",
+        f"- failed: {count['FAIL']}, findings: {count['finding']}, not run: {count['not run']}",
+        "",
+        "## Trials (all columns in gpu_check.csv; docs/gpu_check.md says what each means)\n",
+        "| " + " | ".join(t for _, t, _ in SHOWN) + " |",
+        "|" + "---|" * len(SHOWN),
+    ]
     lines += ["| " + " | ".join(_fmt(r, k, f) for k, _, f in SHOWN) + " |" for r in rows]
     (out / "summary.md").write_text("\n".join(lines) + "\n")

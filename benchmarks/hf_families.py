@@ -29,50 +29,130 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from cpu_step import measure_cpu  # noqa: E402 - enables the profiler's CPU memory reporting first
+from cpu_step import measure_cpu
 
-from autotune.errors import SpecError  # noqa: E402
-from autotune.hardware import parse_gpus  # noqa: E402
-from autotune.memory.traced import trace  # noqa: E402
-from autotune.train_config import TrainConfig, check_config  # noqa: E402
+from autotune.errors import SpecError
+from autotune.hardware import parse_gpus
+from autotune.memory.traced import trace
+from autotune.train_config import TrainConfig, check_config
 
 CPU = parse_gpus("1xcpu@8GiB")
-COMMON = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
-              max_position_embeddings=256)
+COMMON = dict(
+    num_hidden_layers=3,
+    hidden_size=64,
+    num_attention_heads=4,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=256,
+)
 FAMILIES = {
-    "gemma": dict(num_key_value_heads=1, head_dim=16), "gemma2": dict(num_key_value_heads=2, head_dim=16),
-    "gemma3_text": dict(num_key_value_heads=2, head_dim=16), "phi": {}, "qwen3": dict(num_key_value_heads=2, head_dim=16),
-    "olmo2": dict(num_key_value_heads=2), "stablelm": dict(num_key_value_heads=2),
-    "starcoder2": dict(num_key_value_heads=2), "falcon": {}, "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
-    "bloom": dict(n_layer=3, n_head=4), "gptj": dict(n_layer=3, n_embd=64, n_head=4, rotary_dim=8, n_positions=256),
+    "gemma": dict(num_key_value_heads=1, head_dim=16),
+    "gemma2": dict(num_key_value_heads=2, head_dim=16),
+    "gemma3_text": dict(num_key_value_heads=2, head_dim=16),
+    "phi": {},
+    "qwen3": dict(num_key_value_heads=2, head_dim=16),
+    "olmo2": dict(num_key_value_heads=2),
+    "stablelm": dict(num_key_value_heads=2),
+    "starcoder2": dict(num_key_value_heads=2),
+    "falcon": {},
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
+    "bloom": dict(n_layer=3, n_head=4),
+    "gptj": dict(n_layer=3, n_embd=64, n_head=4, rotary_dim=8, n_positions=256),
     "gpt_bigcode": dict(n_layer=3, n_embd=64, n_head=4, n_positions=256),
     "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
-    "granite": dict(num_key_value_heads=2), "cohere": dict(num_key_value_heads=2),
+    "granite": dict(num_key_value_heads=2),
+    "cohere": dict(num_key_value_heads=2),
     # stacks of mixed layers (ModelSpec.uniform_blocks False): a dense layer, then MoE ones
-    "deepseek_v3": dict(first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
-                        n_group=1, topk_group=1),
-    "qwen2_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=96, mlp_only_layers=[0]),
-    "deepseek_v2": dict(first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-                        n_shared_experts=1, moe_intermediate_size=48, q_lora_rank=None, kv_lora_rank=16,
-                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24),
+    "deepseek_v3": dict(
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        n_group=1,
+        topk_group=1,
+    ),
+    "qwen2_moe": dict(
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        mlp_only_layers=[0],
+    ),
+    "deepseek_v2": dict(
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=48,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+    ),
     # a hybrid: Mamba layers, attention every other layer, MoE every other layer
-    "jamba": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
-                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8),
-    "bamba": dict(num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
-                  mamba_chunk_size=16),
-    "granitemoehybrid": dict(num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
-                             num_experts_per_tok=2, shared_intermediate_size=96, mamba_n_heads=4, mamba_d_head=32,
-                             mamba_d_state=16, mamba_chunk_size=16),
-    "qwen3_next": dict(num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "linear_attention", "full_attention"],
-                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=48),
+    "jamba": dict(
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+    ),
+    "bamba": dict(
+        num_key_value_heads=2,
+        attn_layer_indices=[1],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+    ),
+    "granitemoehybrid": dict(
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=96,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+    ),
+    "qwen3_next": dict(
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=48,
+    ),
     "lfm2": dict(num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"]),
     # per-layer lists beside layer_types (transformers 5's mlp_layer_types): dense, then sparse
-    "exaone_moe": dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                       mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=16,
-                       layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "exaone_moe": dict(
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
 }
 CASES = (("fp32", "sdpa", 0), ("bf16", "eager", 1))
 
@@ -84,8 +164,11 @@ def main(types: list[str]) -> None:
 
     exact = total = 0
     for fam in types:
-        spec = hf.spec_from_config(AutoConfig.for_model(fam, **{**COMMON, **FAMILIES[fam]}), name=f"bench-{fam}",
-                                   source="benchmarks/hf_families.py")
+        spec = hf.spec_from_config(
+            AutoConfig.for_model(fam, **{**COMMON, **FAMILIES[fam]}),
+            name=f"bench-{fam}",
+            source="benchmarks/hf_families.py",
+        )
         for precision, attention, k in CASES:
             cfg = TrainConfig(micro_batch=2, seq_len=48, precision=precision, attention=attention, ckpt_layers=k)
             what = f"{fam:12s} {precision} {attention:5s} k={k}"
@@ -99,14 +182,19 @@ def main(types: list[str]) -> None:
             diff = {ph: real[ph] - got[ph] for ph in ("forward", "backward", "optimizer")}
             ok = all(0 <= v <= 128 for v in diff.values())
             exact, total = exact + ok, total + 1
-            print(f"{what}  real - traced: " + ", ".join(f"{ph} {v:+d} B" for ph, v in diff.items())
-                  + f"  (peak {max(real.values()):,} B){'' if ok else '  MISS'}")
+            print(
+                f"{what}  real - traced: "
+                + ", ".join(f"{ph} {v:+d} B" for ph, v in diff.items())
+                + f"  (peak {max(real.values()):,} B){'' if ok else '  MISS'}"
+            )
     print(f"\n{exact} of {total} traced steps within 128 B of the real step")
 
 
-LORA_CASES = ((0, "fp32", 0, 2, dict(method="lora", lora_rank=8, lora_targets="all-linear", lora_dropout=0.0)),
-              (2, "bf16", 1, 3, dict(method="lora", lora_rank=8)),
-              (3, "fp32", 0, 2, dict(method="lora", lora_rank=8)))
+LORA_CASES = (
+    (0, "fp32", 0, 2, dict(method="lora", lora_rank=8, lora_targets="all-linear", lora_dropout=0.0)),
+    (2, "bf16", 1, 3, dict(method="lora", lora_rank=8)),
+    (3, "fp32", 0, 2, dict(method="lora", lora_rank=8)),
+)
 """--deepspeed --lora: peft's adapters on the same models (all-linear without dropout, which peft
 refuses on MoE experts' grouped parameters; attention targets, rank 8)."""
 
@@ -133,20 +221,32 @@ def deepspeed(types: list[str], lora: bool = False) -> None:
                 shape["head_dim"] = 24
             if "mamba_d_head" in shape:  # the Mamba heads span expand x hidden
                 shape["mamba_d_head"] = 2 * wider["hidden_size"] // shape["mamba_n_heads"]
-            spec = hf.spec_from_config(AutoConfig.for_model(fam, **shape), name=f"bench-{fam}",
-                                       source="benchmarks/hf_families.py")
+            spec = hf.spec_from_config(
+                AutoConfig.for_model(fam, **shape), name=f"bench-{fam}", source="benchmarks/hf_families.py"
+            )
             cfg = TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=80, **extra)
-            reqs.append(TrialRequest(model=spec, cluster=cluster, config=cfg, out_dir=Path(tmp, f"{fam}-{z}"),
-                                     steps=2, warmup_steps=1, timeout_s=300))
+            reqs.append(
+                TrialRequest(
+                    model=spec,
+                    cluster=cluster,
+                    config=cfg,
+                    out_dir=Path(tmp, f"{fam}-{z}"),
+                    steps=2,
+                    warmup_steps=1,
+                    timeout_s=300,
+                )
+            )
         errors = []
-        for (fam, z, p, k, mb, _), req, res in zip(cases, reqs, run_trials(reqs)):
+        for (fam, *_), req, res in zip(cases, reqs, run_trials(reqs)):
             if res.status != "ok":
                 print(f"{fam:12s} {req.config.short()}: {res.status} {res.reason}")
                 continue
             est = estimate(req.model, cluster, req.config).tensor_peak_bytes
             errors.append(abs(est / res.peak_bytes - 1))
-            print(f"{fam:12s} {req.config.short()}: measured {res.peak_bytes:,} B, estimate {est:,} B "
-                  f"({100 * (est / res.peak_bytes - 1):+.2f}%)")
+            print(
+                f"{fam:12s} {req.config.short()}: measured {res.peak_bytes:,} B, estimate {est:,} B "
+                f"({100 * (est / res.peak_bytes - 1):+.2f}%)"
+            )
     if errors:
         print(f"\nworst |error| {100 * max(errors):.2f}% over {len(errors)} DeepSpeed runs")
 
@@ -161,13 +261,16 @@ def replay(types: list[str]) -> None:
 
     counts = {"same": 0, "refused": 0, "DIFFERENT": 0}
     for fam in types:
-        spec = hf.spec_from_config(AutoConfig.for_model(fam, **{**COMMON, **FAMILIES[fam]}), name=f"bench-{fam}",
-                                   source="benchmarks/hf_families.py")
+        spec = hf.spec_from_config(
+            AutoConfig.for_model(fam, **{**COMMON, **FAMILIES[fam]}),
+            name=f"bench-{fam}",
+            source="benchmarks/hf_families.py",
+        )
         for precision, attention, k in CASES:
             cfg = TrainConfig(micro_batch=2, seq_len=48, precision=precision, attention=attention, ckpt_layers=k)
             try:
                 check_config(cfg, spec, CPU)
-                trace(spec, CPU, cfg)    # the first trace in a process counts objects made once
+                trace(spec, CPU, cfg)  # the first trace in a process counts objects made once
             except SpecError as e:
                 print(f"{fam:12s} {precision} {attention:5s} k={k}  refused: {e}")
                 continue
@@ -183,8 +286,10 @@ def replay(types: list[str]) -> None:
                 traced = [trace(spec, CPU, dataclasses.replace(cfg, **{name: v})).points for v in asked]
                 verdict = "DIFFERENT" if replayed != traced else "same" if accepted else "refused"
                 counts[verdict] += 1
-                print(f"{fam:12s} {precision} {attention:5s} k={k} {name:11s} {values}: {verdict}"
-                      + ("" if accepted else " (traced value by value)"))
+                print(
+                    f"{fam:12s} {precision} {attention:5s} k={k} {name:11s} {values}: {verdict}"
+                    + ("" if accepted else " (traced value by value)")
+                )
     print("\n" + ", ".join(f"{v} {k}" for k, v in counts.items()) + " (replayed vs traced at 3 values each)")
 
 
@@ -192,7 +297,7 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["--deepspeed"]:
         lora = args[1:2] == ["--lora"]
-        deepspeed(args[1 + lora:] or ["phi", "qwen3", "gemma3_text"], lora)
+        deepspeed(args[1 + lora :] or ["phi", "qwen3", "gemma3_text"], lora)
     elif args[:1] == ["--replay"]:
         replay(args[1:] or list(FAMILIES))
     else:

@@ -25,45 +25,129 @@ RANKS = 2
 
 FAMILIES: dict[str, dict] = {
     # dropout 0.1 everywhere (GPT2Config's defaults), gelu_new, learned positions, tied head
-    "gpt2": dict(model_type="gpt2", n_layer=4, n_embd=96, n_head=4, vocab_size=1536, n_positions=512,
-                 bos_token_id=1535, eos_token_id=1535),
+    "gpt2": dict(
+        model_type="gpt2",
+        n_layer=4,
+        n_embd=96,
+        n_head=4,
+        vocab_size=1536,
+        n_positions=512,
+        bos_token_id=1535,
+        eos_token_id=1535,
+    ),
     # grouped-query attention: 8 query heads, 2 key/value heads
-    "llama": dict(model_type="llama", num_hidden_layers=4, hidden_size=128, num_attention_heads=8,
-                  num_key_value_heads=2, intermediate_size=336, vocab_size=2048, max_position_embeddings=512),
-    "mistral": dict(model_type="mistral", num_hidden_layers=3, hidden_size=96, num_attention_heads=6,
-                    num_key_value_heads=2, intermediate_size=288, vocab_size=1800, max_position_embeddings=512),
+    "llama": dict(
+        model_type="llama",
+        num_hidden_layers=4,
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=336,
+        vocab_size=2048,
+        max_position_embeddings=512,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        num_hidden_layers=3,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=288,
+        vocab_size=1800,
+        max_position_embeddings=512,
+    ),
     # tied embeddings, biases on q, k and v only
-    "qwen2": dict(model_type="qwen2", num_hidden_layers=3, hidden_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=320, vocab_size=1664, max_position_embeddings=512,
-                  tie_word_embeddings=True),
+    "qwen2": dict(
+        model_type="qwen2",
+        num_hidden_layers=3,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=320,
+        vocab_size=1664,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
     # parallel residual (the default), rotary on a quarter of each head
-    "gpt_neox": dict(model_type="gpt_neox", num_hidden_layers=3, hidden_size=128, num_attention_heads=4,
-                     intermediate_size=448, vocab_size=2000, max_position_embeddings=512),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        num_hidden_layers=3,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=448,
+        vocab_size=2000,
+        max_position_embeddings=512,
+    ),
 }
 """Shapes no test uses (tests/test_memory_hf.py has its own)."""
 
 HELD_OUT: dict[str, dict] = {
     # wider and deeper than FAMILIES, other vocabularies; measured after the table above was final
-    "gpt2": dict(model_type="gpt2", n_layer=6, n_embd=192, n_head=6, vocab_size=4096, n_positions=512,
-                 bos_token_id=4095, eos_token_id=4095),
-    "llama": dict(model_type="llama", num_hidden_layers=5, hidden_size=256, num_attention_heads=8,
-                  num_key_value_heads=4, intermediate_size=688, vocab_size=8000, max_position_embeddings=512),
-    "mistral": dict(model_type="mistral", num_hidden_layers=6, hidden_size=160, num_attention_heads=10,
-                    num_key_value_heads=2, intermediate_size=432, vocab_size=3000, max_position_embeddings=512),
-    "qwen2": dict(model_type="qwen2", num_hidden_layers=5, hidden_size=192, num_attention_heads=6,
-                  num_key_value_heads=2, intermediate_size=512, vocab_size=5000, max_position_embeddings=512,
-                  tie_word_embeddings=True),
-    "gpt_neox": dict(model_type="gpt_neox", num_hidden_layers=6, hidden_size=192, num_attention_heads=6,
-                     intermediate_size=768, vocab_size=6000, max_position_embeddings=512),
+    "gpt2": dict(
+        model_type="gpt2",
+        n_layer=6,
+        n_embd=192,
+        n_head=6,
+        vocab_size=4096,
+        n_positions=512,
+        bos_token_id=4095,
+        eos_token_id=4095,
+    ),
+    "llama": dict(
+        model_type="llama",
+        num_hidden_layers=5,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=8000,
+        max_position_embeddings=512,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        num_hidden_layers=6,
+        hidden_size=160,
+        num_attention_heads=10,
+        num_key_value_heads=2,
+        intermediate_size=432,
+        vocab_size=3000,
+        max_position_embeddings=512,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        num_hidden_layers=5,
+        hidden_size=192,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=5000,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        num_hidden_layers=6,
+        hidden_size=192,
+        num_attention_heads=6,
+        intermediate_size=768,
+        vocab_size=6000,
+        max_position_embeddings=512,
+    ),
 }
 """The held-out set: other shapes, two configs each, judged with nothing changed."""
 HELD_OUT_CONFIGS = [(1, "bf16", 2, 2, 200, "sdpa", 1), (3, "fp32", 0, 1, 144, "eager", 1)]
 
 # (zero stage, precision, checkpointed layers (-1: all), micro batch, seq len, attention, grad_accum)
 CONFIGS = [
-    (0, "fp32", 0, 2, 128, "sdpa", 1), (1, "bf16", 1, 3, 96, "sdpa", 1), (2, "fp32", 2, 1, 256, "eager", 1),
-    (3, "bf16", 0, 4, 128, "sdpa", 1), (0, "bf16", -1, 2, 192, "eager", 1), (1, "fp32", 0, 1, 160, "eager", 1),
-    (2, "bf16", 0, 2, 224, "sdpa", 1), (3, "fp32", 1, 2, 96, "eager", 1), (2, "bf16", -1, 3, 128, "sdpa", 2),
+    (0, "fp32", 0, 2, 128, "sdpa", 1),
+    (1, "bf16", 1, 3, 96, "sdpa", 1),
+    (2, "fp32", 2, 1, 256, "eager", 1),
+    (3, "bf16", 0, 4, 128, "sdpa", 1),
+    (0, "bf16", -1, 2, 192, "eager", 1),
+    (1, "fp32", 0, 1, 160, "eager", 1),
+    (2, "bf16", 0, 2, 224, "sdpa", 1),
+    (3, "fp32", 1, 2, 96, "eager", 1),
+    (2, "bf16", -1, 3, 128, "sdpa", 2),
 ]
 
 
@@ -74,14 +158,21 @@ def spec_of(family: str, config: dict | None = None):
     from autotune.models import hf_config as hf
 
     d = dict(config or FAMILIES[family])
-    return hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name=f"hf-{family}",
-                               source="benchmarks/hf_memory.py")
+    return hf.spec_from_config(
+        AutoConfig.for_model(d.pop("model_type"), **d), name=f"hf-{family}", source="benchmarks/hf_memory.py"
+    )
 
 
 def train_config(row: dict) -> TrainConfig:
-    return TrainConfig(zero_stage=int(row["zero_stage"]), precision=row["precision"],
-                       ckpt_layers=int(row["ckpt_layers"]), micro_batch=int(row["micro_batch"]),
-                       seq_len=int(row["seq_len"]), attention=row["attention"], grad_accum=int(row["grad_accum"]))
+    return TrainConfig(
+        zero_stage=int(row["zero_stage"]),
+        precision=row["precision"],
+        ckpt_layers=int(row["ckpt_layers"]),
+        micro_batch=int(row["micro_batch"]),
+        seq_len=int(row["seq_len"]),
+        attention=row["attention"],
+        grad_accum=int(row["grad_accum"]),
+    )
 
 
 SETS = {"main": (FAMILIES, CONFIGS), "held-out": (HELD_OUT, HELD_OUT_CONFIGS)}
@@ -93,8 +184,21 @@ def cases(which: str = "main") -> list[tuple[str, dict, TrainConfig]]:
     for family, config in families.items():
         layers = spec_of(family, config).num_layers
         for z, p, k, mb, s, att, ga in configs:
-            out.append((family, config, TrainConfig(zero_stage=z, precision=p, ckpt_layers=layers if k < 0 else k,
-                                                    micro_batch=mb, seq_len=s, attention=att, grad_accum=ga)))
+            out.append(
+                (
+                    family,
+                    config,
+                    TrainConfig(
+                        zero_stage=z,
+                        precision=p,
+                        ckpt_layers=layers if k < 0 else k,
+                        micro_batch=mb,
+                        seq_len=s,
+                        attention=att,
+                        grad_accum=ga,
+                    ),
+                )
+            )
     return out
 
 
@@ -105,15 +209,19 @@ def measure_all(which: tuple[str, ...] = tuple(SETS)) -> None:
     import torch
     import transformers
 
-    from autotune.trial.record import TrialRequest
     from autotune.trial.launch import run_trials
+    from autotune.trial.record import TrialRequest
 
     cluster = parse_gpus(f"{RANKS}xcpu")
     todo = [(w, *c) for w in which for c in cases(w)]
     versions = f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
     with tempfile.TemporaryDirectory() as tmp:
-        reqs = [TrialRequest(model=spec_of(f, d), cluster=cluster, config=c, steps=2, warmup_steps=1,
-                             out_dir=Path(tmp) / f"{i}-{f}") for i, (_, f, d, c) in enumerate(todo)]
+        reqs = [
+            TrialRequest(
+                model=spec_of(f, d), cluster=cluster, config=c, steps=2, warmup_steps=1, out_dir=Path(tmp) / f"{i}-{f}"
+            )
+            for i, (_, f, d, c) in enumerate(todo)
+        ]
         t0 = time.perf_counter()
         results = run_trials(reqs)
         print(f"{len(reqs)} trials on {RANKS} CPU ranks in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -122,12 +230,24 @@ def measure_all(which: tuple[str, ...] = tuple(SETS)) -> None:
         if res.status != "ok" or not res.peak_bytes:
             print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
             continue
-        rows.append({"set": which_set, "family": family, "hf_config": json.dumps(config, sort_keys=True),
-                     "ranks": RANKS, "zero_stage": c.zero_stage, "precision": c.precision,
-                     "ckpt_layers": c.ckpt_layers, "micro_batch": c.micro_batch, "seq_len": c.seq_len,
-                     "attention": c.attention, "grad_accum": c.grad_accum, "measured_bytes": res.peak_bytes,
-                     "measured_by": f"run_trials, {RANKS} CPU ranks (gloo), steps 2 after 1 warm-up, "
-                                    f"profiler peak, max over ranks; {versions}"})
+        rows.append(
+            {
+                "set": which_set,
+                "family": family,
+                "hf_config": json.dumps(config, sort_keys=True),
+                "ranks": RANKS,
+                "zero_stage": c.zero_stage,
+                "precision": c.precision,
+                "ckpt_layers": c.ckpt_layers,
+                "micro_batch": c.micro_batch,
+                "seq_len": c.seq_len,
+                "attention": c.attention,
+                "grad_accum": c.grad_accum,
+                "measured_bytes": res.peak_bytes,
+                "measured_by": f"run_trials, {RANKS} CPU ranks (gloo), steps 2 after 1 warm-up, "
+                f"profiler peak, max over ranks; {versions}",
+            }
+        )
     CSV.parent.mkdir(parents=True, exist_ok=True)
     rows.sort(key=lambda r: list(SETS).index(r["set"]))
     with CSV.open("w", newline="") as f:
@@ -156,8 +276,16 @@ def rows_with_estimates() -> list[dict]:
         measured = int(row["measured_bytes"])
         ours = estimate(spec, cluster, cfg).tensor_peak_bytes
         standin = estimate(replace(spec, implementation="builtin"), cluster, cfg).tensor_peak_bytes
-        out.append({**row, "measured": measured, "ours": ours, "standin": standin,
-                    "err": ours / measured - 1, "standin_err": standin / measured - 1})
+        out.append(
+            {
+                **row,
+                "measured": measured,
+                "ours": ours,
+                "standin": standin,
+                "err": ours / measured - 1,
+                "standin_err": standin / measured - 1,
+            }
+        )
     return out
 
 
@@ -166,8 +294,10 @@ def report() -> dict[str, dict]:
     |error| in percent)."""
     t0 = time.perf_counter()
     every = rows_with_estimates()
-    print(f"Hugging Face models: estimate vs real DeepSpeed runs on {RANKS} CPU ranks ({CSV.name}; "
-          f"{len(every)} runs estimated in {time.perf_counter() - t0:.0f} s)")
+    print(
+        f"Hugging Face models: estimate vs real DeepSpeed runs on {RANKS} CPU ranks ({CSV.name}; "
+        f"{len(every)} runs estimated in {time.perf_counter() - t0:.0f} s)"
+    )
     tables = {w: _table([r for r in every if r.get("set", "main") == w], w) for w in SETS}
     return tables["main"]
 
@@ -176,8 +306,10 @@ def _table(rows: list[dict], which: str) -> dict[str, dict]:
     if not rows:
         return {}
     print(f"== {which} set: {len(rows)} runs ==")
-    print(f"  {'family':<10} {'runs':>4} {'median |err|':>13} {'max |err|':>10}   "
-          f"{'stand-in analytic: median':>26} {'max':>8}")
+    print(
+        f"  {'family':<10} {'runs':>4} {'median |err|':>13} {'max |err|':>10}   "
+        f"{'stand-in analytic: median':>26} {'max':>8}"
+    )
     table = {}
     for family in [*FAMILIES, "all"]:
         sel = [r for r in rows if family in ("all", r["family"])]
@@ -186,14 +318,20 @@ def _table(rows: list[dict], which: str) -> dict[str, dict]:
         e = [100 * abs(r["err"]) for r in sel]
         se = [100 * abs(r["standin_err"]) for r in sel]
         table[family] = {"n": len(sel), "median": statistics.median(e), "max": max(e)}
-        print(f"  {family:<10} {len(sel):>4} {statistics.median(e):>12.3f}% {max(e):>9.3f}%   "
-              f"{statistics.median(se):>25.1f}% {max(se):>7.1f}%")
+        print(
+            f"  {family:<10} {len(sel):>4} {statistics.median(e):>12.3f}% {max(e):>9.3f}%   "
+            f"{statistics.median(se):>25.1f}% {max(se):>7.1f}%"
+        )
     ranked = sorted(rows, key=lambda r: -abs(r["err"]))
     worst = min(5, len(ranked) - 1)
-    print(f"  {worst} worst (the other {len(ranked) - worst} within "
-          f"{100 * max(abs(r['err']) for r in ranked[worst:]):.3f}%):")
+    print(
+        f"  {worst} worst (the other {len(ranked) - worst} within "
+        f"{100 * max(abs(r['err']) for r in ranked[worst:]):.3f}%):"
+    )
     for r in ranked[:worst]:
         cfg = train_config(r)
-        print(f"    {r['family']:<9} {cfg.short()} s{cfg.seq_len}: measured {r['measured']:,}, "
-              f"estimate {r['ours']:,} ({100 * r['err']:+.3f}%)")
+        print(
+            f"    {r['family']:<9} {cfg.short()} s{cfg.seq_len}: measured {r['measured']:,}, "
+            f"estimate {r['ours']:,} ({100 * r['err']:+.3f}%)"
+        )
     return table

@@ -45,8 +45,10 @@ def main() -> None:
         tr_loss += loss.detach()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    print(f"host work per step (micro batch {a.micro_batch}, seq {a.seq_len}): median {med * 1e3:.2f} ms, "
-          f"p90 {sorted(times)[int(0.9 * len(times))] * 1e3:.2f} ms over {a.steps} steps")
+    print(
+        f"host work per step (micro batch {a.micro_batch}, seq {a.seq_len}): median {med * 1e3:.2f} ms, "
+        f"p90 {sorted(times)[int(0.9 * len(times))] * 1e3:.2f} ms over {a.steps} steps"
+    )
 
 
 if __name__ == "__main__":

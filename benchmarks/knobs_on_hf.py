@@ -56,8 +56,16 @@ CONFIGS = [
     (2, "fp32", 0, 2, 128, dict(reduce_bucket_size=2_000_000)),
     (2, "fp32", -1, 1, 192, dict(reduce_bucket_size=2_000_000, overlap_comm=True)),
 ]
-FIELDS = ("zero_stage", "precision", "ckpt_layers", "micro_batch", "seq_len", "overlap_comm", "reduce_bucket_size",
-          "grad_accum_dtype")
+FIELDS = (
+    "zero_stage",
+    "precision",
+    "ckpt_layers",
+    "micro_batch",
+    "seq_len",
+    "overlap_comm",
+    "reduce_bucket_size",
+    "grad_accum_dtype",
+)
 
 
 def cases() -> list[tuple[str, TrainConfig]]:
@@ -65,8 +73,19 @@ def cases() -> list[tuple[str, TrainConfig]]:
     for family in KNOB_FAMILIES:
         layers = spec_of(family).num_layers
         for z, p, k, mb, s, knobs in CONFIGS:
-            out.append((family, TrainConfig(zero_stage=z, precision=p, ckpt_layers=layers if k < 0 else k,
-                                            micro_batch=mb, seq_len=s, **knobs)))
+            out.append(
+                (
+                    family,
+                    TrainConfig(
+                        zero_stage=z,
+                        precision=p,
+                        ckpt_layers=layers if k < 0 else k,
+                        micro_batch=mb,
+                        seq_len=s,
+                        **knobs,
+                    ),
+                )
+            )
     return out
 
 
@@ -87,8 +106,18 @@ def measure_all() -> None:
     todo = cases()
     versions = f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
     with tempfile.TemporaryDirectory() as tmp:
-        reqs = [TrialRequest(model=spec_of(f), cluster=CLUSTER, config=c, steps=2, warmup_steps=1, timeout_s=600,
-                             out_dir=Path(tmp) / f"{i}-{f}") for i, (f, c) in enumerate(todo)]
+        reqs = [
+            TrialRequest(
+                model=spec_of(f),
+                cluster=CLUSTER,
+                config=c,
+                steps=2,
+                warmup_steps=1,
+                timeout_s=600,
+                out_dir=Path(tmp) / f"{i}-{f}",
+            )
+            for i, (f, c) in enumerate(todo)
+        ]
         results = run_trials(reqs)
         steady = [steady_peak(r) if r.status == "ok" and r.peak_bytes else None for r in results]
     rows = []
@@ -96,11 +125,17 @@ def measure_all() -> None:
         if res.status != "ok" or not res.peak_bytes:
             print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
             continue
-        rows.append({"family": family, "hf_config": json.dumps(FAMILIES[family], sort_keys=True),
-                     **{f: getattr(c, f) for f in FIELDS}, "measured_bytes": steady_bytes,
-                     "largest_step_bytes": res.peak_bytes,
-                     "measured_by": f"run_trials, 2 CPU ranks (gloo), steps 2 after 1 warm-up, profiler peak, "
-                                    f"the highest rank's lowest step (tests/steady.py); {versions}"})
+        rows.append(
+            {
+                "family": family,
+                "hf_config": json.dumps(FAMILIES[family], sort_keys=True),
+                **{f: getattr(c, f) for f in FIELDS},
+                "measured_bytes": steady_bytes,
+                "largest_step_bytes": res.peak_bytes,
+                "measured_by": f"run_trials, 2 CPU ranks (gloo), steps 2 after 1 warm-up, profiler peak, "
+                f"the highest rank's lowest step (tests/steady.py); {versions}",
+            }
+        )
     with CSV.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -118,20 +153,28 @@ def report() -> dict:
     """Print every recorded case and the summary (estimated against measured); return the summary."""
     with CSV.open() as f:
         rows = list(csv.DictReader(f))
-    print(f"== DeepSpeed knobs on transformers' code, 2 CPU ranks: estimated vs measured ({len(rows)} runs, {CSV.name}) ==")
+    print(
+        f"== DeepSpeed knobs on transformers' code, 2 CPU ranks: estimated vs measured ({len(rows)} runs, {CSV.name}) =="
+    )
     errors = []
     for row in rows:
         spec, cfg = spec_of(row["family"], json.loads(row["hf_config"])), train_config(row)
         measured = int(row["measured_bytes"])
         est = estimate(spec, CLUSTER, cfg).tensor_peak_bytes
         errors.append(est / measured - 1)
-        knobs = " ".join(f"{k}={getattr(cfg, k)}" for k in ("overlap_comm", "reduce_bucket_size", "grad_accum_dtype")
-                         if getattr(cfg, k) not in (False, 0, "auto"))
-        print(f"  {row['family']:<9} {cfg.short():<30} s{cfg.seq_len:<4} {knobs:<50} measured {measured:>12,}  "
-              f"estimated {est:>12,}  {100 * errors[-1]:+7.3f}%")
+        knobs = " ".join(
+            f"{k}={getattr(cfg, k)}"
+            for k in ("overlap_comm", "reduce_bucket_size", "grad_accum_dtype")
+            if getattr(cfg, k) not in (False, 0, "auto")
+        )
+        print(
+            f"  {row['family']:<9} {cfg.short():<30} s{cfg.seq_len:<4} {knobs:<50} measured {measured:>12,}  "
+            f"estimated {est:>12,}  {100 * errors[-1]:+7.3f}%"
+        )
     s = summary(errors)
-    print(f"  median |error| {s['median']:.3f}%, worst {s['max']:.3f}%, worst under {s['under']:.3f}% "
-          f"(bar: 1%, 3%, 1%)")
+    print(
+        f"  median |error| {s['median']:.3f}%, worst {s['max']:.3f}%, worst under {s['under']:.3f}% (bar: 1%, 3%, 1%)"
+    )
     return s
 
 
@@ -141,8 +184,18 @@ def test_configs() -> None:
     from autotune.trial.record import TrialRequest
 
     with tempfile.TemporaryDirectory() as root:
-        reqs = [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=Path(root, str(i)), steps=2,
-                             warmup_steps=1, timeout_s=300) for i, kw in enumerate(KNOBS)]
+        reqs = [
+            TrialRequest(
+                model=model,
+                cluster=CLUSTER,
+                config=_cfg(kw),
+                out_dir=Path(root, str(i)),
+                steps=2,
+                warmup_steps=1,
+                timeout_s=300,
+            )
+            for i, kw in enumerate(KNOBS)
+        ]
         results = run_trials(reqs)
     misses = 0
     for name, req, res in zip(IDS, reqs, results):
@@ -155,8 +208,10 @@ def test_configs() -> None:
         over = OVER_BF16_OPTIMIZER if bf16_optimizer(req.config) else OVER
         miss = not -under <= err <= over
         misses += miss
-        print(f"{name:90s} measured {res.peak_bytes:>11,} B, estimate {est:>11,} B ({100 * err:+.2f}%)"
-              + ("  MISS" if miss else ""))
+        print(
+            f"{name:90s} measured {res.peak_bytes:>11,} B, estimate {est:>11,} B ({100 * err:+.2f}%)"
+            + ("  MISS" if miss else "")
+        )
     print(f"\n{misses} of {len(reqs)} outside the test's tolerance")
 
 

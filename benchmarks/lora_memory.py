@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_memory import FAMILIES, spec_of  # noqa: E402
+from hf_memory import FAMILIES, spec_of
 
-from autotune.hardware import parse_gpus  # noqa: E402
-from autotune.train_config import TrainConfig  # noqa: E402
+from autotune.hardware import parse_gpus
+from autotune.train_config import TrainConfig
 
 CSV = Path(__file__).resolve().parent / "data" / "lora_memory_runs.csv"
 RANKS = 2
@@ -52,13 +52,37 @@ CONFIGS = [
 # of ZeRO-3 with every layer checkpointed, where DeepSpeed has released an untied LM head after its
 # backward (lora.held_parameters; the FAMILIES shapes peak in the loss's backward, before it)
 WIDE: dict[str, dict] = {
-    "llama": dict(model_type="llama", num_hidden_layers=4, hidden_size=384, num_attention_heads=6,
-                  num_key_value_heads=2, intermediate_size=1536, vocab_size=4096, max_position_embeddings=512),
-    "gpt2": dict(model_type="gpt2", n_layer=4, n_embd=384, n_head=6, vocab_size=4096, n_positions=512,
-                 bos_token_id=4095, eos_token_id=4095),
-    "qwen2": dict(model_type="qwen2", num_hidden_layers=4, hidden_size=384, num_attention_heads=6,
-                  num_key_value_heads=2, intermediate_size=1024, vocab_size=6000, max_position_embeddings=512,
-                  tie_word_embeddings=True),
+    "llama": dict(
+        model_type="llama",
+        num_hidden_layers=4,
+        hidden_size=384,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1536,
+        vocab_size=4096,
+        max_position_embeddings=512,
+    ),
+    "gpt2": dict(
+        model_type="gpt2",
+        n_layer=4,
+        n_embd=384,
+        n_head=6,
+        vocab_size=4096,
+        n_positions=512,
+        bos_token_id=4095,
+        eos_token_id=4095,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        num_hidden_layers=4,
+        hidden_size=384,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        vocab_size=6000,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
 }
 # (family, zero stage, precision, checkpointed layers (-1: all), micro batch, seq len, targets, rank, dropout,
 #  grad_accum, attention)
@@ -71,19 +95,46 @@ WIDE_CONFIGS = [
     ("llama", 3, "fp32", -1, 1, 512, "all-linear", 64, 0.1, 1, "eager"),
     ("qwen2", 3, "fp32", -1, 4, 128, "all-linear", 8, 0.0, 2, "sdpa"),
 ]
-FIELDS = ("zero_stage", "precision", "ckpt_layers", "micro_batch", "seq_len", "lora_targets", "lora_rank",
-          "lora_dropout", "grad_accum", "attention")
+FIELDS = (
+    "zero_stage",
+    "precision",
+    "ckpt_layers",
+    "micro_batch",
+    "seq_len",
+    "lora_targets",
+    "lora_rank",
+    "lora_dropout",
+    "grad_accum",
+    "attention",
+)
 
 
 def cases() -> list[tuple[str, dict, TrainConfig]]:
     """(family, its transformers config, the trial's config) of every recorded run."""
+
     def one(family, shape, z, p, k, mb, s, targets, r, d, ga, attention="sdpa"):
         layers = spec_of(family, shape).num_layers
-        return (family, shape, TrainConfig(method="lora", zero_stage=z, precision=p, ckpt_layers=layers if k < 0 else k,
-                                           micro_batch=mb, seq_len=s, lora_targets=targets, lora_rank=r,
-                                           lora_dropout=d, grad_accum=ga, attention=attention))
-    return ([one(f, FAMILIES[f], *c) for f in LORA_FAMILIES for c in CONFIGS]
-            + [one(f, WIDE[f], *c) for f, *c in WIDE_CONFIGS])
+        return (
+            family,
+            shape,
+            TrainConfig(
+                method="lora",
+                zero_stage=z,
+                precision=p,
+                ckpt_layers=layers if k < 0 else k,
+                micro_batch=mb,
+                seq_len=s,
+                lora_targets=targets,
+                lora_rank=r,
+                lora_dropout=d,
+                grad_accum=ga,
+                attention=attention,
+            ),
+        )
+
+    return [one(f, FAMILIES[f], *c) for f in LORA_FAMILIES for c in CONFIGS] + [
+        one(f, WIDE[f], *c) for f, *c in WIDE_CONFIGS
+    ]
 
 
 def train_config(row: dict) -> TrainConfig:
@@ -113,11 +164,17 @@ def measure_all(only_new: bool = False) -> None:
             kept = list(csv.DictReader(f))
         have = {_key(r["family"], json.loads(r["hf_config"]), train_config(r)) for r in kept}
         todo = [(f, h, c) for f, h, c in todo if _key(f, h, c) not in have]
-    versions = (f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers "
-                f"{transformers.__version__}, peft {peft.__version__}")
+    versions = (
+        f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers "
+        f"{transformers.__version__}, peft {peft.__version__}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        reqs = [TrialRequest(model=spec_of(f, h), cluster=cluster, config=c, steps=2, warmup_steps=1,
-                             out_dir=Path(tmp) / f"{i}-{f}") for i, (f, h, c) in enumerate(todo)]
+        reqs = [
+            TrialRequest(
+                model=spec_of(f, h), cluster=cluster, config=c, steps=2, warmup_steps=1, out_dir=Path(tmp) / f"{i}-{f}"
+            )
+            for i, (f, h, c) in enumerate(todo)
+        ]
         t0 = time.perf_counter()
         results = run_trials(reqs)
         print(f"{len(reqs)} trials on {RANKS} CPU ranks in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -126,11 +183,19 @@ def measure_all(only_new: bool = False) -> None:
         if res.status != "ok" or not res.peak_bytes:
             print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
             continue
-        rows.append({"family": family, "hf_config": json.dumps(shape, sort_keys=True), "ranks": RANKS,
-                     **{f: getattr(c, f) for f in FIELDS}, "measured_bytes": res.peak_bytes,
-                     "first_loss": res.losses[0], "last_loss": res.losses[-1],
-                     "measured_by": f"run_trials, {RANKS} CPU ranks (gloo), steps 2 after 1 warm-up, "
-                                    f"profiler peak, max over ranks; {versions}"})
+        rows.append(
+            {
+                "family": family,
+                "hf_config": json.dumps(shape, sort_keys=True),
+                "ranks": RANKS,
+                **{f: getattr(c, f) for f in FIELDS},
+                "measured_bytes": res.peak_bytes,
+                "first_loss": res.losses[0],
+                "last_loss": res.losses[-1],
+                "measured_by": f"run_trials, {RANKS} CPU ranks (gloo), steps 2 after 1 warm-up, "
+                f"profiler peak, max over ranks; {versions}",
+            }
+        )
     CSV.parent.mkdir(parents=True, exist_ok=True)
     with CSV.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -160,13 +225,21 @@ def report() -> dict:
     print(f"== LoRA (peft) on {RANKS} CPU ranks: estimate vs real DeepSpeed runs ({len(rows)} runs, {CSV.name}) ==")
     for r in rows:
         c = r["cfg"]
-        print(f"  {r['family']:<9} {c.short():<48} s{c.seq_len:<4} d{c.lora_dropout:<5} measured "
-              f"{r['measured']:>11,}  estimate {r['ours']:>11,}  {100 * r['err']:+7.3f}%")
+        print(
+            f"  {r['family']:<9} {c.short():<48} s{c.seq_len:<4} d{c.lora_dropout:<5} measured "
+            f"{r['measured']:>11,}  estimate {r['ours']:>11,}  {100 * r['err']:+7.3f}%"
+        )
     e = [100 * abs(r["err"]) for r in rows]
-    summary = {"n": len(rows), "median": statistics.median(e), "max": max(e),
-               "under": -100 * min(0.0, min(r["err"] for r in rows))}
-    print(f"  median |error| {summary['median']:.3f}%, worst {summary['max']:.3f}%, worst under "
-          f"{summary['under']:.3f}% (issue 30's bar: 1%, 3%, 1%)")
+    summary = {
+        "n": len(rows),
+        "median": statistics.median(e),
+        "max": max(e),
+        "under": -100 * min(0.0, min(r["err"] for r in rows)),
+    }
+    print(
+        f"  median |error| {summary['median']:.3f}%, worst {summary['max']:.3f}%, worst under "
+        f"{summary['under']:.3f}% (issue 30's bar: 1%, 3%, 1%)"
+    )
     return summary
 
 

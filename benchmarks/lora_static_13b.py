@@ -12,11 +12,20 @@ from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 from autotune.units import GiB
 
-STATIC = ("parameters", "frozen_parameters", "adapter_parameters", "master_weights", "optimizer_states",
-          "gradient_partition")
-METHODS = [("full", {}), ("lora r8 attention", dict(method="lora", lora_rank=8)),
-           ("lora r64 all-linear", dict(method="lora", lora_rank=64, lora_targets="all-linear")),
-           ("qlora r64 all-linear", dict(method="qlora", lora_rank=64, lora_targets="all-linear"))]
+STATIC = (
+    "parameters",
+    "frozen_parameters",
+    "adapter_parameters",
+    "master_weights",
+    "optimizer_states",
+    "gradient_partition",
+)
+METHODS = [
+    ("full", {}),
+    ("lora r8 attention", dict(method="lora", lora_rank=8)),
+    ("lora r64 all-linear", dict(method="lora", lora_rank=64, lora_targets="all-linear")),
+    ("qlora r64 all-linear", dict(method="qlora", lora_rank=64, lora_targets="all-linear")),
+]
 
 
 def table(model: str = "13b", gpus: str = "4xA100") -> list[tuple[str, int, float]]:
@@ -34,6 +43,9 @@ if __name__ == "__main__":
     full = {z: v for n, z, v in rows if n == "full"}
     print(f"{'method':<22} " + " ".join(f"{'ZeRO-' + str(z):>16}" for z in range(4)))
     for name, _ in METHODS:
-        cells = [f"{v:8.2f} GiB {full[z] / v:4.0f}x" if name != "full" else f"{v:8.2f} GiB      "
-                 for n, z, v in rows if n == name]
+        cells = [
+            f"{v:8.2f} GiB {full[z] / v:4.0f}x" if name != "full" else f"{v:8.2f} GiB      "
+            for n, z, v in rows
+            if n == name
+        ]
         print(f"{name:<22} " + " ".join(f"{c:>16}" for c in cells))

@@ -37,20 +37,43 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.memory.baselines import article_bytes, deepspeed_estimator_bytes
 from autotune.models import from_shape
 from autotune.train_config import TrainConfig
+from autotune.trial.record import TrialRequest
 
 UNSEEN = {  # the stand-in model (implementation builtin), as the analytic terms describe it
-    "llama-h192": replace(from_shape("llama-h192", "llama", num_layers=3, hidden_size=192, num_heads=6,
-                                     num_kv_heads=2, ffn_hidden_size=512, vocab_size=3000, max_seq_len=256,
-                                     source="benchmark shape, not used by any test"), implementation="builtin"),
-    "gpt2-h160": replace(from_shape("gpt2-h160", "gpt2", num_layers=3, hidden_size=160, num_heads=5,
-                                    ffn_hidden_size=640, vocab_size=3000, max_seq_len=256,
-                                    source="benchmark shape, not used by any test"), implementation="builtin"),
+    "llama-h192": replace(
+        from_shape(
+            "llama-h192",
+            "llama",
+            num_layers=3,
+            hidden_size=192,
+            num_heads=6,
+            num_kv_heads=2,
+            ffn_hidden_size=512,
+            vocab_size=3000,
+            max_seq_len=256,
+            source="benchmark shape, not used by any test",
+        ),
+        implementation="builtin",
+    ),
+    "gpt2-h160": replace(
+        from_shape(
+            "gpt2-h160",
+            "gpt2",
+            num_layers=3,
+            hidden_size=160,
+            num_heads=5,
+            ffn_hidden_size=640,
+            vocab_size=3000,
+            max_seq_len=256,
+            source="benchmark shape, not used by any test",
+        ),
+        implementation="builtin",
+    ),
 }
 
 
@@ -61,8 +84,9 @@ def measured_cases(quick: bool) -> list[tuple]:
         mbs = (1, 3) if ranks == 2 and not quick else (3,)
         ks = (0, 1, 3) if ranks == 2 and not quick else (0, 3)
         for name, z, p, k, mb in itertools.product(UNSEEN, stages, ("fp32", "bf16"), ks, mbs):
-            cases.append((ranks, name, TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb,
-                                                   seq_len=96)))
+            cases.append(
+                (ranks, name, TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=96))
+            )
     return cases
 
 
@@ -73,9 +97,17 @@ def run_measured(cases, root: Path) -> list[dict]:
     for ranks in sorted({c[0] for c in cases}):
         cluster = parse_gpus(f"{ranks}xcpu")
         batch = [c for c in cases if c[0] == ranks]
-        reqs = [TrialRequest(model=UNSEEN[name], cluster=cluster, config=cfg, steps=2, warmup_steps=1,
-                             out_dir=root / f"{ranks}-{name}-{cfg.short().replace(' ', '_')}")
-                for _, name, cfg in batch]
+        reqs = [
+            TrialRequest(
+                model=UNSEEN[name],
+                cluster=cluster,
+                config=cfg,
+                steps=2,
+                warmup_steps=1,
+                out_dir=root / f"{ranks}-{name}-{cfg.short().replace(' ', '_')}",
+            )
+            for _, name, cfg in batch
+        ]
         t0 = time.perf_counter()
         results = run_trials(reqs)
         print(f"  {len(reqs)} configs on {ranks} ranks measured in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -84,9 +116,15 @@ def run_measured(cases, root: Path) -> list[dict]:
                 print(f"  ! {req.model.name} {req.config.short()}: {res.status} {res.reason}")
                 continue
             est = estimate(req.model, cluster, req.config)
-            rows.append({"case": f"{ranks}r {req.model.name} {req.config.short()}", "measured": res.peak_bytes,
-                         "ours": est.tensor_peak_bytes, "deepspeed": deepspeed_estimator_bytes(req.model, cluster, req.config),
-                         "article": article_bytes(req.model, cluster, req.config)})
+            rows.append(
+                {
+                    "case": f"{ranks}r {req.model.name} {req.config.short()}",
+                    "measured": res.peak_bytes,
+                    "ours": est.tensor_peak_bytes,
+                    "deepspeed": deepspeed_estimator_bytes(req.model, cluster, req.config),
+                    "article": article_bytes(req.model, cluster, req.config),
+                }
+            )
     return rows
 
 
@@ -100,12 +138,19 @@ def traced_rows(quick: bool) -> list[dict]:
         spec = resolve_model(name, implementation="builtin")
         cluster = parse_gpus("8xA100")
         for p, mb, k in itertools.product(("fp32", "bf16"), (1, 4), (0, spec.num_layers // 2, spec.num_layers)):
-            cfg = TrainConfig(zero_stage=3, precision=p, micro_batch=mb, ckpt_layers=k,
-                              seq_len=min(2048, spec.max_seq_len))
+            cfg = TrainConfig(
+                zero_stage=3, precision=p, micro_batch=mb, ckpt_layers=k, seq_len=min(2048, spec.max_seq_len)
+            )
             t0 = time.perf_counter()
             tr = trace(spec, cluster, cfg)
-            rows.append({"case": f"{name} {cfg.short()}", "traced": tr.tensor_peak_bytes,
-                         "ours": estimate(spec, cluster, cfg).tensor_peak_bytes, "s": time.perf_counter() - t0})
+            rows.append(
+                {
+                    "case": f"{name} {cfg.short()}",
+                    "traced": tr.tensor_peak_bytes,
+                    "ours": estimate(spec, cluster, cfg).tensor_peak_bytes,
+                    "s": time.perf_counter() - t0,
+                }
+            )
     return rows
 
 
@@ -117,7 +162,9 @@ def summarize(rows: list[dict], truth: str, columns: list[str]) -> None:
     worst = sorted(rows, key=lambda r: -abs(r["ours"] / r[truth] - 1))[:10]
     print("  ten worst cases for ours:")
     for r in worst:
-        print(f"    {r['case']:<44} {truth} {r[truth]:>13,}  ours {r['ours']:>13,}  {100 * (r['ours'] / r[truth] - 1):+.3f}%")
+        print(
+            f"    {r['case']:<44} {truth} {r[truth]:>13,}  ours {r['ours']:>13,}  {100 * (r['ours'] / r[truth] - 1):+.3f}%"
+        )
 
 
 def lora_and_knobs() -> None:
@@ -131,15 +178,22 @@ def lora_and_knobs() -> None:
     print()
     knobs = knobs_on_hf.report()
     n = lora["n"] + knobs["n"]
-    print(f"\n== LoRA and knob runs together: {n} runs; median |error| LoRA {lora['median']:.3f}% / knobs "
-          f"{knobs['median']:.3f}%, worst {max(lora['max'], knobs['max']):.3f}%, worst under "
-          f"{max(lora['under'], knobs['under']):.3f}% (bar: median <= 1%, worst <= 3%, under <= 1%) ==")
+    print(
+        f"\n== LoRA and knob runs together: {n} runs; median |error| LoRA {lora['median']:.3f}% / knobs "
+        f"{knobs['median']:.3f}%, worst {max(lora['max'], knobs['max']):.3f}%, worst under "
+        f"{max(lora['under'], knobs['under']):.3f}% (bar: median <= 1%, worst <= 3%, under <= 1%) =="
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", nargs="*", metavar="SET", choices=["main", "held-out"],
-                    help="re-measure the Hugging Face runs of these sets (all if none named), rewrite their rows")
+    ap.add_argument(
+        "--run",
+        nargs="*",
+        metavar="SET",
+        choices=["main", "held-out"],
+        help="re-measure the Hugging Face runs of these sets (all if none named), rewrite their rows",
+    )
     ap.add_argument("--builtin", action="store_true", help="the stand-in model's sections instead")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-traced", action="store_true")
@@ -161,7 +215,9 @@ def main() -> int:
         print("\n== analytic vs traced (fake tensors, ZeRO-3 on 8xA100, seq 2048) ==")
         rows = traced_rows(args.quick)
         summarize(rows, "traced", ["ours"])
-        print(f"  trace time: median {statistics.median(r['s'] for r in rows):.1f} s, max {max(r['s'] for r in rows):.1f} s")
+        print(
+            f"  trace time: median {statistics.median(r['s'] for r in rows):.1f} s, max {max(r['s'] for r in rows):.1f} s"
+        )
     return 0
 
 

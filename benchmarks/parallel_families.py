@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_families import COMMON, FAMILIES  # noqa: E402
+from hf_families import COMMON, FAMILIES
 
 HYBRID = ("jamba", "bamba", "granitemoehybrid", "qwen3_next", "lfm2")
 """Families whose layers are not all softmax attention: refused under sp (autotune/parallel.py)."""
@@ -40,14 +40,39 @@ def case(fam: str, mode: str, zero: int, tmp: Path) -> tuple[str, str]:
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(config(fam)))
     flag = ["--autotp-size", "2"] if mode == "tp" else ["--sequence-parallel-size", "2"]
-    cmd = [sys.executable, "-m", "autotune", "trial", "--model", str(d), "--gpus", "2xcpu", "--zero", str(zero),
-           "--precision", "fp32", "--micro-batch", "1", "--seq-len", "32", "--steps", "1", "--warmup-steps", "1",
-           "--timeout", "3m", "--out", str(d / f"{mode}-z{zero}"), "--json", *flag]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "trial",
+        "--model",
+        str(d),
+        "--gpus",
+        "2xcpu",
+        "--zero",
+        str(zero),
+        "--precision",
+        "fp32",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "32",
+        "--steps",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--timeout",
+        "3m",
+        "--out",
+        str(d / f"{mode}-z{zero}"),
+        "--json",
+        *flag,
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp)
     if run.returncode == 2:
         return "refused", (run.stderr.strip().splitlines() or [""])[-1][:300]
     try:
-        out = json.loads(run.stdout[run.stdout.index("{"):])
+        out = json.loads(run.stdout[run.stdout.index("{") :])
     except ValueError:
         return "failed", (run.stderr.strip().splitlines() or ["no output"])[-1][:300]
     if out.get("status") == "ok":

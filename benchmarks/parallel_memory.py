@@ -84,8 +84,18 @@ SP_OFFLOAD = [
 ]
 """Ulysses with ZeRO offload at sp 2 on 2 ranks: SP_CONFIGS' columns, then offload_optimizer and offload_param."""
 OFFLOAD_FAMILIES = ("llama", "qwen2")
-FIELDS = ("autotp_size", "sequence_parallel_size", "zero_stage", "precision", "ckpt_layers", "micro_batch", "seq_len",
-          "method", "offload_optimizer", "offload_param")
+FIELDS = (
+    "autotp_size",
+    "sequence_parallel_size",
+    "zero_stage",
+    "precision",
+    "ckpt_layers",
+    "micro_batch",
+    "seq_len",
+    "method",
+    "offload_optimizer",
+    "offload_param",
+)
 DEFAULTS = {"sequence_parallel_size": 1, "method": "full", "offload_optimizer": "False", "offload_param": "none"}
 """Columns the first (tp) rows were recorded without."""
 
@@ -95,17 +105,58 @@ def cases(sp_only: bool = False, offload_only: bool = False) -> list[tuple[str, 
     for family in TP_FAMILIES:
         layers = spec_of(family).num_layers
         for world, sp, z, p, k, mb, s, method, oo, op in SP_OFFLOAD if family in OFFLOAD_FAMILIES else []:
-            out.append((family, world, TrainConfig(sequence_parallel_size=sp, zero_stage=z, precision=p, micro_batch=mb,
-                                                   ckpt_layers=layers if k < 0 else k, seq_len=s, method=method,
-                                                   offload_optimizer=oo, offload_param=op)))
+            out.append(
+                (
+                    family,
+                    world,
+                    TrainConfig(
+                        sequence_parallel_size=sp,
+                        zero_stage=z,
+                        precision=p,
+                        micro_batch=mb,
+                        ckpt_layers=layers if k < 0 else k,
+                        seq_len=s,
+                        method=method,
+                        offload_optimizer=oo,
+                        offload_param=op,
+                    ),
+                )
+            )
         if offload_only:
             continue
-        for world, tp, z, p, k, mb, s in ([] if sp_only else CONFIGS):
-            out.append((family, world, TrainConfig(autotp_size=tp, zero_stage=z, precision=p, micro_batch=mb,
-                                                   ckpt_layers=layers if k < 0 else k, seq_len=s)))
-        for world, sp, z, p, k, mb, s, method in SP_CONFIGS + (SP_LORA if family == "llama" else []) + SP4.get(family, []):
-            out.append((family, world, TrainConfig(sequence_parallel_size=sp, zero_stage=z, precision=p, micro_batch=mb,
-                                                   ckpt_layers=layers if k < 0 else k, seq_len=s, method=method)))
+        for world, tp, z, p, k, mb, s in [] if sp_only else CONFIGS:
+            out.append(
+                (
+                    family,
+                    world,
+                    TrainConfig(
+                        autotp_size=tp,
+                        zero_stage=z,
+                        precision=p,
+                        micro_batch=mb,
+                        ckpt_layers=layers if k < 0 else k,
+                        seq_len=s,
+                    ),
+                )
+            )
+        for world, sp, z, p, k, mb, s, method in (
+            SP_CONFIGS + (SP_LORA if family == "llama" else []) + SP4.get(family, [])
+        ):
+            out.append(
+                (
+                    family,
+                    world,
+                    TrainConfig(
+                        sequence_parallel_size=sp,
+                        zero_stage=z,
+                        precision=p,
+                        micro_batch=mb,
+                        ckpt_layers=layers if k < 0 else k,
+                        seq_len=s,
+                        method=method,
+                    ),
+                )
+            )
     return out
 
 
@@ -133,15 +184,30 @@ def measure_all(only_world: int | None = None, sp_only: bool = False, offload_on
     rows = []
     if (only_world is not None or sp_only or offload_only) and CSV.exists():
         with CSV.open() as f:
-            rows = [{**DEFAULTS, **r} for r in csv.DictReader(f)
-                    if not (only_world in (None, int(r["world"]))
-                            and (not sp_only or int(r.get("sequence_parallel_size") or 1) > 1)
-                            and (not offload_only or is_offload(r)))]
+            rows = [
+                {**DEFAULTS, **r}
+                for r in csv.DictReader(f)
+                if not (
+                    only_world in (None, int(r["world"]))
+                    and (not sp_only or int(r.get("sequence_parallel_size") or 1) > 1)
+                    and (not offload_only or is_offload(r))
+                )
+            ]
     for world in sorted({w for _, w, _ in todo}):
         mine = [(f, c) for f, w, c in todo if w == world]
         with tempfile.TemporaryDirectory() as tmp:
-            reqs = [TrialRequest(model=spec_of(f), cluster=cluster(world), config=c, steps=2, warmup_steps=1,
-                                 timeout_s=600, out_dir=Path(tmp) / f"{i}-{f}") for i, (f, c) in enumerate(mine)]
+            reqs = [
+                TrialRequest(
+                    model=spec_of(f),
+                    cluster=cluster(world),
+                    config=c,
+                    steps=2,
+                    warmup_steps=1,
+                    timeout_s=600,
+                    out_dir=Path(tmp) / f"{i}-{f}",
+                )
+                for i, (f, c) in enumerate(mine)
+            ]
             for r in reqs:
                 check_config(r.config, r.model, r.cluster)
             results = run_trials(reqs)
@@ -150,14 +216,23 @@ def measure_all(only_world: int | None = None, sp_only: bool = False, offload_on
             if res.status != "ok" or not res.peak_bytes:
                 print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
                 continue
-            rows.append({"family": family, "hf_config": json.dumps(FAMILIES[family], sort_keys=True), "world": world,
-                         **{f: getattr(c, f) for f in FIELDS}, "measured_bytes": steady_bytes,
-                         "largest_step_bytes": res.peak_bytes,
-                         "measured_by": f"run_trials, {world} CPU ranks (gloo), steps 2 after 1 warm-up, profiler "
-                                        f"peak, the highest rank's lowest step (tests/steady.py); {versions}"})
+            rows.append(
+                {
+                    "family": family,
+                    "hf_config": json.dumps(FAMILIES[family], sort_keys=True),
+                    "world": world,
+                    **{f: getattr(c, f) for f in FIELDS},
+                    "measured_bytes": steady_bytes,
+                    "largest_step_bytes": res.peak_bytes,
+                    "measured_by": f"run_trials, {world} CPU ranks (gloo), steps 2 after 1 warm-up, profiler "
+                    f"peak, the highest rank's lowest step (tests/steady.py); {versions}",
+                }
+            )
     with CSV.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["family", "hf_config", "world", *FIELDS, "measured_bytes", "largest_step_bytes",
-                                          "measured_by"])
+        w = csv.DictWriter(
+            f,
+            fieldnames=["family", "hf_config", "world", *FIELDS, "measured_bytes", "largest_step_bytes", "measured_by"],
+        )
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {len(rows)} rows to {CSV}")
@@ -195,41 +270,60 @@ def report(sp_only: bool = False) -> dict:
         est = estimate(spec, cluster(int(row["world"])), cfg).tensor_peak_bytes
         try:
             check_config(cfg, spec, cluster(int(row["world"])))
-        except SpecError as e:   # measured to find out; autotune refuses it (the reason quotes these rows)
+        except SpecError as e:  # measured to find out; autotune refuses it (the reason quotes these rows)
             refused.append(est / measured - 1)
-            print(f"  {row['family']:<8} world {row['world']} tp {cfg.autotp_size} sp {cfg.sequence_parallel_size} "
-                  f"{cfg.short():<28} s{cfg.seq_len:<4} measured {measured:>12,}  estimated {est:>12,}  "
-                  f"{100 * refused[-1]:+7.3f}%  (refused: {str(e).split(':')[0]})")
+            print(
+                f"  {row['family']:<8} world {row['world']} tp {cfg.autotp_size} sp {cfg.sequence_parallel_size} "
+                f"{cfg.short():<28} s{cfg.seq_len:<4} measured {measured:>12,}  estimated {est:>12,}  "
+                f"{100 * refused[-1]:+7.3f}%  (refused: {str(e).split(':')[0]})"
+            )
             continue
         errors.append(est / measured - 1)
         by_kind["sp" if cfg.sequence_parallel_size > 1 else "tp"].append(errors[-1])
         why = open_reason(row)
         if cfg.sequence_parallel_size > 1 and not why:
             closed.append(errors[-1])
-        print(f"  {row['family']:<8} world {row['world']} tp {cfg.autotp_size} sp {cfg.sequence_parallel_size} "
-              f"{cfg.short():<28} s{cfg.seq_len:<4} measured {measured:>12,}  estimated {est:>12,}  {100 * errors[-1]:+7.3f}%"
-              + (f"  (open: {why.split(':')[0]})" if why else ""))
+        print(
+            f"  {row['family']:<8} world {row['world']} tp {cfg.autotp_size} sp {cfg.sequence_parallel_size} "
+            f"{cfg.short():<28} s{cfg.seq_len:<4} measured {measured:>12,}  estimated {est:>12,}  {100 * errors[-1]:+7.3f}%"
+            + (f"  (open: {why.split(':')[0]})" if why else "")
+        )
     for kind, errs in by_kind.items():
         if errs:
             k = summary(errs)
-            print(f"  {kind} ({len(errs)} runs): median |error| {k['median']:.3f}%, worst {k['max']:.3f}%, "
-                  f"worst under {k['under']:.3f}%")
+            print(
+                f"  {kind} ({len(errs)} runs): median |error| {k['median']:.3f}%, worst {k['max']:.3f}%, "
+                f"worst under {k['under']:.3f}%"
+            )
     if closed and len(closed) < len(by_kind["sp"]):
         k = summary(closed)
-        print(f"  sp without the {len(by_kind['sp']) - len(closed)} open rows (OPEN): median |error| {k['median']:.3f}%, "
-              f"worst {k['max']:.3f}%, worst under {k['under']:.3f}%")
+        print(
+            f"  sp without the {len(by_kind['sp']) - len(closed)} open rows (OPEN): median |error| {k['median']:.3f}%, "
+            f"worst {k['max']:.3f}%, worst under {k['under']:.3f}%"
+        )
     if refused:
         k = summary(refused)
-        print(f"  refused ({len(refused)} runs, not in the summaries; autotune/parallel.py): median |error| "
-              f"{k['median']:.3f}%, worst {k['max']:.3f}%, worst under {k['under']:.3f}%")
+        print(
+            f"  refused ({len(refused)} runs, not in the summaries; autotune/parallel.py): median |error| "
+            f"{k['median']:.3f}%, worst {k['max']:.3f}%, worst under {k['under']:.3f}%"
+        )
     s = summary(errors)
-    print(f"  all: median |error| {s['median']:.3f}%, worst {s['max']:.3f}%, worst under {s['under']:.3f}% "
-          f"(bar: 1%, 3%, 1%)")
-    return {**s, "sp": summary(by_kind["sp"]) if by_kind["sp"] else None, "sp_closed": summary(closed) if closed else None}
+    print(
+        f"  all: median |error| {s['median']:.3f}%, worst {s['max']:.3f}%, worst under {s['under']:.3f}% "
+        f"(bar: 1%, 3%, 1%)"
+    )
+    return {
+        **s,
+        "sp": summary(by_kind["sp"]) if by_kind["sp"] else None,
+        "sp_closed": summary(closed) if closed else None,
+    }
 
 
 if __name__ == "__main__":
     if "--measure" in sys.argv:
-        measure_all(int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else None,
-                    sp_only="--sp" in sys.argv, offload_only="--offload" in sys.argv)
+        measure_all(
+            int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else None,
+            sp_only="--sp" in sys.argv,
+            offload_only="--offload" in sys.argv,
+        )
     report(sp_only="--sp" in sys.argv)

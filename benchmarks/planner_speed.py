@@ -37,16 +37,39 @@ def run(space: str, cache: Path, workdir: Path, study: str) -> dict:
     env = {**os.environ, "AUTOTUNE_CACHE_DIR": str(cache), "AUTOTUNE_TRIALS_DIR": str(workdir / "trials")}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "autotune", "search", "--model", "13b", "--gpus", "4xA100",
-                          "--space", str(ROOT / "search_spaces" / f"{space}.yaml"), "--executor", "simulated",
-                          "--study", study], cwd=workdir, env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "search",
+            "--model",
+            "13b",
+            "--gpus",
+            "4xA100",
+            "--space",
+            str(ROOT / "search_spaces" / f"{space}.yaml"),
+            "--executor",
+            "simulated",
+            "--study",
+            study,
+        ],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if out.returncode:
         sys.exit(f"{space}: autotune search failed ({out.returncode}):\n{out.stderr[-3000:]}")
     m = re.search(r"stopped: .*?(\d+) ok, (\d+) failed, (\d+) pruned", out.stdout)
-    return {"wall": wall, "cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "ok": int(m.group(1)) if m else None, "pruned": int(m.group(3)) if m else None}
+    return {
+        "wall": wall,
+        "cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "ok": int(m.group(1)) if m else None,
+        "pruned": int(m.group(3)) if m else None,
+    }
 
 
 def main() -> None:
@@ -57,8 +80,10 @@ def main() -> None:
     from autotune import trace_cache
 
     shipped = bool(trace_cache.shipped())
-    print(f"shipped traces {'valid for these sources' if shipped else 'NOT valid here (sources or versions differ): first runs trace'}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"shipped traces {'valid for these sources' if shipped else 'NOT valid here (sources or versions differ): first runs trace'}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(f"{'space':<6} {'run':<6} {'wall s':>7} {'CPU s':>7} {'trials run':>10} {'pruned':>7}")
     for space in args.space or SPACES:
         with tempfile.TemporaryDirectory(prefix="planner-speed-") as tmp:

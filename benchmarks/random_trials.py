@@ -28,17 +28,32 @@ from autotune.trial import run_trials
 from autotune.trial.record import TrialRequest
 
 CLUSTER = parse_gpus("2xcpu")
-KNOBS = ("overlap_comm", "reduce_bucket_size", "offload_optimizer", "grad_accum_dtype", "method",
-         "stage3_prefetch_bucket_size")
+KNOBS = (
+    "overlap_comm",
+    "reduce_bucket_size",
+    "offload_optimizer",
+    "grad_accum_dtype",
+    "method",
+    "stage3_prefetch_bucket_size",
+)
 
 
 def draw(rng: random.Random) -> tuple[object, TrainConfig]:
     z = rng.choice([0, 1, 2, 3])
-    kw = dict(zero_stage=z, precision=rng.choice(["fp32", "bf16"]), micro_batch=rng.choice([1, 2, 3]),
-              seq_len=rng.choice([32, 48, 64]), ckpt_layers=rng.choice([0, 1, 2]), grad_accum=rng.choice([1, 1, 2]))
+    kw = dict(
+        zero_stage=z,
+        precision=rng.choice(["fp32", "bf16"]),
+        micro_batch=rng.choice([1, 2, 3]),
+        seq_len=rng.choice([32, 48, 64]),
+        ckpt_layers=rng.choice([0, 1, 2]),
+        grad_accum=rng.choice([1, 1, 2]),
+    )
     if z in (1, 2):
-        kw.update(overlap_comm=rng.choice([False, True]), reduce_bucket_size=rng.choice([0, 50_000, 300_000]),
-                  offload_optimizer=rng.choice([False, False, True]))
+        kw.update(
+            overlap_comm=rng.choice([False, True]),
+            reduce_bucket_size=rng.choice([0, 50_000, 300_000]),
+            offload_optimizer=rng.choice([False, False, True]),
+        )
     if z == 3:
         kw.update(offload_optimizer=rng.choice([False, True]), stage3_prefetch_bucket_size=rng.choice([0, 100_000]))
     if kw["precision"] == "bf16" and z in (2, 3) and rng.random() < 0.3:
@@ -59,15 +74,25 @@ def main() -> None:
     while len(reqs) < args.n:
         model, cfg = draw(rng)
         try:
-            estimate(model, CLUSTER, cfg)   # what autotune refuses is drawn again
+            estimate(model, CLUSTER, cfg)  # what autotune refuses is drawn again
         except SpecError:
             continue
-        reqs.append(TrialRequest(model=model, cluster=CLUSTER, config=cfg, out_dir=root / str(len(reqs)), steps=2,
-                                 warmup_steps=1, timeout_s=300))
+        reqs.append(
+            TrialRequest(
+                model=model,
+                cluster=CLUSTER,
+                config=cfg,
+                out_dir=root / str(len(reqs)),
+                steps=2,
+                warmup_steps=1,
+                timeout_s=300,
+            )
+        )
     flagged = 0
     for q, r in zip(reqs, run_trials(reqs)):
-        knobs = " ".join(f"{k}={getattr(q.config, k)}" for k in KNOBS
-                         if getattr(q.config, k) not in (False, 0, "auto", "full"))
+        knobs = " ".join(
+            f"{k}={getattr(q.config, k)}" for k in KNOBS if getattr(q.config, k) not in (False, 0, "auto", "full")
+        )
         head = f"{q.model.name:10} {q.config.short():34} seq {q.config.seq_len:<3} {knobs}"
         if r.status != "ok":
             print(f"{head}: {r.status} {r.reason[:150]}")
@@ -76,8 +101,10 @@ def main() -> None:
         err = est.tensor_peak_bytes / r.peak_bytes - 1
         flag = "UNDER" if err < -0.01 else "OVER" if err > 0.03 else ""
         flagged += bool(flag)
-        print(f"{head}: measured {r.peak_bytes:,} B, estimate {est.tensor_peak_bytes:,} B ({100 * err:+.2f}%, "
-              f"{est.phase}) {flag}")
+        print(
+            f"{head}: measured {r.peak_bytes:,} B, estimate {est.tensor_peak_bytes:,} B ({100 * err:+.2f}%, "
+            f"{est.phase}) {flag}"
+        )
     print(f"\n{flagged} of {len(reqs)} outside -1% .. +3%")
 
 

@@ -41,10 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
 from autotune.models import ModelSpec, from_shape
 from autotune.train_config import TrainConfig
+from autotune.trial.record import TrialRequest
 
 DATA = Path(__file__).parent / "data"
 SOURCE = "benchmarks/record_cpu_landscape.py"
@@ -60,19 +60,55 @@ class Setup:
 
 SETUPS = {
     "cpu_landscape": Setup(
-        from_shape("landscape-tiny", "llama", num_layers=4, hidden_size=256, num_heads=4, ffn_hidden_size=688,
-                   vocab_size=16000, max_seq_len=512, source=SOURCE),
-        "2xcpu@640MiB", {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 2, 4]},
-        {"precision": "fp32", "seq_len": 128, "grad_accum": 1}),
+        from_shape(
+            "landscape-tiny",
+            "llama",
+            num_layers=4,
+            hidden_size=256,
+            num_heads=4,
+            ffn_hidden_size=688,
+            vocab_size=16000,
+            max_seq_len=512,
+            source=SOURCE,
+        ),
+        "2xcpu@640MiB",
+        {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 2, 4]},
+        {"precision": "fp32", "seq_len": 128, "grad_accum": 1},
+    ),
     "cpu_landscape_gpt2": Setup(
-        from_shape("landscape-gpt2", "gpt2", num_layers=6, hidden_size=192, num_heads=6, ffn_hidden_size=768,
-                   vocab_size=8192, max_seq_len=512, source=SOURCE),
-        "2xcpu@560MiB", {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 3, 6]},
-        {"precision": "fp32", "seq_len": 256, "grad_accum": 1}),
+        from_shape(
+            "landscape-gpt2",
+            "gpt2",
+            num_layers=6,
+            hidden_size=192,
+            num_heads=6,
+            ffn_hidden_size=768,
+            vocab_size=8192,
+            max_seq_len=512,
+            source=SOURCE,
+        ),
+        "2xcpu@560MiB",
+        {"zero_stage": [0, 1, 2, 3], "micro_batch": [1, 2, 4, 8, 16], "ckpt_layers": [0, 3, 6]},
+        {"precision": "fp32", "seq_len": 256, "grad_accum": 1},
+    ),
 }
 STEPS, WARMUP, TIMEOUT_S = 3, 1, 180.0  # as search_spaces/tiny-cpu.yaml
-COLUMNS = ["zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "precision", "seq_len", "status",
-           "samples_per_s", "step_time_s", "peak_bytes", "wall_s", "load_before", "load_after", "reason"]
+COLUMNS = [
+    "zero_stage",
+    "micro_batch",
+    "ckpt_layers",
+    "grad_accum",
+    "precision",
+    "seq_len",
+    "status",
+    "samples_per_s",
+    "step_time_s",
+    "peak_bytes",
+    "wall_s",
+    "load_before",
+    "load_after",
+    "reason",
+]
 
 
 def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
@@ -93,14 +129,28 @@ def header(setup: Setup) -> list[str]:
     import deepspeed
     import torch
 
-    meta = {"model": dataclasses.asdict(setup.model), "gpus": setup.gpus, "steps": STEPS, "warmup_steps": WARMUP,
-            "recorded": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    meta = {
+        "model": dataclasses.asdict(setup.model),
+        "gpus": setup.gpus,
+        "steps": STEPS,
+        "warmup_steps": WARMUP,
+        "recorded": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+    }
     return [f"# {k}: {json.dumps(v)}" for k, v in meta.items()]
 
 
-def record(setup: Setup, configs: list[TrainConfig], out: Path, keep: list[dict], max_load: float, max_wait_s: float,
-           earlier: dict[tuple, dict] | None = None) -> None:
+def record(
+    setup: Setup,
+    configs: list[TrainConfig],
+    out: Path,
+    keep: list[dict],
+    max_load: float,
+    max_wait_s: float,
+    earlier: dict[tuple, dict] | None = None,
+) -> None:
     from autotune.trial.launch import run_trial
 
     cluster = parse_gpus(setup.gpus)
@@ -112,19 +162,36 @@ def record(setup: Setup, configs: list[TrainConfig], out: Path, keep: list[dict]
         w.writerows(keep)
         f.flush()
         for i, cfg in enumerate(configs):
-            req = TrialRequest(model=setup.model, cluster=cluster, config=cfg, out_dir=Path(tmp, f"trial-{i:03d}"),
-                               steps=STEPS, warmup_steps=WARMUP, timeout_s=TIMEOUT_S, trial_id=i)
+            req = TrialRequest(
+                model=setup.model,
+                cluster=cluster,
+                config=cfg,
+                out_dir=Path(tmp, f"trial-{i:03d}"),
+                steps=STEPS,
+                warmup_steps=WARMUP,
+                timeout_s=TIMEOUT_S,
+                trial_id=i,
+            )
             load = wait_for_quiet(max_load, max_wait_s)
             res = run_trial(req)
-            row = {**{k: getattr(cfg, k) for k in COLUMNS[:6]}, "status": res.status,
-                   "samples_per_s": res.samples_per_s, "step_time_s": res.step_time_s,
-                   "peak_bytes": res.peak_bytes, "wall_s": round(res.wall_s or 0.0, 3),
-                   "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
-                   "reason": res.reason.replace("\n", " ")[:200]}
+            row = {
+                **{k: getattr(cfg, k) for k in COLUMNS[:6]},
+                "status": res.status,
+                "samples_per_s": res.samples_per_s,
+                "step_time_s": res.step_time_s,
+                "peak_bytes": res.peak_bytes,
+                "wall_s": round(res.wall_s or 0.0, 3),
+                "load_before": round(load, 2),
+                "load_after": round(os.getloadavg()[0], 2),
+                "reason": res.reason.replace("\n", " ")[:200],
+            }
             w.writerow(faster(row, (earlier or {}).get(row_key(row))))
             f.flush()
-            print(f"[{i + 1}/{len(configs)}] {cfg.short()}: {res.status} {res.samples_per_s or 0:.3f} samples/s, "
-                  f"{res.wall_s or 0:.1f} s", flush=True)
+            print(
+                f"[{i + 1}/{len(configs)}] {cfg.short()}: {res.status} {res.samples_per_s or 0:.3f} samples/s, "
+                f"{res.wall_s or 0:.1f} s",
+                flush=True,
+            )
 
 
 def clean_rows(path: Path, max_load_after: float) -> list[dict]:
@@ -160,21 +227,38 @@ def from_study(name: str, out: Path, recorded: str, space_note: str) -> int:
     study = st.load_study(name)
     model, _, attrs = st.specs_of(study)
     trial = parse_space(attrs["space_text"]).trial
-    meta = {"model": dataclasses.asdict(model), "gpus": attrs["gpus"], "steps": trial.steps,
-            "warmup_steps": trial.warmup_steps, "recorded": recorded,
-            "source": f"autotune search --exhaustive, study {name} (space: {space_note})"}
-    runs = [r for r in st.records(study) if r.config is not None and r.result is not None
-            and r.status not in ("pruned", "running", "interrupted")]
+    meta = {
+        "model": dataclasses.asdict(model),
+        "gpus": attrs["gpus"],
+        "steps": trial.steps,
+        "warmup_steps": trial.warmup_steps,
+        "recorded": recorded,
+        "source": f"autotune search --exhaustive, study {name} (space: {space_note})",
+    }
+    runs = [
+        r
+        for r in st.records(study)
+        if r.config is not None and r.result is not None and r.status not in ("pruned", "running", "interrupted")
+    ]
     with out.open("w", newline="") as f:
         f.write("\n".join(f"# {k}: {json.dumps(v)}" for k, v in meta.items()) + "\n")
         w = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         w.writeheader()
         for r in runs:
             ok, res = r.status == "ok", r.result
-            w.writerow({**{k: getattr(r.config, k) for k in COLUMNS[:6]}, "status": r.status,
-                        "samples_per_s": res.samples_per_s if ok else "", "step_time_s": res.step_time_s if ok else "",
-                        "peak_bytes": res.peak_bytes if ok and res.peak_bytes else "", "wall_s": round(res.wall_s or 0.0, 3),
-                        "load_before": "", "load_after": "", "reason": "" if ok else res.reason.replace("\n", " ")[:200]})
+            w.writerow(
+                {
+                    **{k: getattr(r.config, k) for k in COLUMNS[:6]},
+                    "status": r.status,
+                    "samples_per_s": res.samples_per_s if ok else "",
+                    "step_time_s": res.step_time_s if ok else "",
+                    "peak_bytes": res.peak_bytes if ok and res.peak_bytes else "",
+                    "wall_s": round(res.wall_s or 0.0, 3),
+                    "load_before": "",
+                    "load_after": "",
+                    "reason": "" if ok else res.reason.replace("\n", " ")[:200],
+                }
+            )
     return len(runs)
 
 
@@ -183,16 +267,32 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None, help="record only the first N configs")
     p.add_argument("--landscape", choices=list(SETUPS), default="cpu_landscape")
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/data/<landscape>.csv")
-    p.add_argument("--max-load", type=float, default=1.0,
-                   help="start a trial only when the 1-minute load average is below this (default 1.0)")
+    p.add_argument(
+        "--max-load",
+        type=float,
+        default=1.0,
+        help="start a trial only when the 1-minute load average is below this (default 1.0)",
+    )
     p.add_argument("--max-wait", type=float, default=6 * 3600.0, help="seconds to wait for that, per trial")
     p.add_argument("--resume", action="store_true", help="keep the rows of --out measured quietly")
-    p.add_argument("--max-load-after", type=float, default=3.0,
-                   help="with --resume: a row is clean if the load after its trial was at most this")
-    p.add_argument("--best-of", type=Path, default=None,
-                   help="an earlier recording: measure every config again and keep the faster row")
-    p.add_argument("--from-study", default=None, metavar="NAME",
-                   help="write the runs of an `autotune search --exhaustive` study as a landscape (no trial runs)")
+    p.add_argument(
+        "--max-load-after",
+        type=float,
+        default=3.0,
+        help="with --resume: a row is clean if the load after its trial was at most this",
+    )
+    p.add_argument(
+        "--best-of",
+        type=Path,
+        default=None,
+        help="an earlier recording: measure every config again and keep the faster row",
+    )
+    p.add_argument(
+        "--from-study",
+        default=None,
+        metavar="NAME",
+        help="write the runs of an `autotune search --exhaustive` study as a landscape (no trial runs)",
+    )
     p.add_argument("--recorded", default=time.strftime("%Y-%m-%d"), help="with --from-study: the day it ran")
     p.add_argument("--space-note", default="", help="with --from-study: the space, in words, for the header")
     args = p.parse_args()
@@ -206,7 +306,7 @@ def main() -> None:
     earlier = {row_key(r): r for r in clean_rows(args.best_of, float("inf"))} if args.best_of else None
     keep = clean_rows(args.out, args.max_load_after) if args.resume else []
     done = {row_key(r) for r in keep}
-    todo = [c for c in grid(setup) if tuple(str(getattr(c, k)) for k in COLUMNS[:6]) not in done][:args.limit]
+    todo = [c for c in grid(setup) if tuple(str(getattr(c, k)) for k in COLUMNS[:6]) not in done][: args.limit]
     print(f"{len(keep)} clean rows kept, {len(todo)} configs to measure", flush=True)
     record(setup, todo, args.out, keep, args.max_load, args.max_wait, earlier)
 

@@ -57,12 +57,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import random
 import statistics
 import tempfile
-import dataclasses
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -70,12 +70,11 @@ from pathlib import Path
 from typing import Callable
 
 from autotune.executors.base import Executor
-
-from autotune.trial.record import TrialResult
 from autotune.hardware import Cluster, parse_gpus
 from autotune.models import ModelSpec, resolve_model
 from autotune.search.space import DEFAULT_SPACE, SearchSpace, expand, load_space
 from autotune.train_config import TrainConfig
+from autotune.trial.record import TrialResult
 
 DATA = Path(__file__).parent / "data"
 TARGET = 0.98
@@ -84,8 +83,8 @@ SIM_STARTUP_S = 60.0
 """Assumed start-up of one real 13B trial on 4 GPUs (spawn, imports, model build, deepspeed.initialize).
 Only the trial-seconds column depends on it; the measured CPU trials spend 5-10 s there."""
 DS_MAX_MICRO_BATCH = 1024  # DeepSpeed AUTOTUNING_MAX_TRAIN_MICRO_BATCH_SIZE_PER_GPU_DEFAULT
-DS_PLATEAU = 0.05          # DeepSpeed METRIC_PERCENT_DIFF_CONST
-DS_NUM_TUNING_MBS = 3      # DeepSpeed AUTOTUNING_NUM_TUNING_MICRO_BATCH_SIZES_DEFAULT
+DS_PLATEAU = 0.05  # DeepSpeed METRIC_PERCENT_DIFF_CONST
+DS_NUM_TUNING_MBS = 3  # DeepSpeed AUTOTUNING_NUM_TUNING_MICRO_BATCH_SIZES_DEFAULT
 
 
 @dataclass(frozen=True)
@@ -129,17 +128,22 @@ class Landscape:
     def base(self, zero_stage: int, micro_batch: int) -> TrainConfig | None:
         """The space's config at this stage with no checkpointing and the largest micro batch of
         the space not above `micro_batch` (DeepSpeed proposes any integer)."""
-        fits = [c for c in self.configs if c.zero_stage == zero_stage and c.ckpt_layers == 0
-                and c.micro_batch <= micro_batch]
+        fits = [
+            c
+            for c in self.configs
+            if c.zero_stage == zero_stage and c.ckpt_layers == 0 and c.micro_batch <= micro_batch
+        ]
         return max(fits, key=lambda c: c.micro_batch, default=None)
 
 
 # ---- landscapes ------------------------------------------------------------------------------
-CPU_LANDSCAPES = {"cpu": ("cpu_landscape.csv", "cpu (measured)"),
-                  "cpu-gpt2": ("cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)"),
-                  "cpu-granite": ("cpu_landscape_granite.csv", "cpu-granite (measured)"),
-                  "cpu-neox": ("cpu_landscape_neox.csv", "cpu-neox (measured)"),
-                  "cpu-phi3": ("cpu_landscape_phi3.csv", "cpu-phi3 (measured)")}
+CPU_LANDSCAPES = {
+    "cpu": ("cpu_landscape.csv", "cpu (measured)"),
+    "cpu-gpt2": ("cpu_landscape_gpt2.csv", "cpu-gpt2 (measured, held out)"),
+    "cpu-granite": ("cpu_landscape_granite.csv", "cpu-granite (measured)"),
+    "cpu-neox": ("cpu_landscape_neox.csv", "cpu-neox (measured)"),
+    "cpu-phi3": ("cpu_landscape_phi3.csv", "cpu-phi3 (measured)"),
+}
 """The recorded CPU landscapes: --landscape key -> (file under benchmarks/data, name)."""
 
 
@@ -149,18 +153,31 @@ def cpu_landscape(path: Path = DATA / "cpu_landscape.csv", name: str = "cpu (mea
     rows = list(csv.DictReader(ln for ln in lines if not ln.startswith("#")))
     model, cluster = ModelSpec(**meta["model"]), parse_gpus(meta["gpus"])
     vals = lambda k, f: tuple(sorted({f(r[k]) for r in rows}))  # noqa: E731
-    space = SearchSpace.of(zero_stage=vals("zero_stage", int), precision=vals("precision", str),
-                        micro_batch=vals("micro_batch", int), ckpt_layers=vals("ckpt_layers", int),
-                        grad_accum=vals("grad_accum", int))
+    space = SearchSpace.of(
+        zero_stage=vals("zero_stage", int),
+        precision=vals("precision", str),
+        micro_batch=vals("micro_batch", int),
+        ckpt_layers=vals("ckpt_layers", int),
+        grad_accum=vals("grad_accum", int),
+    )
     seq = int(rows[0]["seq_len"])
     table = {}
     for r in rows:
-        cfg = TrainConfig(zero_stage=int(r["zero_stage"]), micro_batch=int(r["micro_batch"]),
-                          ckpt_layers=int(r["ckpt_layers"]), grad_accum=int(r["grad_accum"]),
-                          precision=r["precision"], seq_len=seq)
+        cfg = TrainConfig(
+            zero_stage=int(r["zero_stage"]),
+            micro_batch=int(r["micro_batch"]),
+            ckpt_layers=int(r["ckpt_layers"]),
+            grad_accum=int(r["grad_accum"]),
+            precision=r["precision"],
+            seq_len=seq,
+        )
         ok = r["status"] == "ok"
-        table[cfg.key()] = Outcome(r["status"], float(r["samples_per_s"]) if ok else None, float(r["wall_s"]),
-                                   int(r["peak_bytes"]) if r["peak_bytes"] else None)
+        table[cfg.key()] = Outcome(
+            r["status"],
+            float(r["samples_per_s"]) if ok else None,
+            float(r["wall_s"]),
+            int(r["peak_bytes"]) if r["peak_bytes"] else None,
+        )
     configs = [c for c in expand(space, model, cluster, seq_len=seq).candidates if c.key() in table]
     return Landscape(name, model, cluster, space, seq, configs, table)
 
@@ -183,12 +200,15 @@ def sim_landscape(space_path: str | Path = DEFAULT_SPACE, label: str = "13b x 4x
         est = ests[cfg.key()] = estimate(model, cluster, cfg)
         if est.fits:
             step = simulate(model, cluster, cfg)
-            table[cfg.key()] = Outcome("ok", step.samples_per_s, SIM_STARTUP_S + steps * step.step_time_s,
-                                       est.total_bytes)
-        else:   # ours never runs it (the memory model is the verdict); the others pay a start-up
+            table[cfg.key()] = Outcome(
+                "ok", step.samples_per_s, SIM_STARTUP_S + steps * step.step_time_s, est.total_bytes
+            )
+        else:  # ours never runs it (the memory model is the verdict); the others pay a start-up
             table[cfg.key()] = Outcome("oom", None, SIM_STARTUP_S, est.total_bytes)
-    note = ("out of memory here is the memory model's verdict, the model ours prunes with: its pruning "
-            "is exact by construction on this landscape")
+    note = (
+        "out of memory here is the memory model's verdict, the model ours prunes with: its pruning "
+        "is exact by construction on this landscape"
+    )
     ls = Landscape(label, model, cluster, space, seq, configs, table, note, estimates=ests)
     _BUILT[str(space_path)] = ls
     return ls
@@ -227,13 +247,22 @@ def perturbed(base: Landscape, amp: float, seed: int) -> Landscape:
         out = base.table[c.key()]
         if out.status == "ok":
             f = 1 + error(c)
-            out = Outcome("ok", out.samples_per_s * f, SIM_STARTUP_S + (out.trial_s - SIM_STARTUP_S) / f,
-                          out.peak_bytes)
+            out = Outcome(
+                "ok", out.samples_per_s * f, SIM_STARTUP_S + (out.trial_s - SIM_STARTUP_S) / f, out.peak_bytes
+            )
         table[c.key()] = out
     prior = {k: o.samples_per_s for k, o in base.table.items() if o.status == "ok"}
-    return Landscape(f"{base.name.replace('(simulated)', '')}perturbed +-{amp:.0%}".replace("  ", " "),
-                     base.model, base.cluster, base.space, base.seq_len, base.configs, table,
-                     estimates=base.estimates, prior=prior)
+    return Landscape(
+        f"{base.name.replace('(simulated)', '')}perturbed +-{amp:.0%}".replace("  ", " "),
+        base.model,
+        base.cluster,
+        base.space,
+        base.seq_len,
+        base.configs,
+        table,
+        estimates=base.estimates,
+        prior=prior,
+    )
 
 
 # ---- strategies: each returns the distinct configs it ran, in order ---------------------------
@@ -255,11 +284,13 @@ def tpe(ls: Landscape, seed: int) -> list[TrainConfig]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    axes = [f for f in ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "precision")
-            if len({getattr(c, f) for c in ls.configs}) > 1]
+    axes = [
+        f
+        for f in ("zero_stage", "micro_batch", "ckpt_layers", "grad_accum", "precision")
+        if len({getattr(c, f) for c in ls.configs}) > 1
+    ]
     by_params = {tuple(getattr(c, f) for f in axes): c for c in ls.configs}
-    dists = {f: optuna.distributions.CategoricalDistribution(sorted({getattr(c, f) for c in ls.configs}))
-             for f in axes}
+    dists = {f: optuna.distributions.CategoricalDistribution(sorted({getattr(c, f) for c in ls.configs})) for f in axes}
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
     ran: dict[tuple, TrainConfig] = {}
     for _ in range(4 * len(ls.configs)):
@@ -415,8 +446,12 @@ class _TableExecutor(Executor):
         out = self.ls.run(cfg)
         self.order.append(cfg)
         self.pending[str(len(self.order))] = TrialResult(
-            status=out.status, samples_per_s=out.samples_per_s, peak_bytes=out.peak_bytes,
-            reason="" if out.status == "ok" else f"{out.status} (landscape)", wall_s=out.trial_s)
+            status=out.status,
+            samples_per_s=out.samples_per_s,
+            peak_bytes=out.peak_bytes,
+            reason="" if out.status == "ok" else f"{out.status} (landscape)",
+            wall_s=out.trial_s,
+        )
         return str(len(self.order))
 
     def wait_any(self, timeout_s=None):
@@ -434,7 +469,7 @@ def ours(ls: Landscape, seed: int, exhaustive: bool = False, cpu_prior: dict | N
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for probe in (probe_model, probe_adamw_s_per_param):
-        probe.cache_clear()   # a probe's seconds count on every run
+        probe.cache_clear()  # a probe's seconds count on every run
     ex = _TableExecutor(ls)
     est = None if ls.estimates is None else (lambda model, cluster, cfg: ls.estimates[cfg.key()])
     table = ls.prior if cpu_prior is None else cpu_prior
@@ -443,8 +478,19 @@ def ours(ls: Landscape, seed: int, exhaustive: bool = False, cpu_prior: dict | N
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         study = optuna.create_study(direction="maximize")
-        search = Search(study, ls.model, ls.cluster, ls.space, ex, seq_len=ls.seq_len, out_root=Path(tmp),
-                        estimate_fn=est, prior=prior, exhaustive=exhaustive, prior_kind=kind)
+        search = Search(
+            study,
+            ls.model,
+            ls.cluster,
+            ls.space,
+            ex,
+            seq_len=ls.seq_len,
+            out_root=Path(tmp),
+            estimate_fn=est,
+            prior=prior,
+            exhaustive=exhaustive,
+            prior_kind=kind,
+        )
         search.run(progress=False)
     ls.planning_s["ours --exhaustive" if exhaustive else "ours"] = time.perf_counter() - t0
     return ex.order
@@ -455,8 +501,13 @@ def ours_exhaustive(ls: Landscape, seed: int) -> list[TrainConfig]:
 
 
 STRATEGIES: dict[str, tuple[Callable[[Landscape, int], list[TrainConfig]], bool]] = {
-    "grid": (grid, False), "random": (random_order, True), "deepspeed-autotuner": (deepspeed_autotuner, False),
-    "optuna-tpe": (tpe, True), "ours --exhaustive": (ours_exhaustive, False), "ours": (ours, False)}
+    "grid": (grid, False),
+    "random": (random_order, True),
+    "deepspeed-autotuner": (deepspeed_autotuner, False),
+    "optuna-tpe": (tpe, True),
+    "ours --exhaustive": (ours_exhaustive, False),
+    "ours": (ours, False),
+}
 """name -> (strategy, whether it depends on the seed)."""
 
 
@@ -477,13 +528,17 @@ def reach(ls: Landscape, order: list[TrainConfig], planning_s: float = 0.0) -> t
 def _row(ls_runs: list[tuple[Landscape, tuple, int]]) -> dict:
     """Medians over runs of (landscape, reach(...), configs run)."""
     hits = [(ls, r) for ls, r, _ in ls_runs if r[0] is not None]
-    return {"runs": len(ls_runs), "reached": len(hits),
-            "trials": statistics.median(r[0] for _, r in hits) if hits else None,
-            "trial_s": statistics.median(r[1] for _, r in hits) if hits else None,
-            "ran": statistics.median(n for _, _, n in ls_runs), "most": max(n for _, _, n in ls_runs),
-            "ran_s": statistics.median(r[2] for _, r, _ in ls_runs),
-            # run / to target per run, then the median: what the stopping rule spends after the answer
-            "ratio": statistics.median(r[2] / r[1] for _, r in hits) if hits else None}
+    return {
+        "runs": len(ls_runs),
+        "reached": len(hits),
+        "trials": statistics.median(r[0] for _, r in hits) if hits else None,
+        "trial_s": statistics.median(r[1] for _, r in hits) if hits else None,
+        "ran": statistics.median(n for _, _, n in ls_runs),
+        "most": max(n for _, _, n in ls_runs),
+        "ran_s": statistics.median(r[2] for _, r, _ in ls_runs),
+        # run / to target per run, then the median: what the stopping rule spends after the answer
+        "ratio": statistics.median(r[2] / r[1] for _, r in hits) if hits else None,
+    }
 
 
 def evaluate(ls: Landscape, seeds: int, names: tuple[str, ...] | None = None) -> dict[str, dict]:
@@ -499,8 +554,9 @@ def evaluate(ls: Landscape, seeds: int, names: tuple[str, ...] | None = None) ->
     return rows
 
 
-def evaluate_perturbed(base: Landscape, amp: float, seeds: int,
-                       names: tuple[str, ...] = ("ours --exhaustive", "ours")) -> tuple[Landscape, dict[str, dict]]:
+def evaluate_perturbed(
+    base: Landscape, amp: float, seeds: int, names: tuple[str, ...] = ("ours --exhaustive", "ours")
+) -> tuple[Landscape, dict[str, dict]]:
     """Ours with and without its stopping rule, one perturbed landscape per seed."""
     rows = {}
     for name in names:
@@ -529,11 +585,14 @@ def stage_floor(base: Landscape, amp: float, seeds: int, miss: float = 1 - 0.95)
     the ratio, is the same for any order of the needed stages on average."""
     oks = [c for c in base.configs if base.table[c.key()].status == "ok"]
     top = {}
-    for c in oks:   # the prior's best of each stage (base.table holds the unperturbed cost model)
-        if c.zero_stage not in top or base.table[c.key()].samples_per_s > base.table[top[c.zero_stage].key()].samples_per_s:
+    for c in oks:  # the prior's best of each stage (base.table holds the unperturbed cost model)
+        if (
+            c.zero_stage not in top
+            or base.table[c.key()].samples_per_s > base.table[top[c.zero_stage].key()].samples_per_s
+        ):
             top[c.zero_stage] = c
     only = {z: 0 for z in top}
-    looks = []   # per seed: stage -> (its prior's best reaches, its trial-seconds)
+    looks = []  # per seed: stage -> (its prior's best reaches, its trial-seconds)
     for s in range(seeds):
         ls = perturbed(base, amp, s)
         stages = {c.zero_stage for c in oks if ls.reached(c)}
@@ -553,88 +612,151 @@ def stage_floor(base: Landscape, amp: float, seeds: int, miss: float = 1 - 0.95)
         hit = next((i for i, z in enumerate(needed) if look[z][0]), None)
         if hit is not None:
             reached += 1
-            ratios.append(sum(costs) / sum(costs[:hit + 1]))
-    return {"seeds": seeds, "only": {z: n / seeds for z, n in sorted(only.items())}, "needed": needed,
-            "first_reached": sum(look[needed[0]][0] for look in looks) / seeds, "reached": reached,
-            "ratio": statistics.median(ratios) if ratios else None}
+            ratios.append(sum(costs) / sum(costs[: hit + 1]))
+    return {
+        "seeds": seeds,
+        "only": {z: n / seeds for z, n in sorted(only.items())},
+        "needed": needed,
+        "first_reached": sum(look[needed[0]][0] for look in looks) / seeds,
+        "reached": reached,
+        "ratio": statistics.median(ratios) if ratios else None,
+    }
 
 
 def print_floor(base: Landscape, amp: float, seeds: int) -> None:
     f = stage_floor(base, amp, seeds)
     only = ", ".join(f"z{z} {100 * v:.1f}%" for z, v in f["only"].items())
     q = "-" if f["ratio"] is None else f"{f['ratio']:.2f}x"
-    print(f"\n{base.name} perturbed +-{amp:.0%}, {seeds} seeds: the floor of any rule that reaches in 95% of them"
-          f"\n  seeds in which only one stage's configs are within 2% of the best: {only}"
-          f"\n  stages a rule must run: {', '.join(f'z{z}' for z in f['needed'])}; the prior's best config reaches in "
-          f"{100 * f['first_reached']:.1f}% of the seeds"
-          f"\n  the prior's best of each of those stages, then stop: reached {f['reached']}/{seeds}, "
-          f"{len(f['needed'])} trials, trial-s run / to target {q} (median)")
+    print(
+        f"\n{base.name} perturbed +-{amp:.0%}, {seeds} seeds: the floor of any rule that reaches in 95% of them"
+        f"\n  seeds in which only one stage's configs are within 2% of the best: {only}"
+        f"\n  stages a rule must run: {', '.join(f'z{z}' for z in f['needed'])}; the prior's best config reaches in "
+        f"{100 * f['first_reached']:.1f}% of the seeds"
+        f"\n  the prior's best of each of those stages, then stop: reached {f['reached']}/{seeds}, "
+        f"{len(f['needed'])} trials, trial-s run / to target {q} (median)"
+    )
 
 
 def print_table(ls: Landscape, rows: dict[str, dict], seeds: int | None = None) -> None:
     oks = sum(o.status == "ok" for o in ls.table.values())
     what = f"{seeds} seeds, each its own landscape; the last:" if seeds else ""
-    print(f"\n{ls.name}: {what} {len(ls.configs)} configs ({oks} ok, {len(ls.configs) - oks} out of memory or "
-          f"failed), best {ls.best:.4g} samples/s, target {TARGET:.0%} of it")
+    print(
+        f"\n{ls.name}: {what} {len(ls.configs)} configs ({oks} ok, {len(ls.configs) - oks} out of memory or "
+        f"failed), best {ls.best:.4g} samples/s, target {TARGET:.0%} of it"
+    )
     if ls.note:
         print(f"  note: {ls.note}")
-    print(f"  {'strategy':20s} {'reached':>8s} {'trials to target':>17s} {'trial-s to target':>18s} "
-          f"{'trials run':>11s} {'most run':>9s} {'trial-s run':>12s} {'run / to target':>16s}")
+    print(
+        f"  {'strategy':20s} {'reached':>8s} {'trials to target':>17s} {'trial-s to target':>18s} "
+        f"{'trials run':>11s} {'most run':>9s} {'trial-s run':>12s} {'run / to target':>16s}"
+    )
     for name, r in rows.items():
         t = "-" if r["trials"] is None else f"{r['trials']:g}"
         s = "-" if r["trial_s"] is None else f"{r['trial_s']:.0f}"
         q = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        print(f"  {name:20s} {r['reached']:>3d}/{r['runs']:<4d} {t:>17s} {s:>18s} {r['ran']:>11g} {r['most']:>9d}"
-              f" {r['ran_s']:>12.0f} {q:>16s}")
+        print(
+            f"  {name:20s} {r['reached']:>3d}/{r['runs']:<4d} {t:>17s} {s:>18s} {r['ran']:>11g} {r['most']:>9d}"
+            f" {r['ran_s']:>12.0f} {q:>16s}"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=10, help="seeds for the seeded strategies (random, TPE)")
     p.add_argument("--perturbed-seeds", type=int, default=20, help="perturbed landscapes per base landscape")
-    p.add_argument("--landscape", choices=[*CPU_LANDSCAPES, "sim13b", "lora", "full", "perturbed", "all"],
-                   default="all")
+    p.add_argument(
+        "--landscape", choices=[*CPU_LANDSCAPES, "sim13b", "lora", "full", "perturbed", "all"], default="all"
+    )
     p.add_argument("--prior-error", action="store_true", help="only the CPU prior's error on the recorded landscapes")
-    p.add_argument("--only", nargs="+", choices=[k for k in PERTURBED], default=None,
-                   help="with --landscape perturbed: only these base landscapes")
-    p.add_argument("--amplitude", type=float, default=None,
-                   help="with --landscape perturbed: this amplitude (0.25 = +-25%%) for every base landscape instead of "
-                        "PERTURBED's (a stress test beyond issue 29's +-15%% / +-10%%)")
-    p.add_argument("--no-exhaustive", action="store_true",
-                   help="with --landscape perturbed: ours with its stopping rule only, not --exhaustive for reference "
-                        "(full.yaml: about a minute of planning per seed and strategy)")
-    p.add_argument("--floor", type=int, default=None, metavar="SEEDS",
-                   help="with --landscape perturbed: instead of searching, what any rule must run to reach within 2%% "
-                        "in 95%% of SEEDS perturbed copies (stage_floor; 1000 takes a minute for lora.yaml)")
-    p.add_argument("--replay-priors", type=int, default=None, metavar="K",
-                   help="ours on the recorded CPU landscapes with K CPU priors probed once each and replayed for the "
-                        "stopping rule's settings (--cpu-trend, --cpu-shared)")
-    p.add_argument("--cpu-trend", type=float, default=None, help="with --replay-priors: stopping.TREND for the CPU prior")
-    p.add_argument("--cpu-shared", type=float, default=None,
-                   help="with --replay-priors: stopping.SHARED for the CPU prior (100 = flat)")
-    p.add_argument("--cpu-curve", type=float, default=None, help="with --replay-priors: stopping.CURVE for the CPU prior")
-    p.add_argument("--cpu-noise", type=float, default=None, help="with --replay-priors: stopping.NOISE for the CPU prior")
-    p.add_argument("--noise", type=float, default=0.0,
-                   help="with --replay-priors: each measurement x exp(N(0, NOISE)) (0.06: a repeat's spread here)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=[k for k in PERTURBED],
+        default=None,
+        help="with --landscape perturbed: only these base landscapes",
+    )
+    p.add_argument(
+        "--amplitude",
+        type=float,
+        default=None,
+        help="with --landscape perturbed: this amplitude (0.25 = +-25%%) for every base landscape instead of "
+        "PERTURBED's (a stress test beyond issue 29's +-15%% / +-10%%)",
+    )
+    p.add_argument(
+        "--no-exhaustive",
+        action="store_true",
+        help="with --landscape perturbed: ours with its stopping rule only, not --exhaustive for reference "
+        "(full.yaml: about a minute of planning per seed and strategy)",
+    )
+    p.add_argument(
+        "--floor",
+        type=int,
+        default=None,
+        metavar="SEEDS",
+        help="with --landscape perturbed: instead of searching, what any rule must run to reach within 2%% "
+        "in 95%% of SEEDS perturbed copies (stage_floor; 1000 takes a minute for lora.yaml)",
+    )
+    p.add_argument(
+        "--replay-priors",
+        type=int,
+        default=None,
+        metavar="K",
+        help="ours on the recorded CPU landscapes with K CPU priors probed once each and replayed for the "
+        "stopping rule's settings (--cpu-trend, --cpu-shared)",
+    )
+    p.add_argument(
+        "--cpu-trend", type=float, default=None, help="with --replay-priors: stopping.TREND for the CPU prior"
+    )
+    p.add_argument(
+        "--cpu-shared",
+        type=float,
+        default=None,
+        help="with --replay-priors: stopping.SHARED for the CPU prior (100 = flat)",
+    )
+    p.add_argument(
+        "--cpu-curve", type=float, default=None, help="with --replay-priors: stopping.CURVE for the CPU prior"
+    )
+    p.add_argument(
+        "--cpu-noise", type=float, default=None, help="with --replay-priors: stopping.NOISE for the CPU prior"
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="with --replay-priors: each measurement x exp(N(0, NOISE)) (0.06: a repeat's spread here)",
+    )
     p.add_argument("--noise-seeds", type=int, default=6, help="with --replay-priors --noise: draws per prior")
-    p.add_argument("--priors", type=Path, default=None, metavar="FILE",
-                   help="with --replay-priors: read the probed priors from FILE if it exists, else write them there")
+    p.add_argument(
+        "--priors",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --replay-priors: read the probed priors from FILE if it exists, else write them there",
+    )
     args = p.parse_args()
     if args.replay_priors:
-        replay_priors(args.replay_priors, {"TREND": args.cpu_trend, "SHARED": args.cpu_shared, "CURVE": args.cpu_curve,
-                                           "NOISE": args.cpu_noise},
-                      args.landscape if args.landscape in CPU_LANDSCAPES else "all", args.noise, args.noise_seeds,
-                      args.priors)
+        replay_priors(
+            args.replay_priors,
+            {"TREND": args.cpu_trend, "SHARED": args.cpu_shared, "CURVE": args.cpu_curve, "NOISE": args.cpu_noise},
+            args.landscape if args.landscape in CPU_LANDSCAPES else "all",
+            args.noise,
+            args.noise_seeds,
+            args.priors,
+        )
         return
     if args.prior_error:
         for key in ("cpu", "cpu-gpt2"):
             prior_error(cpu_landscape(DATA / CPU_LANDSCAPES[key][0], CPU_LANDSCAPES[key][1]))
         return
     space = Path(__file__).resolve().parents[1] / "search_spaces"
-    builders = {key: (lambda f=f, name=name: cpu_landscape(DATA / f, name)) for key, (f, name) in CPU_LANDSCAPES.items()}
-    builders |= {"sim13b": sim13b_landscape,
-                "lora": lambda: sim_landscape(space / "lora.yaml", "13b x 4xA100 lora.yaml (simulated)"),
-                "full": lambda: sim_landscape(space / "full.yaml", "13b x 4xA100 full.yaml (simulated)")}
+    builders = {
+        key: (lambda f=f, name=name: cpu_landscape(DATA / f, name)) for key, (f, name) in CPU_LANDSCAPES.items()
+    }
+    builders |= {
+        "sim13b": sim13b_landscape,
+        "lora": lambda: sim_landscape(space / "lora.yaml", "13b x 4xA100 lora.yaml (simulated)"),
+        "full": lambda: sim_landscape(space / "full.yaml", "13b x 4xA100 full.yaml (simulated)"),
+    }
     # the big spaces: ours only (grid, random and TPE would take tens of thousands of table runs)
     only_ours = {"lora": ("ours --exhaustive", "ours"), "full": ("ours --exhaustive", "ours")}
     keys = list(builders) if args.landscape in ("all", "perturbed") else [args.landscape]
@@ -652,17 +774,19 @@ def main() -> None:
                 continue
             last, rows = evaluate_perturbed(ls, amp, args.perturbed_seeds, names)
             print_table(last, rows, args.perturbed_seeds)
-    print("\nMedians over seeds. 'reached': runs that got within 2% of the best. 'trials run': all a strategy "
-          "runs when left alone (grid, random: the whole space; TPE: until the target, it has no stopping "
-          "rule). 'most run': the most one seed ran. 'run / to target': per run, trial-seconds run over trial-seconds to the target (the median). "
-          "DeepSpeed's autotuner does not tune checkpointing: a best that needs it is out of its reach.")
+    print(
+        "\nMedians over seeds. 'reached': runs that got within 2% of the best. 'trials run': all a strategy "
+        "runs when left alone (grid, random: the whole space; TPE: until the target, it has no stopping "
+        "rule). 'most run': the most one seed ran. 'run / to target': per run, trial-seconds run over trial-seconds to the target (the median). "
+        "DeepSpeed's autotuner does not tune checkpointing: a best that needs it is out of its reach."
+    )
 
 
 def probed_cpu_priors(ls: Landscape, k: int) -> tuple[list[dict], float]:
     """`k` CPU priors of a recorded landscape, each probed anew over the configs that fit (config key ->
     samples/s), and the median seconds one probing took."""
-    from autotune.search.cpu_prior import probe_adamw_s_per_param, probe_model
     from autotune.memory import estimate
+    from autotune.search.cpu_prior import probe_adamw_s_per_param, probe_model
     from autotune.search.loop import default_prior
 
     fits = [c for c in ls.configs if estimate(ls.model, ls.cluster, c).fits]
@@ -677,8 +801,14 @@ def probed_cpu_priors(ls: Landscape, k: int) -> tuple[list[dict], float]:
     return priors, statistics.median(seconds)
 
 
-def replay_priors(k: int, overrides: dict[str, float | None], only: str = "all", noise: float = 0.0,
-                  noise_seeds: int = 1, priors_file: Path | None = None) -> None:
+def replay_priors(
+    k: int,
+    overrides: dict[str, float | None],
+    only: str = "all",
+    noise: float = 0.0,
+    noise_seeds: int = 1,
+    priors_file: Path | None = None,
+) -> None:
     """Ours on each recorded CPU landscape with the same `k` probed CPU priors (probed_cpu_priors), so that the
     stopping rule's settings for the CPU prior (stopping.TREND, SHARED, CURVE, NOISE; `overrides` replaces them)
     are compared on equal priors; each run is charged the median probing seconds. `priors_file`: the priors are
@@ -697,9 +827,12 @@ def replay_priors(k: int, overrides: dict[str, float | None], only: str = "all",
     for name, value in overrides.items():
         if value is not None:
             getattr(stopping, name)["cpu prior"] = value
-    print("CPU prior: " + ", ".join(f"{n} {getattr(stopping, n)['cpu prior']:g}" for n in overrides)
-          + f"; {k} priors probed per landscape, the same for every setting"
-          + (f"; measurement noise sd {noise:g}, {noise_seeds} draws per prior" if noise else ""))
+    print(
+        "CPU prior: "
+        + ", ".join(f"{n} {getattr(stopping, n)['cpu prior']:g}" for n in overrides)
+        + f"; {k} priors probed per landscape, the same for every setting"
+        + (f"; measurement noise sd {noise:g}, {noise_seeds} draws per prior" if noise else "")
+    )
     saved = pickle.loads(priors_file.read_bytes()) if priors_file and priors_file.exists() else {}
     for name, (path, _) in CPU_LANDSCAPES.items():
         if only != "all" and name != only:
@@ -722,8 +855,12 @@ def replay_priors(k: int, overrides: dict[str, float | None], only: str = "all",
                 seen = ls
                 if noise:
                     rng = random.Random(f"{i}/{draw}")
-                    table = {key: Outcome(o.status, o.samples_per_s * math.exp(rng.gauss(0, noise)), o.trial_s,
-                                          o.peak_bytes) if o.status == "ok" else o for key, o in ls.table.items()}
+                    table = {
+                        key: Outcome(o.status, o.samples_per_s * math.exp(rng.gauss(0, noise)), o.trial_s, o.peak_bytes)
+                        if o.status == "ok"
+                        else o
+                        for key, o in ls.table.items()
+                    }
                     seen = Landscape(ls.name, ls.model, ls.cluster, ls.space, ls.seq_len, ls.configs, table)
                     exhaustive.append(judged(seen, ls.configs))
                 order = ours(seen, 0, cpu_prior=prior)
@@ -734,11 +871,16 @@ def replay_priors(k: int, overrides: dict[str, float | None], only: str = "all",
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
         ns = [n for _, _, n in runs]
         trials = str(ns) if len(ns) <= 8 else f"median {statistics.median(ns):g}, most {max(ns)}"
-        ref = (f" (--exhaustive on the same readings: {sum(w >= 0.95 for w in exhaustive)}/{len(exhaustive)})"
-               if noise else "")
-        print(f"  {name:12s} reached {row['reached']}/{row['runs']}; winner within 5% {sum(w >= 0.95 for w in winners)}"
-              f"/{len(winners)}{ref}, worst {min(winners):.3f}; trials run {trials}, over a quarter of the groups "
-              f"({quarter:g}) in {sum(n > quarter for n in ns)}; run / to target (median) {ratio}; probing {probe_s:.1f} s")
+        ref = (
+            f" (--exhaustive on the same readings: {sum(w >= 0.95 for w in exhaustive)}/{len(exhaustive)})"
+            if noise
+            else ""
+        )
+        print(
+            f"  {name:12s} reached {row['reached']}/{row['runs']}; winner within 5% {sum(w >= 0.95 for w in winners)}"
+            f"/{len(winners)}{ref}, worst {min(winners):.3f}; trials run {trials}, over a quarter of the groups "
+            f"({quarter:g}) in {sum(n > quarter for n in ns)}; run / to target (median) {ratio}; probing {probe_s:.1f} s"
+        )
 
 
 def prior_error(ls: Landscape) -> None:
@@ -752,8 +894,10 @@ def prior_error(ls: Landscape) -> None:
     heads = Plan(cands, lambda c: c.est.fits, speed_order(ls.model)).available(set())
     prior = default_prior(ls.model, ls.cluster, [c.cfg for c in cands if c.est.fits])
     res = [math.log(ls.run(c.cfg).samples_per_s / prior(c.cfg)) for c in heads if ls.run(c.cfg).status == "ok"]
-    print(f"{ls.name}: {len(res)} groups, log(measured / CPU prior) mean {statistics.mean(res):+.3f}, "
-          f"sd {statistics.stdev(res):.3f} (the prior probed now)")
+    print(
+        f"{ls.name}: {len(res)} groups, log(measured / CPU prior) mean {statistics.mean(res):+.3f}, "
+        f"sd {statistics.stdev(res):.3f} (the prior probed now)"
+    )
 
 
 PERTURBED = {"sim13b": 0.15, "lora": 0.10, "full": 0.10}

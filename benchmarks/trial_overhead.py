@@ -17,31 +17,51 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.trial.record import TrialRequest, TrialResult
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
+from autotune.trial.record import TrialRequest, TrialResult
 
 TARGET_S = 5.0
-ORDER = ["spawn_s", "setup_s", "build_s", "initialize_s", "warmup_s", "profiler_stop_s", "analysis_s",
-         "teardown_s", "exit_s", "placement_s", "ray_s"]
-WHAT = {"spawn_s": "start ranks: python, import torch+deepspeed, gloo rendezvous",
-        "setup_s": "DeepSpeed config, batch, profiler start",
-        "build_s": "build + init the model (meta device / zero.Init; imports torch._dynamo once)",
-        "initialize_s": "deepspeed.initialize (optimizer states allocated here)",
-        "warmup_s": "warm-up steps (and the per-step loss all-reduce)",
-        "profiler_stop_s": "stop the profiler (collects the events)",
-        "analysis_s": "memory curve, peaks, memory_summary.txt",
-        "teardown_s": "engine.destroy, release DeepSpeed's references, gc",
-        "exit_s": "ranks exit after the last config",
-        "placement_s": "Ray: submit until the node task starts (placement group, worker lease)",
-        "ray_s": "Ray: task end until the driver has the result"}
+ORDER = [
+    "spawn_s",
+    "setup_s",
+    "build_s",
+    "initialize_s",
+    "warmup_s",
+    "profiler_stop_s",
+    "analysis_s",
+    "teardown_s",
+    "exit_s",
+    "placement_s",
+    "ray_s",
+]
+WHAT = {
+    "spawn_s": "start ranks: python, import torch+deepspeed, gloo rendezvous",
+    "setup_s": "DeepSpeed config, batch, profiler start",
+    "build_s": "build + init the model (meta device / zero.Init; imports torch._dynamo once)",
+    "initialize_s": "deepspeed.initialize (optimizer states allocated here)",
+    "warmup_s": "warm-up steps (and the per-step loss all-reduce)",
+    "profiler_stop_s": "stop the profiler (collects the events)",
+    "analysis_s": "memory curve, peaks, memory_summary.txt",
+    "teardown_s": "engine.destroy, release DeepSpeed's references, gc",
+    "exit_s": "ranks exit after the last config",
+    "placement_s": "Ray: submit until the node task starts (placement group, worker lease)",
+    "ray_s": "Ray: task end until the driver has the result",
+}
 
 
 def request(out: Path, args) -> TrialRequest:
     cfg = TrainConfig(zero_stage=args.zero, precision="bf16", seq_len=args.seq_len)
-    return TrialRequest(model=resolve_model(args.model), cluster=parse_gpus(args.gpus), config=cfg,
-                        out_dir=out, steps=args.steps, warmup_steps=1, timeout_s=300)
+    return TrialRequest(
+        model=resolve_model(args.model),
+        cluster=parse_gpus(args.gpus),
+        config=cfg,
+        out_dir=out,
+        steps=args.steps,
+        warmup_steps=1,
+        timeout_s=300,
+    )
 
 
 def local(args, root: Path) -> tuple[list[TrialResult], float]:
@@ -86,8 +106,10 @@ def table(title: str, results: list[TrialResult]) -> float:
     print(f"\n{title}: median of {len(results)} trials")
     print(f"  {'wall':<16} {wall:6.2f} s")
     print(f"  {'measured steps':<16} {measured:6.2f} s")
-    print(f"  {'overhead':<16} {overhead:6.2f} s   (target <= {TARGET_S:g} s: "
-          f"{'met' if overhead <= TARGET_S else 'NOT met'})")
+    print(
+        f"  {'overhead':<16} {overhead:6.2f} s   (target <= {TARGET_S:g} s: "
+        f"{'met' if overhead <= TARGET_S else 'NOT met'})"
+    )
     named = 0.0
     for key in ORDER:
         vals = [r.timings_s.get(key) for r in results if key in r.timings_s]
@@ -108,13 +130,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray executor")
     args = ap.parse_args()
-    print(f"{args.model} on {args.gpus}, ZeRO-{args.zero} bf16, seq {args.seq_len}, 1 warm-up + {args.steps} "
-          f"measured steps")
+    print(
+        f"{args.model} on {args.gpus}, ZeRO-{args.zero} bf16, seq {args.seq_len}, 1 warm-up + {args.steps} "
+        f"measured steps"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         results, cpu_s = local(args, Path(tmp))
         table("local (autotune.trial.run_trial)", results)
-        print(f"  CPU time of all ranks together: {cpu_s:.2f} s per trial ({os.cpu_count()} cores here; "
-              f"load average {os.getloadavg()[0]:.1f})")
+        print(
+            f"  CPU time of all ranks together: {cpu_s:.2f} s per trial ({os.cpu_count()} cores here; "
+            f"load average {os.getloadavg()[0]:.1f})"
+        )
         if not args.no_ray:
             results, start_s, stop_s = on_ray(args, Path(tmp))
             table("Ray executor (local Ray, one trial at a time)", results)

@@ -51,8 +51,15 @@ def quick(cases, fast):
     return [pytest.param(*c, marks=() if c in fast else pytest.mark.slow) for c in cases]
 
 
-TINY_HF = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-           "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
+TINY_HF = {
+    "model_type": "llama",
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+}
 
 
 @pytest.fixture(scope="session")
@@ -71,23 +78,59 @@ def killed_and_resumed(tmp_path_factory):
     trials = root / "trials"
     env = {**os.environ, "AUTOTUNE_TRIALS_DIR": str(trials), "DS_ACCELERATOR": "cpu"}
     space = Path(__file__).resolve().parents[1] / "search_spaces" / "tiny-cpu.yaml"
-    base = [sys.executable, "-m", "autotune", "search", "--model", str(cfg), "--gpus", "2xcpu@12MiB",
-            "--seq-len", "64", "--space", str(space), "--study", "e2e", "--n-trials", "3", "--exhaustive",
-            "--no-progress"]
+    base = [
+        sys.executable,
+        "-m",
+        "autotune",
+        "search",
+        "--model",
+        str(cfg),
+        "--gpus",
+        "2xcpu@12MiB",
+        "--seq-len",
+        "64",
+        "--space",
+        str(space),
+        "--study",
+        "e2e",
+        "--n-trials",
+        "3",
+        "--exhaustive",
+        "--no-progress",
+    ]
     db = trials / "e2e" / "study.db"
     first = subprocess.Popen(base, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     end = time.monotonic() + 240
-    while time.monotonic() < end and first.poll() is None and not any(
-            r["state"] == "COMPLETE" for r in finished_runs(db)):
+    while (
+        time.monotonic() < end and first.poll() is None and not any(r["state"] == "COMPLETE" for r in finished_runs(db))
+    ):
         time.sleep(0.5)
     first.send_signal(signal.SIGTERM)
     out1, _ = first.communicate(timeout=120)
     done_before = {json.dumps(r["config"], sort_keys=True) for r in finished_runs(db) if r["state"] == "COMPLETE"}
-    second = subprocess.run([sys.executable, "-m", "autotune", "search", "--resume", "--study", "e2e",
-                             "--n-trials", "3", "--exhaustive", "--no-progress"], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=600)
-    return types.SimpleNamespace(root=root, trials=trials, env=env, db=db, first=first, out1=out1,
-                                 done_before=done_before, second=second)
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune",
+            "search",
+            "--resume",
+            "--study",
+            "e2e",
+            "--n-trials",
+            "3",
+            "--exhaustive",
+            "--no-progress",
+        ],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return types.SimpleNamespace(
+        root=root, trials=trials, env=env, db=db, first=first, out1=out1, done_before=done_before, second=second
+    )
 
 
 def finished_runs(db: Path) -> list[dict]:
@@ -98,20 +141,33 @@ def finished_runs(db: Path) -> list[dict]:
         return []
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
-            rows = con.execute("select t.number, t.state, a.value_json from trials t join trial_user_attributes a "
-                               "on a.trial_id = t.trial_id where a.key = 'config'").fetchall()
-    except sqlite3.OperationalError:        # Optuna is still creating its tables
+            rows = con.execute(
+                "select t.number, t.state, a.value_json from trials t join trial_user_attributes a "
+                "on a.trial_id = t.trial_id where a.key = 'config'"
+            ).fetchall()
+    except sqlite3.OperationalError:  # Optuna is still creating its tables
         return []
     return [{"number": n, "state": s, "config": json.loads(v)} for n, s, v in rows]
 
 
 # Seconds per work unit in a full run on two workers (2026-12-06, 2 cores; `--durations`): the units are
 # handed out longest first, so that no long one starts last and runs alone. Order only; no test reads it.
-UNIT_SECONDS = {"tests/test_memory_hf.py": 232, "tests/test_knobs.py": 228, "tests/test_trial.py": 194,
-                "tests/test_lora.py": 156, "tests/test_sequence_parallel.py": 106, "tests/test_ray_executor.py": 99,
-                "killed_and_resumed": 92, "tests/test_hf.py": 87, "tests/test_gpu_check.py": 69,
-                "tests/test_parallel.py": 66, "tests/test_seq_family.py": 55, "tests/test_correction.py": 49,
-                "tests/test_export_sp.py": 47, "tests/test_stopping.py": 47}
+UNIT_SECONDS = {
+    "tests/test_memory_hf.py": 232,
+    "tests/test_knobs.py": 228,
+    "tests/test_trial.py": 194,
+    "tests/test_lora.py": 156,
+    "tests/test_sequence_parallel.py": 106,
+    "tests/test_ray_executor.py": 99,
+    "killed_and_resumed": 92,
+    "tests/test_hf.py": 87,
+    "tests/test_gpu_check.py": 69,
+    "tests/test_parallel.py": 66,
+    "tests/test_seq_family.py": 55,
+    "tests/test_correction.py": 49,
+    "tests/test_export_sp.py": 47,
+    "tests/test_stopping.py": 47,
+}
 
 
 def work_unit(nodeid: str) -> str:
@@ -121,7 +177,7 @@ def work_unit(nodeid: str) -> str:
     return "killed_and_resumed" if "killed_and_resumed" in nodeid else nodeid.split("::", 1)[0]
 
 
-@pytest.hookimpl(optionalhook=True, tryfirst=True)   # before xdist's own
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's two workers (pyproject's addopts: `-n 2 --dist loadscope --no-loadscope-reorder`)
     take `work_unit`s in the order collected. (`--dist loadgroup` would say the grouping with marks, but

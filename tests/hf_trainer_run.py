@@ -20,11 +20,24 @@ def trainer_args(ds_path: str, out_dir: str) -> TrainingArguments:
     (also tests/test_export_parallel.py's ranks)."""
     ds = json.loads(open(ds_path).read())
     return TrainingArguments(
-        output_dir=out_dir, deepspeed=ds_path, per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
-        gradient_accumulation_steps=ds["gradient_accumulation_steps"], bf16=ds.get("bf16", {}).get("enabled", False),
-        learning_rate=ADAMW["lr"], adam_beta1=ADAMW["betas"][0], adam_beta2=ADAMW["betas"][1],
-        adam_epsilon=ADAMW["eps"], weight_decay=ADAMW["weight_decay"], max_grad_norm=1.0,
-        max_steps=2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+        output_dir=out_dir,
+        deepspeed=ds_path,
+        per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
+        gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+        bf16=ds.get("bf16", {}).get("enabled", False),
+        learning_rate=ADAMW["lr"],
+        adam_beta1=ADAMW["betas"][0],
+        adam_beta2=ADAMW["betas"][1],
+        adam_epsilon=ADAMW["eps"],
+        weight_decay=ADAMW["weight_decay"],
+        max_grad_norm=1.0,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
 
 
 def train_recording(model, args: TrainingArguments, data: list) -> tuple[Trainer, object, list[float]]:
@@ -47,9 +60,18 @@ def write_rank(out_dir: str, args: TrainingArguments, trainer: Trainer, result, 
     from pathlib import Path
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / f"rank{args.process_index}.json").write_text(json.dumps({
-        "rank": args.process_index, "world": args.world_size, "steps": result.global_step, "losses": losses,
-        "total_batch": trainer.get_total_train_batch_size(args), **extra}))
+    (Path(out_dir) / f"rank{args.process_index}.json").write_text(
+        json.dumps(
+            {
+                "rank": args.process_index,
+                "world": args.world_size,
+                "steps": result.global_step,
+                "losses": losses,
+                "total_batch": trainer.get_total_train_batch_size(args),
+                **extra,
+            }
+        )
+    )
 
 
 def exit_rank() -> None:
@@ -89,16 +111,27 @@ def main(config_dir: str, ds_path: str, k: int, out_dir: str) -> None:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
     checkpoint_first_layers(model, k)
     gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, model.config.vocab_size, (8, 64), generator=gen)]
+    data = [
+        {"input_ids": ids, "labels": ids} for ids in torch.randint(0, model.config.vocab_size, (8, 64), generator=gen)
+    ]
     trainer = Trainer(model=model, args=args, train_dataset=data)
     result = trainer.train()
     if args.process_index == 0:
         flags = [layer.gradient_checkpointing for layer in decoder_layers(model)]
-        print("AUTOTUNE_TRAINER", json.dumps({"steps": result.global_step, "loss": result.training_loss,
-                                              "zero3": hasattr(next(model.parameters()), "ds_id"),
-                                              "engine": type(trainer.model_wrapped).__name__,
-                                              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                                              "flags": flags}), flush=True)
+        print(
+            "AUTOTUNE_TRAINER",
+            json.dumps(
+                {
+                    "steps": result.global_step,
+                    "loss": result.training_loss,
+                    "zero3": hasattr(next(model.parameters()), "ds_id"),
+                    "engine": type(trainer.model_wrapped).__name__,
+                    "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                    "flags": flags,
+                }
+            ),
+            flush=True,
+        )
     exit_rank()
 
 

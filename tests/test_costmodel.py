@@ -41,8 +41,11 @@ def test_published_mfu_within_10_percent():
 
 def test_gpt2_large_zero_stage_ordering():
     """DeepSpeedExamples: ZeRO-1 mb3 (87.3) > ZeRO-2 mb3 (77.8) > ZeRO-0 mb2 (59.0) samples/s."""
-    sim = {p.name: cm.simulate(p.model, p.cluster, p.config, runtime=p.runtime).samples_per_s
-           for p in cm.calibration_points() if p.name.startswith("gpt2-large")}
+    sim = {
+        p.name: cm.simulate(p.model, p.cluster, p.config, runtime=p.runtime).samples_per_s
+        for p in cm.calibration_points()
+        if p.name.startswith("gpt2-large")
+    }
     assert sim["gpt2-large-16xv100-z1"] > sim["gpt2-large-16xv100-z2"] > sim["gpt2-large-16xv100-z0"]
 
 
@@ -93,8 +96,16 @@ def test_recompute_is_the_forward_of_the_checkpointed_layers():
     from autotune.costops import micro_step_price
 
     c = cfg(ckpt_layers=10)
-    p = micro_step_price(L13B, L13B.implementation, "bf16", "sdpa", 1, 2048, cm.price_key(A100x8.gpu, "bf16"),
-                         cm.Constants().for_gpu(A100x8.gpu.name))
+    p = micro_step_price(
+        L13B,
+        L13B.implementation,
+        "bf16",
+        "sdpa",
+        1,
+        2048,
+        cm.price_key(A100x8.gpu, "bf16"),
+        cm.Constants().for_gpu(A100x8.gpu.name),
+    )
     assert cm.simulate(L13B, A100x8, c).breakdown_s["recompute"] == pytest.approx(10 * p.layer_forward)
     # a block's forward is about a third of its forward+backward (Narayanan et al. 2021, sec. 5.1)
     per_layer = (p.gemm + p.attention + p.elementwise) / L13B.num_layers

@@ -22,8 +22,9 @@ GPT2 = resolve_model("tiny-gpt2")
 
 
 def flops_by(profile: co.OpProfile, layers: int, cls: str, phase: str | None = None) -> float:
-    return sum(op.flops * n for op, n in profile.ops(layers).items()
-               if op.cls == cls and (phase is None or op.phase == phase))
+    return sum(
+        op.flops * n for op, n in profile.ops(layers).items() if op.cls == cls and (phase is None or op.phase == phase)
+    )
 
 
 @pytest.mark.parametrize("spec", [TINY, GPT2], ids=lambda s: s.name)
@@ -33,7 +34,11 @@ def test_gemm_flops_are_six_times_matmul_params_times_tokens(spec):
     b, s = 2, 64
     p = co.profile_for(spec, "builtin", "fp32", "sdpa", b, s)
     h, L = spec.hidden_size, spec.num_layers
-    matrices = h * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * h + (3 if spec.mlp == "swiglu" else 2) * h * spec.ffn_hidden_size
+    matrices = (
+        h * (spec.q_dim + 2 * spec.kv_dim)
+        + spec.q_dim * h
+        + (3 if spec.mlp == "swiglu" else 2) * h * spec.ffn_hidden_size
+    )
     hand = 6 * (L * matrices + spec.vocab_size * h) * b * s
     assert flops_by(p, L, "gemm") == pytest.approx(hand, rel=1e-9)
 
@@ -89,9 +94,9 @@ def test_gemm_price_by_hand():
     so 9.48/10), bytes below the roofline; plus one launch."""
     key = cm.price_key(A100.gpu, "bf16")
     n = 4096
-    op = co.Op("gemm", "mm", "fwd", 2.0 * n ** 3, 3 * n * n * 2, (1, n, n, n))
+    op = co.Op("gemm", "mm", "fwd", 2.0 * n**3, 3 * n * n * 2, (1, n, n, n))
     eff = 0.869 * n / (n + 128) * 1024 / 1080
-    assert co.gemm_s(op, key, 0.7) == pytest.approx(2 * n ** 3 / (312e12 * eff * 0.7) + co.LAUNCH_S)
+    assert co.gemm_s(op, key, 0.7) == pytest.approx(2 * n**3 / (312e12 * eff * 0.7) + co.LAUNCH_S)
     # fp32: the plain FP32 peak, ~16x slower (no TF32)
     key32 = cm.price_key(A100.gpu, "fp32")
     assert co.gemm_s(op, key32, 0.7) / co.gemm_s(op, key, 0.7) > 312 / 19.5 * 0.9
@@ -124,7 +129,7 @@ def test_attention_kernel_by_hand():
     for phase, flops, e in (("fwd", fwd_flops, 0.73), ("bwd", 2.5 * fwd_flops, 0.63)):
         op = co.Op("attention", "_scaled_dot_product_flash_attention", phase, flops, 0, (b, h, s, s, d, True))
         flash2 = flops / (312e12 * e * diag) + co.LAUNCH_S
-        assert co.attention_s(op, key, 0.5) == pytest.approx(flash2)   # the sustained share is not applied
+        assert co.attention_s(op, key, 0.5) == pytest.approx(flash2)  # the sustained share is not applied
         slower = 1.4 if phase == "fwd" else 2.0
         assert co.attention_s(op, key, 0.5, "triton") == pytest.approx((flash2 - co.LAUNCH_S) * slower + co.LAUNCH_S)
     with pytest.raises(ValueError, match="attention kernel"):
@@ -180,8 +185,7 @@ def test_pricing_candidates_hits_the_cache():
 def test_per_term_view_sums_to_the_step():
     s = cm.simulate(resolve_model("llama-2-7b"), A100, TrainConfig(zero_stage=3, micro_batch=2, ckpt_layers=8))
     t = s.terms()
-    assert set(t) == {"compute", "attention", "elementwise", "recompute", "communication exposed",
-                      "optimizer", "host"}
+    assert set(t) == {"compute", "attention", "elementwise", "recompute", "communication exposed", "optimizer", "host"}
     assert sum(t.values()) == pytest.approx(s.step_time_s)
     assert t["compute"] > t["attention"] > 0 and t["recompute"] > 0
 
@@ -202,23 +206,38 @@ def test_a_stack_of_mixed_layers_is_priced_as_its_whole_program():
     op; and the MFU counts the experts a token runs, not all of them."""
     from transformers import AutoConfig
 
+    from autotune.costmodel import simulate
     from autotune.hardware import parse_gpus
     from autotune.impl import impl_for
     from autotune.models import hf_config as hf
-    from autotune.costmodel import simulate
     from autotune.train_config import TrainConfig
 
-    d = dict(model_type="deepseek_v3", num_hidden_layers=5, first_k_dense_replace=2, hidden_size=64,
-             num_attention_heads=4, num_key_value_heads=4, intermediate_size=256, vocab_size=512,
-             max_position_embeddings=128, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-             n_group=1, topk_group=1)
+    d = dict(
+        model_type="deepseek_v3",
+        num_hidden_layers=5,
+        first_k_dense_replace=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+    )
     spec = hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name="test-mixed", source="test")
     impl = impl_for(spec)
     build = lambda n: impl.build(spec, dtype=torch.bfloat16, attention="sdpa", num_layers=n)  # noqa: E731
     assert not spec.uniform_blocks
-    p = optrace.op_profile(build, impl.loss, micro_batch=1, seq_len=32, vocab=spec.vocab_size, depth=5,
-                           uniform=False)
+    p = optrace.op_profile(build, impl.loss, micro_batch=1, seq_len=32, vocab=spec.vocab_size, depth=5, uniform=False)
     direct = optrace._trace(build, impl.loss, 5, 1, 32, spec.vocab_size)
     assert {op: n for op, n in p.ops(5).items() if abs(n) > 1e-9} == pytest.approx(dict(direct))
     cfg = TrainConfig(precision="bf16", micro_batch=4, seq_len=64)

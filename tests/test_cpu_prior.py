@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.search import cpu_prior as cp
 from autotune.hardware import parse_gpus
 from autotune.models import from_shape
+from autotune.search import cpu_prior as cp
 from autotune.train_config import TrainConfig
 
-TINY = from_shape("t", "llama", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=128, vocab_size=256,
-                  max_seq_len=256)
-GPT2 = from_shape("g", "gpt2", num_layers=2, hidden_size=48, num_heads=4, ffn_hidden_size=192, vocab_size=128,
-                  max_seq_len=128)
+TINY = from_shape(
+    "t", "llama", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=128, vocab_size=256, max_seq_len=256
+)
+GPT2 = from_shape(
+    "g", "gpt2", num_layers=2, hidden_size=48, num_heads=4, ffn_hidden_size=192, vocab_size=128, max_seq_len=128
+)
 
 
 @pytest.mark.slow
@@ -22,14 +24,14 @@ GPT2 = from_shape("g", "gpt2", num_layers=2, hidden_size=48, num_heads=4, ffn_hi
 def test_probe_times_the_real_model(model):
     small = cp.probe_model(model, 64, 1, "fp32", "sdpa", 1)
     large = cp.probe_model(model, 64, 32, "fp32", "sdpa", 1)
-    assert large[0] > small[0]           # 32x the tokens through the same model
-    assert large[1] < large[0]           # one block's forward < the whole forward and backward
-    assert cp.probe_model(model, 64, 32, "fp32", "sdpa", 1) is large      # probed once, then cached
+    assert large[0] > small[0]  # 32x the tokens through the same model
+    assert large[1] < large[0]  # one block's forward < the whole forward and backward
+    assert cp.probe_model(model, 64, 32, "fp32", "sdpa", 1) is large  # probed once, then cached
 
 
 def test_adamw_probe_is_per_parameter():
     t = cp.probe_adamw_s_per_param(1, 1 << 16)
-    assert 0 < t < 1e-6   # a 65K-parameter AdamW step takes microseconds, not seconds per parameter
+    assert 0 < t < 1e-6  # a 65K-parameter AdamW step takes microseconds, not seconds per parameter
 
 
 def test_prior_is_the_documented_sum(monkeypatch):
@@ -40,8 +42,20 @@ def test_prior_is_the_documented_sum(monkeypatch):
     monkeypatch.setattr(cp, "probe_adamw_s_per_param", lambda th: 1e-8)
     monkeypatch.setattr(cp, "probe_gloo", lambda w: (cp.GLOO_CALL_S, cp.GLOO_BUS_BYTES_PER_S, "fixed"))
     prior = cp.cpu_prior(TINY, parse_gpus("2xcpu"))
-    cfg = lambda **kw: TrainConfig(**{"zero_stage": 0, "micro_batch": 4, "grad_accum": 1, "ckpt_layers": 2,  # noqa: E731
-                                      "precision": "fp32", "seq_len": 64, **kw})
+
+    def cfg(**kw):
+        return TrainConfig(
+            **{
+                "zero_stage": 0,
+                "micro_batch": 4,
+                "grad_accum": 1,
+                "ckpt_layers": 2,
+                "precision": "fp32",
+                "seq_len": 64,
+                **kw,
+            }
+        )
+
     # TINY has 197,184 parameters. ZeRO-0, mb 4, k 2, ga 1 on 2 ranks:
     #   micro step   0.04 + 2 x 0.004 + 0.011 (DeepSpeed)                 = 0.059 s
     #   gloo         1 all-reduce x 0.31 ms + 4 B x 197,184 / 1.43 GB/s    = 0.00086156 s
@@ -68,10 +82,12 @@ def test_the_shapes_asked_about_are_probed_in_two_passes_and_the_faster_kept(mon
     monkeypatch.setattr(cp, "probe_model", cached)
     monkeypatch.setattr(cp, "probe_gloo", lambda w: (cp.GLOO_CALL_S, cp.GLOO_BUS_BYTES_PER_S, "fixed"))
     monkeypatch.setattr(cp, "probe_adamw_s_per_param", lambda th: 1e-8)
-    cfgs = [TrainConfig(micro_batch=mb, ckpt_layers=k, precision="fp32", seq_len=64) for mb in (4, 1, 2) for k in (0, 2)]
+    cfgs = [
+        TrainConfig(micro_batch=mb, ckpt_layers=k, precision="fp32", seq_len=64) for mb in (4, 1, 2) for k in (0, 2)
+    ]
     prior = cp.cpu_prior(TINY, parse_gpus("2xcpu"), cfgs)
     assert calls == [1, 2, 4, 1, 2, 4]
-    assert prior(cfgs[4]) > prior(cfgs[2])   # mb 2 beats mb 1: its slow first timing (5x) was not kept
+    assert prior(cfgs[4]) > prior(cfgs[2])  # mb 2 beats mb 1: its slow first timing (5x) was not kept
 
 
 def test_a_shape_timed_at_long_probe_s_is_not_probed_again(monkeypatch):
@@ -81,7 +97,7 @@ def test_a_shape_timed_at_long_probe_s_is_not_probed_again(monkeypatch):
 
     def timed(m, s, mb, p, a, th):
         calls.append(mb)
-        return cp.LONG_PROBE_S * mb / 4, 0.001 * mb    # mb 4 and 8 at or over the line, 1 and 2 under
+        return cp.LONG_PROBE_S * mb / 4, 0.001 * mb  # mb 4 and 8 at or over the line, 1 and 2 under
 
     monkeypatch.setattr(cp.probe_model, "__wrapped__", timed, raising=False)
     keys = [cp._probe_key(TINY, TrainConfig(micro_batch=mb, precision="fp32", seq_len=64), 1) for mb in (8, 1, 4, 2)]
@@ -117,5 +133,5 @@ def test_ring_volumes_and_calls_follow_the_stage():
     cfg = lambda z, ga: TrainConfig(zero_stage=z, micro_batch=1, grad_accum=ga, precision="fp32", seq_len=64)  # noqa: E731
     assert [cp._ring_volumes_per_step(cfg(z, 4)) for z in range(4)] == [2.0, 2.0, 5.0, 12.0]
     calls = [cp._collectives_per_step(TINY, cfg(z, 4)) for z in range(4)]
-    buckets = -(-TINY.num_params // 64 ** 2)              # reduce and all-gather buckets of hidden^2
-    assert calls == [1, 2 * buckets, 5 * buckets, 4 * (buckets + 2 * (4 * 5 + 2))]   # 5 matrices/block + embed, head
+    buckets = -(-TINY.num_params // 64**2)  # reduce and all-gather buckets of hidden^2
+    assert calls == [1, 2 * buckets, 5 * buckets, 4 * (buckets + 2 * (4 * 5 + 2))]  # 5 matrices/block + embed, head

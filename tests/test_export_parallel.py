@@ -30,24 +30,44 @@ def make_study(name: str, gpus: str = "2xcpu", **over):
     import optuna
     from optuna.trial import TrialState
 
-    from autotune.search import study as st
     from autotune.hardware import parse_gpus
     from autotune.models import resolve_model
+    from autotune.search import study as st
     from autotune.train_config import TrainConfig
 
     model, cluster = resolve_model(str(DATA / "hf-llama")), parse_gpus(gpus)
     cfg = TrainConfig(**{**TP2, **over})
-    attrs = st.study_attrs(model, cluster, seq_len=64, global_batch=None, space_text="", space_path="t",
-                           source="measured")
+    attrs = st.study_attrs(
+        model, cluster, seq_len=64, global_batch=None, space_text="", space_path="t", source="measured"
+    )
     study = st.create_study(name, None, attrs, sampler=None)
     dists = st.distributions([cfg])
-    res = {"status": "ok", "source": "measured", "samples_per_s": 3.0, "tokens_per_s": 192.0,
-           "peak_bytes": 10**7, "log_tail": ""}
-    ua = {"config": cfg.to_dict(), "status": "ok", "source": "measured", "reason": "", "result": res,
-          "estimate": {"tensor_bytes": 10**7, "total_bytes": 10**7, "capacity_bytes": 10**9,
-                       "dominant_term": "activations"}}
-    study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=3.0,
-                                              params=st.params_of(cfg, dists), distributions=dists, user_attrs=ua))
+    res = {
+        "status": "ok",
+        "source": "measured",
+        "samples_per_s": 3.0,
+        "tokens_per_s": 192.0,
+        "peak_bytes": 10**7,
+        "log_tail": "",
+    }
+    ua = {
+        "config": cfg.to_dict(),
+        "status": "ok",
+        "source": "measured",
+        "reason": "",
+        "result": res,
+        "estimate": {
+            "tensor_bytes": 10**7,
+            "total_bytes": 10**7,
+            "capacity_bytes": 10**9,
+            "dominant_term": "activations",
+        },
+    }
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=TrialState.COMPLETE, value=3.0, params=st.params_of(cfg, dists), distributions=dists, user_attrs=ua
+        )
+    )
     return model, cluster, cfg
 
 
@@ -68,11 +88,13 @@ def test_export_of_tp2_writes_tensor_parallel_and_the_trainer_lines(tmp_path, mo
     ds = json.loads(out.read_text())
     assert ds == deepspeed_config(cfg, model, cluster)
     assert ds["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in ds
-    assert (f'TrainingArguments(deepspeed="{out}", per_device_train_batch_size=2, gradient_accumulation_steps=1, '
-            "gradient_checkpointing=False, bf16=True") in text
+    assert (
+        f'TrainingArguments(deepspeed="{out}", per_device_train_batch_size=2, gradient_accumulation_steps=1, '
+        "gradient_checkpointing=False, bf16=True"
+    ) in text
     assert "AutoTP 2, dp = 2 / 2 = 1" in text and "deepspeed.tp_model_init(model, tp_size=2" in text
     assert "= 2 x 1 x 1 = 2 sequences" in text and "rank r // 2" in text
-    assert "accelerate launch" not in text                      # no --accelerate-config: no line for it
+    assert "accelerate launch" not in text  # no --accelerate-config: no line for it
     assert main(["export", "--study", "tp", "--out", str(out), "--trial", "0"]) == 0
 
 
@@ -103,14 +125,14 @@ def test_accelerate_config_loads_with_accelerates_own_loader(tmp_path, monkeypat
     assert isinstance(conf, ClusterConfig) and conf.distributed_type == DistributedType.DEEPSPEED
     assert conf.num_processes == 2 and conf.num_machines == 1 and conf.use_cpu
     assert conf.deepspeed_config == {"deepspeed_config_file": str(out.resolve()), "zero3_init_flag": True}
-    assert conf.mixed_precision is None                          # the JSON's bf16 section decides
+    assert conf.mixed_precision is None  # the JSON's bf16 section decides
 
 
 def test_accelerate_config_for_two_nodes(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from autotune.report.export import accelerate_config_yaml
     from autotune.hardware import parse_gpus
+    from autotune.report.export import accelerate_config_yaml
     from autotune.train_config import TrainConfig
 
     acc = tmp_path / "a.yaml"
@@ -118,7 +140,7 @@ def test_accelerate_config_for_two_nodes(tmp_path):
     assert "set main_process_ip" in acc.read_text()
     conf = load_config_from_file(str(acc))
     assert (conf.num_machines, conf.num_processes, conf.use_cpu) == (2, 16, False)
-    assert conf.deepspeed_config["deepspeed_multinode_launcher"] == "standard"   # torchrun on each node
+    assert conf.deepspeed_config["deepspeed_multinode_launcher"] == "standard"  # torchrun on each node
 
 
 def _launch_env(yaml_path: Path, script: Path) -> dict:
@@ -127,8 +149,9 @@ def _launch_env(yaml_path: Path, script: Path) -> dict:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(yaml_path), "--main_process_port", "0",
-                                               str(script)])
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(yaml_path), "--main_process_port", "0", str(script)]
+    )
     args, defaults, mp_from_config_flag = _validate_launch_command(args)
     assert args.use_deepspeed and not args.cpu
     fields = list(defaults.deepspeed_config.keys()) + (["mixed_precision"] if mp_from_config_flag else [])
@@ -146,9 +169,9 @@ def test_accelerate_launch_accepts_the_file_for_gpus_and_would_refuse_mixed_prec
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from autotune.deepspeed_config import deepspeed_config
-    from autotune.report.export import accelerate_config_yaml
     from autotune.hardware import parse_gpus
     from autotune.models import resolve_model
+    from autotune.report.export import accelerate_config_yaml
     from autotune.train_config import TrainConfig
 
     cluster, cfg = parse_gpus("8xH100"), TrainConfig(**{**TP2, "zero_stage": 3})
@@ -170,8 +193,9 @@ def test_accelerate_launch_accepts_the_file_for_gpus_and_would_refuse_mixed_prec
         conf = yaml.safe_load(acc.read_text())
         conf["mixed_precision"] = "bf16"
         acc.write_text(yaml.safe_dump(conf))
-        monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", _launch_env(acc, tmp_path / "train.py")[
-            "ACCELERATE_CONFIG_DS_FIELDS"])
+        monkeypatch.setenv(
+            "ACCELERATE_CONFIG_DS_FIELDS", _launch_env(acc, tmp_path / "train.py")["ACCELERATE_CONFIG_DS_FIELDS"]
+        )
         with pytest.raises(ValueError, match="will be ignored"):
             DeepSpeedPlugin()
     finally:
@@ -193,12 +217,14 @@ def test_export_of_deepcompile_prints_who_calls_engine_compile(tmp_path, monkeyp
     assert "the JSON alone does not turn it on" in text
     assert "deepspeed.initialize(...), then engine.compile() before the first forward" in text
     assert "TrainingArguments(..., as above, torch_compile=True)" in text
-    assert "Without torch_compile=True (and no ACCELERATE_DYNAMO_BACKEND in the environment) the Trainer does not " \
+    assert (
+        "Without torch_compile=True (and no ACCELERATE_DYNAMO_BACKEND in the environment) the Trainer does not "
         "call it" in text
+    )
     assert 'Accelerator(dynamo_backend="inductor")' in text
     assert "accelerate launch does not call it" in text and "the file written above has none" in text
     assert "# deepcompile: this file cannot turn it on" in acc.read_text()
-    assert "dynamo" not in acc.read_text().split("\n# accelerate launch")[1]   # no dynamo_config section
+    assert "dynamo" not in acc.read_text().split("\n# accelerate launch")[1]  # no dynamo_config section
     capsys.readouterr()
     make_study("plain", gpus="8xH100", autotp_size=1)
     assert main(["export", "--study", "plain", "--out", str(out)]) == 0
@@ -218,24 +244,26 @@ def test_the_deepcompile_lines_against_transformers_and_accelerate(tmp_path, mon
     from transformers import TrainingArguments
 
     from autotune.deepspeed_config import deepspeed_config
-    from autotune.report.export import accelerate_config_yaml
     from autotune.hardware import parse_gpus
     from autotune.models import resolve_model
+    from autotune.report.export import accelerate_config_yaml
     from autotune.train_config import TrainConfig
 
     for k in [k for k in os.environ if k.startswith("ACCELERATE_DYNAMO_")]:
         monkeypatch.delenv(k)
     try:
         for compile_flag, backend in ((True, "inductor"), (False, None)):
-            args = TrainingArguments(output_dir=str(tmp_path / "o"), torch_compile=compile_flag, use_cpu=True,
-                                     report_to=[])
+            args = TrainingArguments(
+                output_dir=str(tmp_path / "o"), torch_compile=compile_flag, use_cpu=True, report_to=[]
+            )
             assert args.torch_compile_backend == backend
-            plugin = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode,
-                                       dynamic=None)   # as trainer.py builds it
+            plugin = TorchDynamoPlugin(
+                backend=args.torch_compile_backend, mode=args.torch_compile_mode, dynamic=None
+            )  # as trainer.py builds it
             assert (plugin.backend != DynamoBackend.NO) is compile_flag
             if compile_flag:
                 assert plugin.to_kwargs()["backend"] == "inductor" and not plugin.use_regional_compilation
-        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")   # the environment route the lines name
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")  # the environment route the lines name
         assert TorchDynamoPlugin(backend=None).to_kwargs()["backend"] == "inductor"
         monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND")
     finally:
@@ -274,8 +302,18 @@ def test_trainer_trains_2_steps_with_the_exported_tp2_config(tmp_path, monkeypat
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": "2", "HF_HUB_OFFLINE": "1"}
     accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [str(accelerate), "launch", "--config_file", str(acc), "--main_process_port", str(free_port()),
-           __file__, str(DATA / "hf-llama"), str(out), str(tmp_path / "out")]
+    cmd = [
+        str(accelerate),
+        "launch",
+        "--config_file",
+        str(acc),
+        "--main_process_port",
+        str(free_port()),
+        __file__,
+        str(DATA / "hf-llama"),
+        str(out),
+        str(tmp_path / "out"),
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     # each rank writes its record to a file (the two ranks' stdout interleaves)
     records = sorted((tmp_path / "out").glob("rank*.json"))
@@ -285,32 +323,41 @@ def test_trainer_trains_2_steps_with_the_exported_tp2_config(tmp_path, monkeypat
     for r in ranks.values():
         assert r["world"] == 2 and r["steps"] == 2 and r["engine"] == "DeepSpeedEngine"
         assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
-        assert all(abs(x - 7.62) < 0.3 for x in r["losses"])         # ~ln(2048): random init
+        assert all(abs(x - 7.62) < 0.3 for x in r["losses"])  # ~ln(2048): random init
         # the tp shards: q_proj (4 heads x 32) column-wise, the untied head V / tp x h
         assert r["shapes"] == {"model.layers.0.self_attn.q_proj.weight": [64, 128], "lm_head.weight": [1024, 128]}
-        assert r["total_batch"] == 2                                  # micro 2 x dp 1 x grad accum 1
+        assert r["total_batch"] == 2  # micro 2 x dp 1 x grad accum 1
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
 def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
     """One rank: the Trainer with the exported JSON and the TrainingArguments `autotune export` prints."""
     import torch
+    from hf_trainer_run import (
+        exit_rank,
+        train_recording,
+        trainer_args,
+        write_rank,
+    )  # a sibling: the script's folder is on sys.path
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hf_trainer_run import exit_rank, trainer_args, train_recording, write_rank   # a sibling: the script's folder is on sys.path
 
     args = trainer_args(ds_path, out_dir)
     import deepspeed.ops
 
     # As the trial worker does: skip compiling DeepSpeed's shared-memory comm op (not used by the JSON)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    torch.manual_seed(0)          # the same random weights on both ranks, as from_pretrained would load
+    torch.manual_seed(0)  # the same random weights on both ranks, as from_pretrained would load
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
     gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, model.config.vocab_size, (8, 64), generator=gen)]
+    data = [
+        {"input_ids": ids, "labels": ids} for ids in torch.randint(0, model.config.vocab_size, (8, 64), generator=gen)
+    ]
     trainer, result, losses = train_recording(model, args, data)
-    shapes = {n: list(p.shape) for n, p in trainer.model_wrapped.module.named_parameters()
-              if n in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight")}
+    shapes = {
+        n: list(p.shape)
+        for n, p in trainer.model_wrapped.module.named_parameters()
+        if n in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight")
+    }
     write_rank(out_dir, args, trainer, result, losses, engine=type(trainer.model_wrapped).__name__, shapes=shapes)
     exit_rank()
 

@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.impl import hf
-from autotune.models import hf_config
 from autotune.hardware import parse_gpus
-from autotune.impl import impl_for
-from autotune.models import ModelSpec, SpecError, presets, published_params, resolve_model
+from autotune.impl import hf, impl_for
+from autotune.models import ModelSpec, SpecError, hf_config, presets, published_params, resolve_model
 from autotune.train_config import TrainConfig, check_config
 
 DATA = Path(__file__).parent / "data"
@@ -35,8 +33,10 @@ def test_preset_meta_count_is_published(name):
 
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_configs_count_from_meta(name):
-    spec = resolve_model(str(DATA / name))   # a directory holding config.json
-    assert spec.param_count == sum(p.numel() for p in hf_config.meta_model(hf_config.load_config(str(DATA / name))).parameters())
+    spec = resolve_model(str(DATA / name))  # a directory holding config.json
+    assert spec.param_count == sum(
+        p.numel() for p in hf_config.meta_model(hf_config.load_config(str(DATA / name))).parameters()
+    )
     if name == "hf-qwen2":
         # Qwen2 has biases on q, k, v but not on o or the MLP: the meta count is the truth, and it
         # differs from the bias-free shape formula by exactly those biases.
@@ -105,8 +105,9 @@ def _saved_bytes(code, model, tokens) -> tuple[int, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("impl", ["hf", "factory"])
 def test_checkpointing_first_layers_saves_less_and_keeps_gradients(impl):
-    spec = resolve_model(str(DATA / "hf-llama"), implementation=impl,
-                         factory="tiny_factory:make" if impl == "factory" else None)
+    spec = resolve_model(
+        str(DATA / "hf-llama"), implementation=impl, factory="tiny_factory:make" if impl == "factory" else None
+    )
     code = impl_for(spec)
     torch.manual_seed(0)
     model = code.build(spec, dtype=torch.float32, attention="sdpa")
@@ -137,7 +138,7 @@ def test_gpt2_dropout_is_on_in_training():
     assert spec.hf_config["resid_pdrop"] == 0.1 and model.training
     tokens = torch.randint(0, spec.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
     code = impl_for(spec)
-    assert code.loss(model, tokens).item() != code.loss(model, tokens).item()   # dropout masks differ
+    assert code.loss(model, tokens).item() != code.loss(model, tokens).item()  # dropout masks differ
 
 
 def test_flash_attention_refused_on_cpu_and_outside_hf():
@@ -145,8 +146,11 @@ def test_flash_attention_refused_on_cpu_and_outside_hf():
     with pytest.raises(SpecError, match="CUDA kernels only"):
         check_config(TrainConfig(attention="flash_attention_2", seq_len=64), m, cpu)
     with pytest.raises(SpecError, match="transformers attn_implementation"):
-        check_config(TrainConfig(attention="flash_attention_2", seq_len=64),
-                     resolve_model("tiny-llama", implementation="builtin"), a100)
+        check_config(
+            TrainConfig(attention="flash_attention_2", seq_len=64),
+            resolve_model("tiny-llama", implementation="builtin"),
+            a100,
+        )
     check_config(TrainConfig(attention="flash_attention_2", seq_len=64), m, a100)
 
 
@@ -176,15 +180,23 @@ def test_mixtral_is_traced_in_fp32_as_its_cpu_kernel_runs():
     a real step runs. Traced now (tracer._GroupedMmAnyDtype), it is the real CPU step to the byte, and
     the cost model prices the experts' grouped GEMMs as GEMMs (2 x rows x K x N), not as memory
     traffic."""
+    from cpu_step import measure_cpu
     from transformers import AutoConfig
 
-    from cpu_step import measure_cpu
     from autotune import costops
     from autotune.memory.traced import trace
 
-    conf = AutoConfig.for_model("mixtral", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                num_key_value_heads=2, intermediate_size=128, vocab_size=300,
-                                num_local_experts=4, num_experts_per_tok=2)
+    conf = AutoConfig.for_model(
+        "mixtral",
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=300,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     spec = hf_config.spec_from_config(conf, name="test-mixtral", source="test")
     cfg = TrainConfig(precision="fp32", micro_batch=2, seq_len=32)
     got, real = trace(spec, parse_gpus("1xcpu@8GiB"), cfg).raw_peaks, measure_cpu(spec, cfg)
@@ -249,33 +261,50 @@ def test_real_trials_of_hf_and_factory_code(tmp_path, monkeypatch):
     not be built under zero.Init: the HfDeepSpeedConfig of the first is unset), GPT-2 with its dropout
     at ZeRO-3 with 2 of 4 layers checkpointed, the user's module and the builtin stand-in at ZeRO-3
     with checkpointing."""
-    from autotune.trial.record import TrialRequest
     from autotune.trial import run_trials
+    from autotune.trial.record import TrialRequest
 
     # The ranks import the factory by name, as a user's would be: from their PYTHONPATH.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                   os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    )
     cluster = parse_gpus("2xcpu")
     llama, gpt2 = resolve_model(str(DATA / "hf-llama")), resolve_model(str(DATA / "hf-gpt2"))
     factory = resolve_model(str(DATA / "hf-llama"), factory="tiny_factory:make")
     builtin = resolve_model(str(DATA / "hf-llama"), implementation="builtin")
-    runs = [(llama, 3, "bf16", 2), (llama, 0, "bf16", 0), (gpt2, 3, "fp32", 2), (factory, 3, "bf16", 1),
-            (builtin, 3, "bf16", 2)]
-    reqs = [TrialRequest(model=m, cluster=cluster, out_dir=tmp_path / f"t{i}", steps=3, warmup_steps=1,
-                         timeout_s=240, config=TrainConfig(zero_stage=z, precision=p, ckpt_layers=k,
-                                                           micro_batch=2, seq_len=64))
-            for i, (m, z, p, k) in enumerate(runs)]
+    runs = [
+        (llama, 3, "bf16", 2),
+        (llama, 0, "bf16", 0),
+        (gpt2, 3, "fp32", 2),
+        (factory, 3, "bf16", 1),
+        (builtin, 3, "bf16", 2),
+    ]
+    reqs = [
+        TrialRequest(
+            model=m,
+            cluster=cluster,
+            out_dir=tmp_path / f"t{i}",
+            steps=3,
+            warmup_steps=1,
+            timeout_s=240,
+            config=TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=2, seq_len=64),
+        )
+        for i, (m, z, p, k) in enumerate(runs)
+    ]
     results = run_trials(reqs)
     for req, res in zip(reqs, results):
         assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
-        assert res.losses[-1] < res.losses[0], res.losses            # a fixed batch: the loss falls
-        assert abs(res.losses[0] - 7.62) < 0.3, res.losses           # small random init: ~ln(2048) at start
+        assert res.losses[-1] < res.losses[0], res.losses  # a fixed batch: the loss falls
+        assert abs(res.losses[0] - 7.62) < 0.3, res.losses  # small random init: ~ln(2048) at start
         assert res.implementation == req.model.code_name
     assert [r.implementation for r in results] == ["hf:LlamaForCausalLM"] * 2 + [
-        "hf:GPT2LMHeadModel", "factory:tiny_factory:make", "builtin"]
+        "hf:GPT2LMHeadModel",
+        "factory:tiny_factory:make",
+        "builtin",
+    ]
     n = llama.num_params
-    assert results[1].param_bytes_per_rank == [2 * n] * 2            # ZeRO-0: the whole bf16 model per rank
-    assert max(results[0].param_bytes_per_rank) < 2 * n * 0.6         # ZeRO-3: about half of it
+    assert results[1].param_bytes_per_rank == [2 * n] * 2  # ZeRO-0: the whole bf16 model per rank
+    assert max(results[0].param_bytes_per_rank) < 2 * n * 0.6  # ZeRO-3: about half of it
 
 
 @pytest.mark.slow
@@ -294,32 +323,63 @@ def test_trainer_runs_the_exported_json(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps(deepspeed_config(cfg, model, parse_gpus("2xcpu"))))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": "2", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(free_port()), str(Path(__file__).parent / "hf_trainer_run.py"),
-                          str(DATA / "hf-llama"), str(ds), "2", str(tmp_path / "out")],
-                         env=env, capture_output=True, text=True, timeout=400)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(Path(__file__).parent / "hf_trainer_run.py"),
+            str(DATA / "hf-llama"),
+            str(ds),
+            "2",
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     line = [x for x in run.stdout.splitlines() if x.startswith("AUTOTUNE_TRAINER ")]
     assert run.returncode == 0 and line, run.stdout[-3000:] + run.stderr[-3000:]
     out = json.loads(line[0].split(" ", 1)[1])
     assert out["steps"] == 2 and out["engine"] == "DeepSpeedEngine" and out["zero3"]
     assert out["flags"] == [True, True, False, False]
-    assert all(abs(loss - 7.62) < 0.3 for loss in out["losses"])   # ~ln(2048): random init, as the trials
+    assert all(abs(loss - 7.62) < 0.3 for loss in out["losses"])  # ~ln(2048): random init, as the trials
 
 
-@pytest.mark.parametrize("model_type,shape,said", [
-    # a multimodal model: its language model is one part of it
-    ("gemma3", dict(text_config=dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                     head_dim=16, intermediate_size=128, vocab_size=512)),
-     "multimodal model whose language model is its 'gemma3_text' part"),
-    # several text parts, so transformers' get_text_config() itself refuses to choose
-    ("musicgen", dict(decoder=dict(vocab_size=4096)), "has several text parts"),
-    # the class's own constructor refuses the config (an AssertionError of transformers)
-    ("reformer", dict(is_decoder=False), "cannot build model_type 'reformer' from this config (AssertionError"),
-    # a config class's validation (huggingface_hub's StrictDataclassClassValidationError, not a ValueError)
-    ("qwen2", dict(num_hidden_layers=2, layer_types=["full_attention"] * 3), "cannot read it"),
-    # a state-space model: no attention heads to price
-    ("mamba", dict(num_hidden_layers=2, hidden_size=64, vocab_size=512), "names no num_attention_heads"),
-])
+@pytest.mark.parametrize(
+    "model_type,shape,said",
+    [
+        # a multimodal model: its language model is one part of it
+        (
+            "gemma3",
+            dict(
+                text_config=dict(
+                    num_hidden_layers=2,
+                    hidden_size=64,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                    intermediate_size=128,
+                    vocab_size=512,
+                )
+            ),
+            "multimodal model whose language model is its 'gemma3_text' part",
+        ),
+        # several text parts, so transformers' get_text_config() itself refuses to choose
+        ("musicgen", dict(decoder=dict(vocab_size=4096)), "has several text parts"),
+        # the class's own constructor refuses the config (an AssertionError of transformers)
+        ("reformer", dict(is_decoder=False), "cannot build model_type 'reformer' from this config (AssertionError"),
+        # a config class's validation (huggingface_hub's StrictDataclassClassValidationError, not a ValueError)
+        ("qwen2", dict(num_hidden_layers=2, layer_types=["full_attention"] * 3), "cannot read it"),
+        # a state-space model: no attention heads to price
+        ("mamba", dict(num_hidden_layers=2, hidden_size=64, vocab_size=512), "names no num_attention_heads"),
+    ],
+)
 def test_a_config_autotune_cannot_price_is_one_clear_line(tmp_path, capsys, model_type, shape, said):
     """Configs from across transformers' model types that once ended in a traceback (exit 1): each is
     now `error: ...` with exit code 2 and what to do, found by estimating every AutoModelForCausalLM
@@ -330,7 +390,7 @@ def test_a_config_autotune_cannot_price_is_one_clear_line(tmp_path, capsys, mode
     from autotune.cli import main
 
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()   # MusicGen's default config warns of its own token ids
+    hf_logging.set_verbosity_error()  # MusicGen's default config warns of its own token ids
     try:
         d = AutoConfig.for_model(model_type).to_dict()
     finally:
@@ -349,13 +409,24 @@ def test_a_parameter_the_loss_does_not_reach_is_traced_without_a_gradient():
     parameter its states, as DeepSpeed's flat partition does; torch's AdamW makes none for a
     parameter that never had a gradient."""
     from cpu_step import measure_cpu
+
     from autotune.memory.traced import trace
     from autotune.models import from_shape
 
     spec = dataclasses.replace(
-        from_shape("test-unused", "gpt2", num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=128,
-                   vocab_size=300, max_seq_len=128),
-        implementation="factory", factory="tiny_factory:make_with_an_unused_layer")
+        from_shape(
+            "test-unused",
+            "gpt2",
+            num_layers=2,
+            hidden_size=64,
+            num_heads=4,
+            ffn_hidden_size=128,
+            vocab_size=300,
+            max_seq_len=128,
+        ),
+        implementation="factory",
+        factory="tiny_factory:make_with_an_unused_layer",
+    )
     cfg = TrainConfig(micro_batch=2, seq_len=32)
     got, real = trace(spec, parse_gpus("1xcpu@8GiB"), cfg).raw_peaks, measure_cpu(spec, cfg)
     states = 2 * (64 * 64 + 64) * 2  # exp_avg and exp_avg_sq of the unused bf16 Linear(64, 64)
@@ -369,9 +440,18 @@ def test_a_causal_lm_whose_num_hidden_layers_is_another_stack_is_refused():
     autotune sizes a model by that number, so it says so instead of tracing the wrong depth."""
     from transformers import AutoConfig
 
-    conf = AutoConfig.for_model("bart", d_model=64, decoder_layers=3, encoder_layers=2, decoder_attention_heads=4,
-                                encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, vocab_size=300,
-                                max_position_embeddings=128)
+    conf = AutoConfig.for_model(
+        "bart",
+        d_model=64,
+        decoder_layers=3,
+        encoder_layers=2,
+        decoder_attention_heads=4,
+        encoder_attention_heads=4,
+        decoder_ffn_dim=128,
+        encoder_ffn_dim=128,
+        vocab_size=300,
+        max_position_embeddings=128,
+    )
     with pytest.raises(SpecError, match="num_hidden_layers 2 is not the 3 decoder layers"):
         hf_config.spec_from_config(conf, name="test-bart", source="test")
 
@@ -382,19 +462,30 @@ def test_every_per_layer_list_of_a_config_follows_the_depth_traced():
     depths, so the trace of one layer more than the config refused the model with transformers'
     validation error ("num_hidden_layers (4) must be equal to the number of mlp_layer_types (3)").
     Each list now follows, continued as a deeper model of the config has it, and the step is the real one."""
+    from cpu_step import measure_cpu
     from transformers import AutoConfig
 
-    from cpu_step import measure_cpu
     from autotune.memory.traced import trace
 
     assert hf_config.continued(["dense", "sparse", "sparse"], 5) == ["dense"] + ["sparse"] * 4
     assert hf_config.continued(["full", "sliding"] * 2, 5) == ["full", "sliding", "full", "sliding", "full"]
     assert hf_config.continued(["a", "b", "c"], 2) == ["a", "b"]
     conf = AutoConfig.for_model(
-        "exaone_moe", num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=512, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=48, mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=16,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+        "exaone_moe",
+        num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
     spec = hf_config.spec_from_config(conf, name="test-exaone-moe", source="test")
     assert not spec.uniform_blocks
     cfg = TrainConfig(micro_batch=2, seq_len=48, precision="bf16", attention="eager", ckpt_layers=1)

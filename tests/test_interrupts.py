@@ -11,23 +11,29 @@ import json
 import os
 import signal
 
-import optuna
 import pytest
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from autotune import interrupts
-from autotune.search import study as st
 from autotune.executors.base import Executor
 from autotune.hardware import parse_gpus
 from autotune.models import from_hf_config
 from autotune.report import render
+from autotune.search import study as st
 from autotune.search.loop import Search
 from autotune.search.space import parse_space
 from autotune.trial.record import TrialResult
 
-TINY = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-        "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
+TINY = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+}
 SPACE = "zero_stage: [0, 1]\nprecision: [fp32]\nmicro_batch: [1, 2]\nckpt_layers: [0]\n"
 WRITES = ("_create_new_trial", "set_trial_user_attr", "set_trial_state_values")
 
@@ -45,12 +51,13 @@ class Table(Executor):
         self.trip()
         c = request.config
         self.seen.append(c.key())
-        self.pending[str(len(self.seen))] = TrialResult(status="ok", peak_bytes=1,
-                                                        samples_per_s=c.micro_batch * (1.1 if c.zero_stage else 1.0))
+        self.pending[str(len(self.seen))] = TrialResult(
+            status="ok", peak_bytes=1, samples_per_s=c.micro_batch * (1.1 if c.zero_stage else 1.0)
+        )
         return str(len(self.seen))
 
     def wait_any(self, timeout_s=None):
-        self.trip()         # a signal here lands while the trial runs
+        self.trip()  # a signal here lands while the trial runs
         ticket = next(iter(self.pending))
         return [(ticket, self.pending.pop(ticket))]
 
@@ -76,7 +83,7 @@ def setup(tmp_path, monkeypatch):
     cfg.parent.mkdir()
     cfg.write_text(json.dumps(TINY))
     model = dataclasses.replace(from_hf_config(cfg), implementation="builtin")
-    previous = signal.signal(signal.SIGTERM, interrupts.raise_interrupted)     # as `autotune search` does
+    previous = signal.signal(signal.SIGTERM, interrupts.raise_interrupted)  # as `autotune search` does
     yield model, monkeypatch
     signal.signal(signal.SIGTERM, previous)
 
@@ -86,8 +93,9 @@ def _search(model, name, trip, resume=False):
     if resume:
         study = st.load_study(name)
     else:
-        attrs = st.study_attrs(model, cluster, seq_len=64, global_batch=None, space_text=space.text,
-                               space_path="test", source="measured")
+        attrs = st.study_attrs(
+            model, cluster, seq_len=64, global_batch=None, space_text=space.text, space_path="test", source="measured"
+        )
         study = st.create_study(name, None, attrs, sampler=None)
     ex = Table(trip)
     return Search(study, model, cluster, space, ex, seq_len=64, prior=lambda c: 1.0, exhaustive=True), ex
@@ -102,6 +110,7 @@ def _watch_writes(monkeypatch) -> dict:
         def wrapped(self, *a, _real=real, _name=name, **kw):
             current["wire"](_name)
             return _real(self, *a, **kw)
+
         monkeypatch.setattr(RDBStorage, name, wrapped)
     return current
 
@@ -117,7 +126,7 @@ def test_a_signal_at_any_moment_leaves_every_trial_recorded_and_resume_finishes(
     s, ex = _search(model, "count", count)
     s.run(progress=False)
     groups = set(ex.seen)
-    assert len(groups) == 4 and count.n > 4 * 4      # every group ran; each trial is several writes and calls
+    assert len(groups) == 4 and count.n > 4 * 4  # every group ran; each trial is several writes and calls
     # Every event of one trial's whole cycle, and the moment between two trials: from the first
     # trial's creation to the second's submit (the third executor call). Every later trial repeats it.
     events = [i for i, w in enumerate(count.seen, 1) if w == "executor"][2]
@@ -135,10 +144,9 @@ def test_a_signal_at_any_moment_leaves_every_trial_recorded_and_resume_finishes(
         assert all(t.state != TrialState.RUNNING for t in study.trials), at
         assert all(t.user_attrs.get("status") and "config" in t.user_attrs for t in study.trials), at
         stopped = [t for t in study.trials if t.user_attrs["status"] == "interrupted"]
-        assert all(t.state == TrialState.FAIL and "stopped by SIGTERM" in t.user_attrs["reason"]
-                   for t in stopped), at
+        assert all(t.state == TrialState.FAIL and "stopped by SIGTERM" in t.user_attrs["reason"] for t in stopped), at
         done, cut = _keys(study, "ok"), _keys(study, "interrupted")
-        assert done | cut == set(ex.seen) and not done & cut, at    # what started finished or is marked
+        assert done | cut == set(ex.seen) and not done & cut, at  # what started finished or is marked
         # --resume: the interrupted trial runs again, nothing completed does, and the study ends whole
         s2, ex2 = _search(model, name, Tripwire(None), resume=True)
         assert s2.summary.interrupted == len(stopped) and s2.summary.ok == len(done), at
@@ -156,8 +164,9 @@ def test_the_report_shows_interrupted_trials_apart_with_their_reason(setup):
 
     def trip():
         calls["n"] += 1
-        if calls["n"] == 4:           # the second trial's wait: it is running
+        if calls["n"] == 4:  # the second trial's wait: it is running
             os.kill(os.getpid(), signal.SIGTERM)
+
     s, _ = _search(model, "rep", trip)
     with pytest.raises(KeyboardInterrupt):
         s.run(progress=False)
@@ -167,4 +176,5 @@ def test_the_report_shows_interrupted_trials_apart_with_their_reason(setup):
     assert "the search was stopped by SIGTERM while it ran; it runs again on --resume" in text
     assert "failed: 0" in text
     assert json.loads(render(study, "json"))["interrupted"] == {
-        "the search was stopped by SIGTERM while it ran; it runs again on --resume": 1}
+        "the search was stopped by SIGTERM while it ran; it runs again on --resume": 1
+    }

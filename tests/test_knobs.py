@@ -8,6 +8,7 @@ cannot run here.
 from __future__ import annotations
 
 import pytest
+from steady import per_rank_steps, steady_peak
 
 from autotune.deepspeed_config import deepspeed_config
 from autotune.errors import SpecError
@@ -17,32 +18,52 @@ from autotune.memory.buffers import bf16_optimizer
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 
-from steady import per_rank_steps, steady_peak  # noqa: I001 - a helper module of these tests
-
 CLUSTER = parse_gpus("2xcpu")
 BIG = 4_000_000
 """A reduce bucket larger than tiny-llama (1.26M parameters): the bucket then dominates backward, so
 its bytes (and overlap_comm's second one) are what the peak measures."""
 
-KNOBS = [dict(zero_stage=z, precision="bf16", **kw) for z in (1, 2) for kw in (
-    {"overlap_comm": True}, {"grad_accum_dtype": "fp32"}, {"reduce_bucket_size": 50_000},
-    {"reduce_bucket_size": 50_000, "overlap_comm": True}, {"reduce_bucket_size": BIG},
-    {"reduce_bucket_size": BIG, "overlap_comm": True}, {"reduce_bucket_size": BIG, "grad_accum_dtype": "fp32"},
-    {"reduce_bucket_size": BIG, "grad_accum_dtype": "fp32", "overlap_comm": True})] + [
-    dict(zero_stage=3, precision="bf16", grad_accum_dtype="fp32"),
-    dict(zero_stage=3, precision="bf16", reduce_bucket_size=BIG),
-    dict(zero_stage=1, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
-    dict(zero_stage=2, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
-    dict(zero_stage=3, precision="bf16", offload_param="cpu"),
-    dict(zero_stage=3, precision="fp32", offload_param="cpu", ckpt_layers=2),
-    dict(zero_stage=3, precision="bf16", stage3_param_persistence_threshold=1),
-    dict(zero_stage=3, precision="bf16", stage3_param_persistence_threshold=1_000_000)] + [
-    dict(zero_stage=3, precision="bf16", **kw) for kw in (
-        {}, {"stage3_prefetch_bucket_size": 1}, {"stage3_prefetch_bucket_size": 500_000},
-        {"stage3_prefetch_bucket_size": BIG}, {"stage3_max_live_parameters": 1},
-        {"stage3_prefetch_bucket_size": BIG, "stage3_max_live_parameters": 600_000})] + [
-    dict(zero_stage=z, precision="bf16", bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
-    for z in (1, 2, 3)]
+KNOBS = (
+    [
+        dict(zero_stage=z, precision="bf16", **kw)
+        for z in (1, 2)
+        for kw in (
+            {"overlap_comm": True},
+            {"grad_accum_dtype": "fp32"},
+            {"reduce_bucket_size": 50_000},
+            {"reduce_bucket_size": 50_000, "overlap_comm": True},
+            {"reduce_bucket_size": BIG},
+            {"reduce_bucket_size": BIG, "overlap_comm": True},
+            {"reduce_bucket_size": BIG, "grad_accum_dtype": "fp32"},
+            {"reduce_bucket_size": BIG, "grad_accum_dtype": "fp32", "overlap_comm": True},
+        )
+    ]
+    + [
+        dict(zero_stage=3, precision="bf16", grad_accum_dtype="fp32"),
+        dict(zero_stage=3, precision="bf16", reduce_bucket_size=BIG),
+        dict(zero_stage=1, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
+        dict(zero_stage=2, precision="fp32", reduce_bucket_size=BIG, overlap_comm=True),
+        dict(zero_stage=3, precision="bf16", offload_param="cpu"),
+        dict(zero_stage=3, precision="fp32", offload_param="cpu", ckpt_layers=2),
+        dict(zero_stage=3, precision="bf16", stage3_param_persistence_threshold=1),
+        dict(zero_stage=3, precision="bf16", stage3_param_persistence_threshold=1_000_000),
+    ]
+    + [
+        dict(zero_stage=3, precision="bf16", **kw)
+        for kw in (
+            {},
+            {"stage3_prefetch_bucket_size": 1},
+            {"stage3_prefetch_bucket_size": 500_000},
+            {"stage3_prefetch_bucket_size": BIG},
+            {"stage3_max_live_parameters": 1},
+            {"stage3_prefetch_bucket_size": BIG, "stage3_max_live_parameters": 600_000},
+        )
+    ]
+    + [
+        dict(zero_stage=z, precision="bf16", bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+        for z in (1, 2, 3)
+    ]
+)
 IDS = ["-".join(f"{k}={v}" for k, v in kw.items()) for kw in KNOBS]
 
 UNDER, OVER = 0.01, 0.03
@@ -78,7 +99,7 @@ def knob_runs(tmp_path_factory):
 
     own, on_hf = _measured_requests(tmp_path_factory), _measured_on_hf_requests(tmp_path_factory)
     results = run_trials([*own, *(r for _, r in on_hf)])
-    return (own, results[:len(own)]), (on_hf, results[len(own):])
+    return (own, results[: len(own)]), (on_hf, results[len(own) :])
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +117,12 @@ def _measured_requests(tmp_path_factory):
     # persistence threshold; benchmarks/knobs_on_hf.py; docs/memory.md, "Known open error"): open,
     # stated there, not hidden by a wider tolerance here.
     model = resolve_model("tiny-llama", implementation="builtin")
-    return [TrialRequest(model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / str(i), steps=2,
-                         warmup_steps=1, timeout_s=300) for i, kw in enumerate(KNOBS)]
+    return [
+        TrialRequest(
+            model=model, cluster=CLUSTER, config=_cfg(kw), out_dir=root / str(i), steps=2, warmup_steps=1, timeout_s=300
+        )
+        for i, kw in enumerate(KNOBS)
+    ]
 
 
 @pytest.mark.slow
@@ -109,8 +134,10 @@ def test_knob_measured_peak_matches_estimate(measured, key):
     err = est.tensor_peak_bytes / steady_peak(res) - 1
     under = UNDER_ONE_BUCKET if req.config.reduce_bucket_size >= req.model.num_params else UNDER
     over = OVER_BF16_OPTIMIZER if bf16_optimizer(req.config) else OVER
-    assert -under <= err <= over, (f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
-                                   f"{per_rank_steps(res)} {res.phase_peak_bytes}: {100 * err:+.2f}%")
+    assert -under <= err <= over, (
+        f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
+        f"{per_rank_steps(res)} {res.phase_peak_bytes}: {100 * err:+.2f}%"
+    )
 
 
 @pytest.mark.slow
@@ -121,7 +148,7 @@ def test_overlap_comm_adds_one_bucket(measured):
         two = measured[f"zero_stage={z}-precision=bf16-reduce_bucket_size={BIG}-overlap_comm=True"][1]
         # + a few KB of gloo scalars; and the run-to-run third partition (UNDER_ONE_BUCKET) in either run
         diff = two.phase_peak_bytes["backward"] - one.phase_peak_bytes["backward"]
-        part = 2 * resolve_model("tiny-llama", implementation="builtin").num_params // 2   # bf16, 2 ranks
+        part = 2 * resolve_model("tiny-llama", implementation="builtin").num_params // 2  # bf16, 2 ranks
         assert min(abs(diff - 2 * BIG - k * part) for k in (-1, 0, 1)) < 16384, diff
 
 
@@ -129,7 +156,7 @@ def test_overlap_comm_adds_one_bucket(measured):
 def test_fp32_accumulation_at_stage_1_keeps_fp32_gradients(measured):
     """bf16 + grad_accum_dtype fp32 at ZeRO-1 runs BF16_Optimizer: 4 B/param of fp32 gradients for the
     whole run (the forward peak grows by 4P), and the reduce bucket is not used (same peak with 4e6)."""
-    model = resolve_model("tiny-llama", implementation="builtin")   # the code the trials ran
+    model = resolve_model("tiny-llama", implementation="builtin")  # the code the trials ran
     p = model.num_params
     fp32 = measured["zero_stage=1-precision=bf16-grad_accum_dtype=fp32"][1]
     big = measured[f"zero_stage=1-precision=bf16-reduce_bucket_size={BIG}-grad_accum_dtype=fp32"][1]
@@ -158,13 +185,30 @@ def test_stage3_prefetch_forward_peak_matches_estimate(measured, key):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bucket", [BIG, pytest.param(200_000, marks=pytest.mark.xfail(
-    reason="open: transformers' tiny-llama with a 2e5 bucket measured +0.24%, +0.59% and -1.16% against the "
-           "estimate in three runs (14,521,753 B the highest): several prefetch buffers in flight at once, as with 5e5 "
-           "(docs/memory.md)", strict=False)), pytest.param(500_000, marks=pytest.mark.xfail(
-    reason="open: transformers' tiny-llama with a 5e5 bucket measured 14,917,273 to 15,270,681 B over seven runs "
-           "(-2.08% to +0.24% against the estimate): at the forward's start gloo's own all-gather output is "
-           "live in some runs (docs/memory.md)", strict=False))])
+@pytest.mark.parametrize(
+    "bucket",
+    [
+        BIG,
+        pytest.param(
+            200_000,
+            marks=pytest.mark.xfail(
+                reason="open: transformers' tiny-llama with a 2e5 bucket measured +0.24%, +0.59% and -1.16% against the "
+                "estimate in three runs (14,521,753 B the highest): several prefetch buffers in flight at once, as with 5e5 "
+                "(docs/memory.md)",
+                strict=False,
+            ),
+        ),
+        pytest.param(
+            500_000,
+            marks=pytest.mark.xfail(
+                reason="open: transformers' tiny-llama with a 5e5 bucket measured 14,917,273 to 15,270,681 B over seven runs "
+                "(-2.08% to +0.24% against the estimate): at the forward's start gloo's own all-gather output is "
+                "live in some runs (docs/memory.md)",
+                strict=False,
+            ),
+        ),
+    ],
+)
 def test_stage3_prefetch_on_transformers_code_matches_the_traced_tier(measured_on_hf, bucket):
     """transformers' Llama (the traced tier): its top modules own no parameters, so the embedding is
     prefetched with the rest; the forward peak against the traced forward points (measured: -0.29% with
@@ -182,12 +226,14 @@ ON_HF = {
     # LM head's gradient with every activation saved, a moment DeepSpeed makes and the trace cannot
     # see (traced._with_head_phase); without it these were 7.4% and 11.8% under
     "z2-one-bucket": dict(zero_stage=2, precision="bf16", reduce_bucket_size=BIG),
-    "z2-one-bucket-fp32-accumulation": dict(zero_stage=2, precision="bf16", reduce_bucket_size=BIG,
-                                            grad_accum_dtype="fp32"),
+    "z2-one-bucket-fp32-accumulation": dict(
+        zero_stage=2, precision="bf16", reduce_bucket_size=BIG, grad_accum_dtype="fp32"
+    ),
     # the update's temporaries in the master weights' dtype (traced._trace_step); priced in fp32 this
     # was 25% over
-    "z2-bf16-master-and-states": dict(zero_stage=2, precision="bf16", bf16_master_weights_and_grads=True,
-                                      bf16_optimizer_states=True),
+    "z2-bf16-master-and-states": dict(
+        zero_stage=2, precision="bf16", bf16_master_weights_and_grads=True, bf16_optimizer_states=True
+    ),
     # on CPU ranks the host is the device: the offloaded fp32 partition, moments and fp32 gradients
     # are in the measured memory (model_states.states); left out, this was 45% under
     "z3-offload-optimizer": dict(zero_stage=3, precision="bf16", offload_optimizer=True),
@@ -203,13 +249,28 @@ ON_HF = {
     "z2-grad-accum-2-gpt2": dict(zero_stage=2, precision="fp32", grad_accum=2, model="tiny-gpt2"),
     # stage 1 keeps its reduce bucket between micro steps (buffers.carried_reduce_bucket): 4.6% under
     # without it with this bucket
-    "z1-grad-accum-2-bucket": dict(zero_stage=1, precision="fp32", grad_accum=2, reduce_bucket_size=300_000,
-                                   micro_batch=2, seq_len=64, ckpt_layers=1),
+    "z1-grad-accum-2-bucket": dict(
+        zero_stage=1,
+        precision="fp32",
+        grad_accum=2,
+        reduce_bucket_size=300_000,
+        micro_batch=2,
+        seq_len=64,
+        ckpt_layers=1,
+    ),
     # offload with fp32 accumulation reduces into a compact fp32 partition on the device, kept through
     # the step (buffers.offload_fp32_partition): 4.07% under without it (a random draw's case)
-    "z2-offload-fp32-accumulation-gpt2": dict(zero_stage=2, precision="bf16", offload_optimizer=True,
-                                              grad_accum_dtype="fp32", reduce_bucket_size=50_000, micro_batch=1,
-                                              seq_len=32, ckpt_layers=2, model="tiny-gpt2"),
+    "z2-offload-fp32-accumulation-gpt2": dict(
+        zero_stage=2,
+        precision="bf16",
+        offload_optimizer=True,
+        grad_accum_dtype="fp32",
+        reduce_bucket_size=50_000,
+        micro_batch=1,
+        seq_len=32,
+        ckpt_layers=2,
+        model="tiny-gpt2",
+    ),
     # at stages 2-3 the LM head's weight gradient is live beside the logits' gradient before DeepSpeed's
     # hook takes it (traced._stage_terms, head_gradient); where the logits are small that moment is the
     # peak: 2.54% under without it
@@ -217,26 +278,51 @@ ON_HF = {
     # stage 1 with overlap_comm reduces during backward: partition and two buckets beside the saved
     # activations, the embedding's transient beside them (buffers.stage1_reduces_in_backward); 2.21% under
     # without it
-    "z1-overlap-small-bucket-gpt2": dict(zero_stage=1, precision="fp32", overlap_comm=True, reduce_bucket_size=50_000,
-                                         micro_batch=2, seq_len=32, ckpt_layers=1, model="tiny-gpt2"),
+    "z1-overlap-small-bucket-gpt2": dict(
+        zero_stage=1,
+        precision="fp32",
+        overlap_comm=True,
+        reduce_bucket_size=50_000,
+        micro_batch=2,
+        seq_len=32,
+        ckpt_layers=1,
+        model="tiny-gpt2",
+    ),
     # one bucket larger than the model (issue 30): stage 1 allocates its buckets at the first gradient,
     # reduced or not, and with overlap_comm the gradients are views of them (buffers.buckets_in_backward,
     # stage1_gradients_in_bucket); Llama's shape was 2.27% under without that, the peak in the layers'
     # backward. Stage 2 allocates its partition only at the end there (buffers.stage2_reduces_at_end):
     # priced from the head's gradient on it was 2.31% over
-    "z1-overlap-one-big-bucket": dict(zero_stage=1, precision="fp32", overlap_comm=True,
-                                      reduce_bucket_size=20_000_000, micro_batch=2, seq_len=64),
-    "z2-overlap-one-big-bucket": dict(zero_stage=2, precision="bf16", overlap_comm=True,
-                                      reduce_bucket_size=20_000_000, micro_batch=2, seq_len=64, ckpt_layers=1),
+    "z1-overlap-one-big-bucket": dict(
+        zero_stage=1, precision="fp32", overlap_comm=True, reduce_bucket_size=20_000_000, micro_batch=2, seq_len=64
+    ),
+    "z2-overlap-one-big-bucket": dict(
+        zero_stage=2,
+        precision="bf16",
+        overlap_comm=True,
+        reduce_bucket_size=20_000_000,
+        micro_batch=2,
+        seq_len=64,
+        ckpt_layers=1,
+    ),
 }
 PHASE_ONLY = {
     # stage 1 in 16 bits with offload and fp32 accumulation holds its whole gradients in fp32
     # (buffers.stage1_grad_bytes): the second micro step's forward was 11.5% under in bf16. Its
     # backward peak varies by 524,288 B between runs (22,403,172 or 22,927,460), so only the forward
     # is checked (test_stage1_fp32_accumulation_carries_fp32_gradients)
-    "z1-offload-fp32-accumulation-gpt2": dict(zero_stage=1, precision="bf16", offload_optimizer=True,
-                                              grad_accum_dtype="fp32", grad_accum=2, reduce_bucket_size=50_000,
-                                              micro_batch=1, seq_len=32, ckpt_layers=2, model="tiny-gpt2"),
+    "z1-offload-fp32-accumulation-gpt2": dict(
+        zero_stage=1,
+        precision="bf16",
+        offload_optimizer=True,
+        grad_accum_dtype="fp32",
+        grad_accum=2,
+        reduce_bucket_size=50_000,
+        micro_batch=1,
+        seq_len=32,
+        ckpt_layers=2,
+        model="tiny-gpt2",
+    ),
 }
 
 
@@ -252,11 +338,29 @@ def _measured_on_hf_requests(tmp_path_factory):
     root = tmp_path_factory.mktemp("knobs-hf")
     # transformers' code, the default; tiny-llama where a case names no other model
     # with the stage-3 prefetch cases of the test above: every trial of transformers' code in one group
-    runs = {**ON_HF, **PHASE_ONLY, **{f"z3-prefetch-{b}": dict(zero_stage=3, precision="bf16", stage3_prefetch_bucket_size=b)
-                        for b in (BIG, 200_000, 500_000)}}
-    return [(name, TrialRequest(model=resolve_model(kw.get("model", "tiny-llama")), cluster=CLUSTER,
-                                config=_cfg({k: v for k, v in kw.items() if k != "model"}), out_dir=root / name,
-                                steps=2, warmup_steps=1, timeout_s=300)) for name, kw in runs.items()]
+    runs = {
+        **ON_HF,
+        **PHASE_ONLY,
+        **{
+            f"z3-prefetch-{b}": dict(zero_stage=3, precision="bf16", stage3_prefetch_bucket_size=b)
+            for b in (BIG, 200_000, 500_000)
+        },
+    }
+    return [
+        (
+            name,
+            TrialRequest(
+                model=resolve_model(kw.get("model", "tiny-llama")),
+                cluster=CLUSTER,
+                config=_cfg({k: v for k, v in kw.items() if k != "model"}),
+                out_dir=root / name,
+                steps=2,
+                warmup_steps=1,
+                timeout_s=300,
+            ),
+        )
+        for name, kw in runs.items()
+    ]
 
 
 @pytest.mark.slow
@@ -295,37 +399,57 @@ def test_max_live_parameters_releases_nothing_and_a_big_bucket_costs_memory(meas
     same = pytest.approx(base.phase_peak_bytes["forward"], abs=JITTER)
     assert peaks["stage3_max_live_parameters=1"] == same and peaks["stage3_prefetch_bucket_size=1"] == same
     assert peaks[f"stage3_prefetch_bucket_size={BIG}-stage3_max_live_parameters=600000"] == same
-    assert peaks[f"stage3_prefetch_bucket_size={BIG}"] > peaks["stage3_prefetch_bucket_size=500000"] > \
-        base.phase_peak_bytes["forward"]
+    assert (
+        peaks[f"stage3_prefetch_bucket_size={BIG}"]
+        > peaks["stage3_prefetch_bucket_size=500000"]
+        > base.phase_peak_bytes["forward"]
+    )
 
 
 def test_knobs_write_deepspeed_keys():
     model = resolve_model("tiny-llama")
-    ds = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16", grad_accum_dtype="fp32", overlap_comm=True,
-                                      reduce_bucket_size=1000, allgather_bucket_size=2000), model, CLUSTER)
+    ds = deepspeed_config(
+        TrainConfig(
+            zero_stage=2,
+            precision="bf16",
+            grad_accum_dtype="fp32",
+            overlap_comm=True,
+            reduce_bucket_size=1000,
+            allgather_bucket_size=2000,
+        ),
+        model,
+        CLUSTER,
+    )
     z = ds["zero_optimization"]
     assert (z["overlap_comm"], z["reduce_bucket_size"], z["allgather_bucket_size"]) == (True, 1000, 2000)
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     auto = deepspeed_config(TrainConfig(zero_stage=2), model, CLUSTER)
-    assert "data_types" not in auto and auto["zero_optimization"]["reduce_bucket_size"] == model.hidden_size ** 2
-    z3 = deepspeed_config(TrainConfig(zero_stage=3, stage3_prefetch_bucket_size=123, stage3_max_live_parameters=456),
-                          model, CLUSTER)["zero_optimization"]
+    assert "data_types" not in auto and auto["zero_optimization"]["reduce_bucket_size"] == model.hidden_size**2
+    z3 = deepspeed_config(
+        TrainConfig(zero_stage=3, stage3_prefetch_bucket_size=123, stage3_max_live_parameters=456), model, CLUSTER
+    )["zero_optimization"]
     assert (z3["stage3_prefetch_bucket_size"], z3["stage3_max_live_parameters"]) == (123, 456)
-    z3 = deepspeed_config(TrainConfig(zero_stage=3), model, CLUSTER)["zero_optimization"]   # 0: today's values
+    z3 = deepspeed_config(TrainConfig(zero_stage=3), model, CLUSTER)["zero_optimization"]  # 0: today's values
     assert (z3["stage3_prefetch_bucket_size"], z3["stage3_max_live_parameters"], z3["stage3_max_reuse_distance"]) == (
-        int(0.9 * model.hidden_size ** 2), int(1e9), int(1e9))
+        int(0.9 * model.hidden_size**2),
+        int(1e9),
+        int(1e9),
+    )
 
 
-@pytest.mark.parametrize("kw, why", [
-    (dict(zero_stage=0, precision="bf16", grad_accum_dtype="fp32"), "unsupported mix"),
-    (dict(zero_stage=1, precision="fp32", grad_accum_dtype="fp32"), "default"),
-    (dict(zero_stage=3, overlap_comm=True), "stage 3 always overlaps"),
-    (dict(zero_stage=0, reduce_bucket_size=10), "stage 1-3"),
-    (dict(zero_stage=3, allgather_bucket_size=10), "stages 1-2"),
-    (dict(zero_stage=1, allgather_bucket_size=11), "even"),
-    (dict(zero_stage=2, stage3_prefetch_bucket_size=10), "stage 3 only"),
-    (dict(zero_stage=1, stage3_max_live_parameters=10), "stage 3 only"),
-])
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        (dict(zero_stage=0, precision="bf16", grad_accum_dtype="fp32"), "unsupported mix"),
+        (dict(zero_stage=1, precision="fp32", grad_accum_dtype="fp32"), "default"),
+        (dict(zero_stage=3, overlap_comm=True), "stage 3 always overlaps"),
+        (dict(zero_stage=0, reduce_bucket_size=10), "stage 1-3"),
+        (dict(zero_stage=3, allgather_bucket_size=10), "stages 1-2"),
+        (dict(zero_stage=1, allgather_bucket_size=11), "even"),
+        (dict(zero_stage=2, stage3_prefetch_bucket_size=10), "stage 3 only"),
+        (dict(zero_stage=1, stage3_max_live_parameters=10), "stage 3 only"),
+    ],
+)
 def test_knob_combinations_deepspeed_refuses_or_ignores_are_refused(kw, why):
     with pytest.raises(SpecError, match=why):
         TrainConfig(**kw)
@@ -339,8 +463,9 @@ def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
     model = resolve_model("tiny-llama")
     for z in (1, 2):
         one = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG)))
-        two = estimate(model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG,
-                                                 overlap_comm=True)))
+        two = estimate(
+            model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG, overlap_comm=True))
+        )
         assert abs(two.tensor_peak_bytes - one.tensor_peak_bytes - 2 * BIG) < model.num_params
 
 
@@ -352,22 +477,26 @@ def test_prefetch_bucket_costs_memory_as_deepspeeds_code_says():
     from autotune.memory.model_states import largest_param
 
     model = resolve_model("tiny-llama", implementation="builtin")
-    after = model.num_params - 1152 - model.vocab_size * model.hidden_size   # 1152: the norms, kept whole
+    after = model.num_params - 1152 - model.vocab_size * model.hidden_size  # 1152: the norms, kept whole
 
     def bucket(cluster=CLUSTER, **kw):
         return estimate(model, cluster, _cfg(dict(zero_stage=3, precision="bf16", **kw))).phases.get(
-            "forward (prefetch)", 0)
+            "forward (prefetch)", 0
+        )
 
     assert bucket(stage3_prefetch_bucket_size=500_000) - bucket(stage3_prefetch_bucket_size=1) == 2 * (500_000 - 1)
-    assert bucket(stage3_prefetch_bucket_size=BIG) - bucket(stage3_prefetch_bucket_size=1) == \
-        2 * (after - 1 - largest_param(model))
+    assert bucket(stage3_prefetch_bucket_size=BIG) - bucket(stage3_prefetch_bucket_size=1) == 2 * (
+        after - 1 - largest_param(model)
+    )
     held = model.num_params - 1152
     assert bucket(stage3_max_live_parameters=held - largest_param(model)) == bucket()
     assert bucket(stage3_max_live_parameters=held - largest_param(model) - 1) == 0
     assert bucket(parse_gpus("1xcpu"), stage3_prefetch_bucket_size=BIG) == 0
     big, cluster = resolve_model("13b", implementation="builtin"), parse_gpus("4xA100")
-    peaks = [estimate(big, cluster, TrainConfig(zero_stage=3, stage3_prefetch_bucket_size=b)).tensor_peak_bytes
-             for b in (0, 5 * 10**7)]
+    peaks = [
+        estimate(big, cluster, TrainConfig(zero_stage=3, stage3_prefetch_bucket_size=b)).tensor_peak_bytes
+        for b in (0, 5 * 10**7)
+    ]
     assert peaks[0] == peaks[1]
 
 
@@ -387,7 +516,7 @@ def test_max_live_below_the_gathered_set_exposes_gathers():
         assert simulate(model, cluster, TrainConfig(zero_stage=3, **kw)).step_time_s == base.step_time_s
 
 
-@pytest.mark.slow   # the whole 13B space, traced
+@pytest.mark.slow  # the whole 13B space, traced
 def test_max_seq_len_and_micro_batch_are_the_largest_that_fit(capsys):
     """`autotune estimate --max-seq-len/--max-micro-batch`: the answer fits and one more does not."""
     import dataclasses
@@ -404,14 +533,29 @@ def test_max_seq_len_and_micro_batch_are_the_largest_that_fit(capsys):
         assert v >= 1 and estimate(model, cluster, dataclasses.replace(cfg, **{name: v})).fits
         assert not estimate(model, cluster, dataclasses.replace(cfg, **{name: v + 1})).fits
     t = time.perf_counter()
-    assert main(["estimate", "--model", "13b", "--gpus", "4xA100", "--zero", "3", "--max-seq-len",
-                 "--max-micro-batch", "--json"]) == 0
-    assert time.perf_counter() - t < 30   # a generous bound, not a timing claim (shared CPUs)
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "13b",
+                "--gpus",
+                "4xA100",
+                "--zero",
+                "3",
+                "--max-seq-len",
+                "--max-micro-batch",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert time.perf_counter() - t < 30  # a generous bound, not a timing claim (shared CPUs)
     out = json.loads(capsys.readouterr().out)
     assert out["max_seq_len"] == largest_fitting(model, cluster, cfg, "seq_len")
-    tiny = resolve_model("tiny-gpt2")   # learned positions: never past the model's own maximum
+    tiny = resolve_model("tiny-gpt2")  # learned positions: never past the model's own maximum
     assert largest_fitting(tiny, parse_gpus("2xH100"), TrainConfig(seq_len=32), "seq_len") == tiny.max_seq_len
-    llama = resolve_model("tiny-llama")   # traced: no probe fits, nor does 1
+    llama = resolve_model("tiny-llama")  # traced: no probe fits, nor does 1
     assert largest_fitting(llama, parse_gpus("1xcpu@1MiB"), TrainConfig(seq_len=32), "seq_len") == 0
 
 
@@ -454,19 +598,43 @@ def test_zeropp_config_is_accepted_by_deepspeeds_parser(tmp_path):
     import sys
 
     cluster = parse_gpus("2x8xH100")
-    cfg = TrainConfig(zero_stage=3, precision="bf16", zero_quantized_weights=True, zero_quantized_gradients=True,
-                      zero_hpz_partition_size=8, grad_accum_dtype="fp32", reduce_bucket_size=1 << 20,
-                      bf16_master_weights_and_grads=True, bf16_optimizer_states=True,
-                      stage3_prefetch_bucket_size=5 * 10**7, stage3_max_live_parameters=3 * 10**8)
+    cfg = TrainConfig(
+        zero_stage=3,
+        precision="bf16",
+        zero_quantized_weights=True,
+        zero_quantized_gradients=True,
+        zero_hpz_partition_size=8,
+        grad_accum_dtype="fp32",
+        reduce_bucket_size=1 << 20,
+        bf16_master_weights_and_grads=True,
+        bf16_optimizer_states=True,
+        stage3_prefetch_bucket_size=5 * 10**7,
+        stage3_max_live_parameters=3 * 10**8,
+    )
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(deepspeed_config(cfg, resolve_model("7b"), cluster)))
-    run = subprocess.run([sys.executable, "-c", PARSE, str(path), "16"], capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    run = subprocess.run(
+        [sys.executable, "-c", PARSE, str(path), "16"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     parsed = json.loads(run.stdout.strip().splitlines()[-1])
-    assert parsed == {"stage": 3, "qw": True, "qg": True, "hpz": 8, "overlap": True, "reduce": 1 << 20,
-                      "accum": "fp32", "bf16_master": True, "bf16_states": True, "prefetch": 5 * 10**7,
-                      "max_live": 3 * 10**8}
+    assert parsed == {
+        "stage": 3,
+        "qw": True,
+        "qg": True,
+        "hpz": 8,
+        "overlap": True,
+        "reduce": 1 << 20,
+        "accum": "fp32",
+        "bf16_master": True,
+        "bf16_states": True,
+        "prefetch": 5 * 10**7,
+        "max_live": 3 * 10**8,
+    }
 
 
 def test_zeropp_is_refused_on_cpu_and_priced_on_gpus():
@@ -483,11 +651,14 @@ def test_zeropp_is_refused_on_cpu_and_priced_on_gpus():
     qw = simulate(model, cluster, TrainConfig(zero_stage=3, zero_quantized_weights=True)).breakdown_s
     qg = simulate(model, cluster, TrainConfig(zero_stage=3, zero_quantized_gradients=True)).breakdown_s
     hpz = TrainConfig(zero_stage=3, zero_hpz_partition_size=8)
-    assert qw["stage3_gather"] == pytest.approx(0.75 * base["stage3_gather"])   # the forward half at 1/2
+    assert qw["stage3_gather"] == pytest.approx(0.75 * base["stage3_gather"])  # the forward half at 1/2
     assert qg["grad_reduce"] == pytest.approx(base["grad_reduce"] / 4)
     assert simulate(model, cluster, hpz).breakdown_s["stage3_gather"] < base["stage3_gather"]
-    grown = estimate(model, cluster, hpz).tensor_peak_bytes - estimate(model, cluster, TrainConfig(zero_stage=3)).tensor_peak_bytes
-    assert grown == 2 * model.num_params // 8        # the secondary partition: bf16 weights over 8 GPUs
+    grown = (
+        estimate(model, cluster, hpz).tensor_peak_bytes
+        - estimate(model, cluster, TrainConfig(zero_stage=3)).tensor_peak_bytes
+    )
+    assert grown == 2 * model.num_params // 8  # the secondary partition: bf16 weights over 8 GPUs
 
 
 SEQ_SPACE = """
@@ -511,7 +682,7 @@ def simulated_search(tmp_path, monkeypatch, space: str, gpus: str = "4xA100", **
     return st.load_study(name)
 
 
-@pytest.mark.slow   # the whole 13B space, traced
+@pytest.mark.slow  # the whole 13B space, traced
 @pytest.mark.parametrize("objective", ["samples", "tokens"])
 def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
     """seq_len is searched like any axis; the objective decides the ranking and is recorded (every
@@ -529,10 +700,11 @@ def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
     assert table.iloc[0]["trial"] == best["trial"]
     assert f"ranked by {objective}/s" in report.header(study)[1] and "seq len searched" in report.header(study)[1]
     if objective == "samples":
-        assert best["seq_len"] == 1024     # shorter sequences are more samples per second
+        assert best["seq_len"] == 1024  # shorter sequences are more samples per second
     from autotune.report import page as report_page
     from autotune.report import pictures as report_pictures
-    why = report_page.why_lines(study, report_pictures.pictures(study))[0]   # the page's winner is the same
+
+    why = report_page.why_lines(study, report_pictures.pictures(study))[0]  # the page's winner is the same
     assert f"Winner #{best['trial']}**:" in why and f"{objective}/s" in why and f"seq len {best['seq_len']}" in why
 
 
@@ -561,16 +733,18 @@ def test_offload_param_moves_the_partition_to_host_and_host_ram_prunes():
 def test_host_memory_prunes_in_a_search(tmp_path, monkeypatch):
     from autotune import report
 
-    space = ("zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
-             "offload_param: [none, cpu]\noffload_optimizer: [false, true]\n")
+    space = (
+        "zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
+        "offload_param: [none, cpu]\noffload_optimizer: [false, true]\n"
+    )
     df = report.trials_frame(simulated_search(tmp_path, monkeypatch, space, gpus="8xH100@host=64GiB"))
     host = df[df["pruned_by"] == "host-memory"]
     # the optimizer offloaded (16 B/param over 8 GPUs, ~26 GB per GPU) does not fit 64 GiB a node; the
     # 16-bit partition alone (~3.3 GB per GPU) does
     assert len(host) == 2 and all("host RAM per node" in r for r in host["reason"])
     assert set(host["offload_optimizer"]) == {True}
-    assert set(df[df["status"] == "ok"]["offload_param"]) == {"none"}   # it fits, so offload is not run:
-    assert set(df[df["pruned_by"] == "dominated"]["offload_param"]) == {"cpu"}   # dominated (search_order.speed_order)
+    assert set(df[df["status"] == "ok"]["offload_param"]) == {"none"}  # it fits, so offload is not run:
+    assert set(df[df["pruned_by"] == "dominated"]["offload_param"]) == {"cpu"}  # dominated (search_order.speed_order)
 
 
 def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path, monkeypatch):
@@ -579,14 +753,19 @@ def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path,
 
     model, cluster = resolve_model("13b"), parse_gpus("4xA100")
     fp32 = estimate(model, cluster, TrainConfig(zero_stage=3, ckpt_layers=40)).terms
-    bf16 = estimate(model, cluster, TrainConfig(zero_stage=3, ckpt_layers=40, bf16_master_weights_and_grads=True,
-                                                bf16_optimizer_states=True)).terms
+    bf16 = estimate(
+        model,
+        cluster,
+        TrainConfig(zero_stage=3, ckpt_layers=40, bf16_master_weights_and_grads=True, bf16_optimizer_states=True),
+    ).terms
     assert bf16["master_weights"] * 2 == pytest.approx(fp32["master_weights"], abs=2)
     assert bf16["optimizer_states"] * 2 == pytest.approx(fp32["optimizer_states"], abs=2)
     with pytest.raises(SpecError, match="needs offload_optimizer"):
         TrainConfig(zero_stage=3, bf16_master_weights_and_grads=True)
-    space = ("zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
-             "bf16_master_weights_and_grads: [true]\nbf16_optimizer_states: [true]\n")
+    space = (
+        "zero_stage: [3]\nmicro_batch: [1]\nckpt_layers: [L]\n"
+        "bf16_master_weights_and_grads: [true]\nbf16_optimizer_states: [true]\n"
+    )
     text = report.render(simulated_search(tmp_path, monkeypatch, space))
     assert "WARNING: rank" in text and "stability risk" in text
 
@@ -600,14 +779,17 @@ def test_bf16_states_run_where_they_save_recomputation(tmp_path, monkeypatch):
     from autotune.costmodel import simulate
 
     model, cluster = resolve_model("13b"), parse_gpus("4xA100")
-    fp32_0, fp32_20, bf16_0 = (TrainConfig(zero_stage=3, micro_batch=2, ckpt_layers=k, **kw) for k, kw in
-                               ((0, {}), (20, {}), (0, dict(bf16_master_weights_and_grads=True,
-                                                            bf16_optimizer_states=True))))
+    fp32_0, fp32_20, bf16_0 = (
+        TrainConfig(zero_stage=3, micro_batch=2, ckpt_layers=k, **kw)
+        for k, kw in ((0, {}), (20, {}), (0, dict(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)))
+    )
     assert not estimate(model, cluster, fp32_0).fits and estimate(model, cluster, fp32_20).fits
     assert estimate(model, cluster, bf16_0).fits
     assert simulate(model, cluster, bf16_0).samples_per_s > simulate(model, cluster, fp32_20).samples_per_s
-    space = ("zero_stage: [3]\nmicro_batch: [1, 2]\nckpt_layers: [0, 20, 40]\n"
-             "bf16_master_weights_and_grads: [false, true]\nbf16_optimizer_states: [false, true]\n")
+    space = (
+        "zero_stage: [3]\nmicro_batch: [1, 2]\nckpt_layers: [0, 20, 40]\n"
+        "bf16_master_weights_and_grads: [false, true]\nbf16_optimizer_states: [false, true]\n"
+    )
     df = report.trials_frame(simulated_search(tmp_path, monkeypatch, space, exhaustive=True))
     ok = df[df["status"] == "ok"].set_index("micro_batch")
     assert sorted(ok.index) == [1, 2]
@@ -615,7 +797,7 @@ def test_bf16_states_run_where_they_save_recomputation(tmp_path, monkeypatch):
     assert ok.loc[1, "ckpt_layers"] == 0 and not bool(ok.loc[1, "bf16_optimizer_states"])
 
 
-@pytest.mark.slow   # the whole 13B space estimated
+@pytest.mark.slow  # the whole 13B space estimated
 def test_full_space_knobs_do_not_multiply_the_trials(shipped_traces):
     """search_spaces/full.yaml searches every knob; 13B on 4 x A100: its 48,996 candidates fall into 48
     groups (search_order.MEMORY_FOR_SPEED), of which 34 have a member that fits (36 when this was first
@@ -628,7 +810,7 @@ def test_full_space_knobs_do_not_multiply_the_trials(shipped_traces):
 
     from autotune.search.loop import Candidate
     from autotune.search.order import MEMORY_FOR_SPEED
-    from autotune.search.space import expand, load_space, SPACES_DIR
+    from autotune.search.space import SPACES_DIR, expand, load_space
     from autotune.trace_cache import in_parallel
     from autotune.train_config import searched_fields
 
@@ -640,13 +822,15 @@ def test_full_space_knobs_do_not_multiply_the_trials(shipped_traces):
     cands = expand(space, model, cluster, seq_len=2048).candidates
     groups = collections.defaultdict(list)
     for c in cands:
-        groups[Candidate(c, None).group].append(c)   # a group is read off the config alone
+        groups[Candidate(c, None).group].append(c)  # a group is read off the config alone
     # a group runs if any member fits: its members are estimated until one does. Traced first on two
     # cores (trace_cache.in_parallel, the fork `autotune estimate` uses): every other group in a forked
     # process that hands its traces over through the trace cache, the rest here; the line after
     # estimates every group again in this process, with the same code, reading those traces back.
-    in_parallel([_first_fitting(model, cluster, list(groups.values())[::2])],
-                [_first_fitting(model, cluster, list(groups.values())[1::2])])
+    in_parallel(
+        [_first_fitting(model, cluster, list(groups.values())[::2])],
+        [_first_fitting(model, cluster, list(groups.values())[1::2])],
+    )
     runs = sum(any(estimate(model, cluster, c).fits for c in g) for g in groups.values())
     assert len(cands) > 5000 and len(groups) <= 48 and runs <= 36, (len(cands), len(groups), runs)
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from steady import per_rank_steps, steady_peak
 
 from autotune.errors import SpecError
 from autotune.hardware import parse_gpus
@@ -18,8 +19,6 @@ from autotune.models import resolve_model
 from autotune.search.space import expand, load_space
 from autotune.train_config import TrainConfig, check_config
 
-from steady import per_rank_steps, steady_peak  # noqa: I001 - a helper module of these tests
-
 DATA = Path(__file__).resolve().parent / "data"
 
 
@@ -29,8 +28,10 @@ def spec(name: str):
 
 def test_full_is_not_multiplied_by_lora_choices(tmp_path):
     space = tmp_path / "s.yaml"
-    space.write_text("zero_stage: [2]\nmicro_batch: [1]\nckpt_layers: [0]\nmethod: [full, lora]\n"
-                     "lora_rank: [8, 16, 64]\nlora_targets: [attention, all-linear]\n")
+    space.write_text(
+        "zero_stage: [2]\nmicro_batch: [1]\nckpt_layers: [0]\nmethod: [full, lora]\n"
+        "lora_rank: [8, 16, 64]\nlora_targets: [attention, all-linear]\n"
+    )
     cands = expand(load_space(space), spec("hf-llama"), parse_gpus("2xcpu"), seq_len=32).candidates
     assert sum(c.method == "full" for c in cands) == 1
     assert sum(c.method == "lora" for c in cands) == 6
@@ -59,8 +60,11 @@ def test_qlora_is_refused_on_cpu_ranks_with_its_reason_and_estimated_for_a_gpu()
 
 def test_lora_needs_code_peft_can_wrap():
     with pytest.raises(SpecError, match="wraps the Hugging Face model with peft"):
-        check_config(TrainConfig(method="lora", seq_len=32), resolve_model("tiny-llama", implementation="builtin",
-                                                                          factory=None), parse_gpus("2xcpu"))
+        check_config(
+            TrainConfig(method="lora", seq_len=32),
+            resolve_model("tiny-llama", implementation="builtin", factory=None),
+            parse_gpus("2xcpu"),
+        )
 
 
 def test_qlora_bytes_per_weight_are_the_papers():
@@ -88,14 +92,42 @@ def test_seam_trains_only_the_adapters_and_counts_them():
 
 MIXED_STACKS = {
     # one dense layer, then MoE layers whose experts are grouped parameters, not nn.Linear
-    "deepseek_v3": dict(num_hidden_layers=4, first_k_dense_replace=1, hidden_size=128, num_attention_heads=4,
-                        num_key_value_heads=4, intermediate_size=1024, vocab_size=512, n_routed_experts=4,
-                        num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
-                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_group=1, topk_group=1),
+    "deepseek_v3": dict(
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=1024,
+        vocab_size=512,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        n_group=1,
+        topk_group=1,
+    ),
     # Mamba layers (no attention), attention every other layer from the second on
-    "jamba": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=512, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
-                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8),
+    "jamba": dict(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        num_experts=4,
+        num_experts_per_tok=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+    ),
 }
 
 
@@ -112,8 +144,9 @@ def test_a_stack_of_mixed_layers_has_its_adapters_and_quantised_weights_counted_
     from autotune.impl.lora import LINEAR_TYPES
     from autotune.models import hf_config
 
-    s = hf_config.spec_from_config(AutoConfig.for_model(model_type, **MIXED_STACKS[model_type]),
-                                   name=f"test-{model_type}", source="test")
+    s = hf_config.spec_from_config(
+        AutoConfig.for_model(model_type, **MIXED_STACKS[model_type]), name=f"test-{model_type}", source="test"
+    )
     assert not s.uniform_blocks
     # peft's all-linear wraps the MoE experts' grouped parameters too, which it refuses with dropout
     cfg = TrainConfig(method="lora", lora_rank=4, lora_targets=targets, lora_dropout=0.0)
@@ -121,8 +154,12 @@ def test_a_stack_of_mixed_layers_has_its_adapters_and_quantised_weights_counted_
     with torch.device("meta"):
         model = impl.build(s, dtype=torch.bfloat16, attention="eager")
     assert mlora.adapter_params(s, cfg) == sum(p.numel() for p in model.parameters() if p.requires_grad)
-    linear = [m.weight.numel() for layer in impl.layers(model) for n, m in layer.named_modules()
-              if type(m).__name__ in LINEAR_TYPES and ".lora_" not in f".{n}" and not hasattr(m, "base_layer")]
+    linear = [
+        m.weight.numel()
+        for layer in impl.layers(model)
+        for n, m in layer.named_modules()
+        if type(m).__name__ in LINEAR_TYPES and ".lora_" not in f".{n}" and not hasattr(m, "base_layer")
+    ]
     assert mlora.quantized_weights(s, cfg) == (sum(linear), max(linear))
     # on fake tensors too: peft casts the adapter of DeepSeek's fp32 router weight to fp32, a move
     # that fake parameters cannot make in place ("_apply(): Couldn't swap Linear.weight")
@@ -140,8 +177,21 @@ def test_lora_static_memory_is_far_below_full_fine_tuning_for_13b():
     for z in (0, 1, 2, 3):
         full = estimate(s, gpus, TrainConfig(zero_stage=z, seq_len=512, ckpt_layers=40))
         lora = estimate(s, gpus, TrainConfig(zero_stage=z, seq_len=512, ckpt_layers=40, method="lora"))
-        static = lambda e: sum(v for k, v in e.terms.items() if k in (  # noqa: E731
-            "parameters", "frozen_parameters", "adapter_parameters", "master_weights", "optimizer_states"))
+
+        def static(e):
+            return sum(
+                v
+                for k, v in e.terms.items()
+                if k
+                in (
+                    "parameters",
+                    "frozen_parameters",
+                    "adapter_parameters",
+                    "master_weights",
+                    "optimizer_states",
+                )
+            )
+
         assert lora.terms["optimizer_states"] < full.terms["optimizer_states"] / 100
         assert static(lora) < static(full)
 
@@ -158,10 +208,23 @@ def test_export_writes_a_lora_config_peft_accepts(tmp_path):
 
 
 # Hybrid (Granite-4, `granitemoehybrid`) shape of test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3
-GRANITE = dict(num_hidden_layers=3, hidden_size=96, num_attention_heads=4, intermediate_size=256, vocab_size=700,
-               max_position_embeddings=256, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"],
-               num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=96, mamba_n_heads=4,
-               mamba_d_head=48, mamba_d_state=16, mamba_chunk_size=16)
+GRANITE = dict(
+    num_hidden_layers=3,
+    hidden_size=96,
+    num_attention_heads=4,
+    intermediate_size=256,
+    vocab_size=700,
+    max_position_embeddings=256,
+    num_key_value_heads=2,
+    layer_types=["mamba", "attention", "mamba"],
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_intermediate_size=96,
+    mamba_n_heads=4,
+    mamba_d_head=48,
+    mamba_d_state=16,
+    mamba_chunk_size=16,
+)
 
 
 def granite_spec():
@@ -186,23 +249,53 @@ def lora_runs(tmp_path_factory):
     llama = spec("hf-llama")
     runs = {
         # test_real_lora_trials_match_the_estimate
-        "hf-llama": (llama, TrainConfig(method="lora", zero_stage=2, precision="bf16", micro_batch=2, seq_len=48,
-                                        lora_rank=8, ckpt_layers=2)),
-        "hf-gpt2": (spec("hf-gpt2"), TrainConfig(method="lora", zero_stage=3, precision="fp32", micro_batch=1,
-                                                 seq_len=64, lora_rank=4, lora_targets="all-linear")),
+        "hf-llama": (
+            llama,
+            TrainConfig(
+                method="lora", zero_stage=2, precision="bf16", micro_batch=2, seq_len=48, lora_rank=8, ckpt_layers=2
+            ),
+        ),
+        "hf-gpt2": (
+            spec("hf-gpt2"),
+            TrainConfig(
+                method="lora",
+                zero_stage=3,
+                precision="fp32",
+                micro_batch=1,
+                seq_len=64,
+                lora_rank=4,
+                lora_targets="all-linear",
+            ),
+        ),
         # test_a_real_lora_run_at_zero_3_is_not_underestimated
-        "z3-attention": (llama, TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32",
-                                            micro_batch=2, seq_len=64)),
+        "z3-attention": (
+            llama,
+            TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32", micro_batch=2, seq_len=64),
+        ),
         # test_lora_at_zero_3_with_every_layer_checkpointed_and_all_linear_adapters
-        "z3-all-linear-every-layer": (llama, TrainConfig(method="lora", lora_rank=8, lora_targets="all-linear",
-                                                         zero_stage=3, precision="bf16", ckpt_layers=llama.num_layers,
-                                                         micro_batch=2, seq_len=64)),
+        "z3-all-linear-every-layer": (
+            llama,
+            TrainConfig(
+                method="lora",
+                lora_rank=8,
+                lora_targets="all-linear",
+                zero_stage=3,
+                precision="bf16",
+                ckpt_layers=llama.num_layers,
+                micro_batch=2,
+                seq_len=64,
+            ),
+        ),
         # test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3
-        "granite-z3": (granite_spec(), TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32",
-                                                   micro_batch=2, seq_len=80)),
+        "granite-z3": (
+            granite_spec(),
+            TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32", micro_batch=2, seq_len=80),
+        ),
     }
-    reqs = [TrialRequest(model=m, cluster=gpus, config=c, steps=2, warmup_steps=1, out_dir=root / name)
-            for name, (m, c) in runs.items()]
+    reqs = [
+        TrialRequest(model=m, cluster=gpus, config=c, steps=2, warmup_steps=1, out_dir=root / name)
+        for name, (m, c) in runs.items()
+    ]
     return dict(zip(runs, zip(reqs, run_trials(reqs))))
 
 
@@ -224,24 +317,44 @@ def test_autotune_export_writes_the_lora_config_beside_the_deepspeed_json(tmp_pa
     from optuna.trial import TrialState
     from peft import LoraConfig
 
-    from autotune.search import study as st
     from autotune.cli import main
+    from autotune.search import study as st
 
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     monkeypatch.chdir(tmp_path)
     model, cluster = spec("hf-llama"), parse_gpus("2xcpu")
-    attrs = st.study_attrs(model, cluster, seq_len=64, global_batch=None, space_text="", space_path="t",
-                           source="measured")
+    attrs = st.study_attrs(
+        model, cluster, seq_len=64, global_batch=None, space_text="", space_path="t", source="measured"
+    )
     study = st.create_study("lora", None, attrs, sampler=None)
     cfg = TrainConfig(method="lora", lora_rank=16, lora_targets="all-linear", ckpt_layers=2, seq_len=64)
     dists = st.distributions([cfg])
-    res = {"status": "ok", "source": "measured", "samples_per_s": 10.0, "tokens_per_s": 640.0,
-           "peak_bytes": 1000, "log_tail": ""}
-    ua = {"config": cfg.to_dict(), "status": "ok", "source": "measured", "reason": "", "result": res,
-          "estimate": {"tensor_bytes": 1000, "total_bytes": 1000, "capacity_bytes": 10**9,
-                       "dominant_term": "activations"}}
-    study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=10.0, params=st.params_of(cfg, dists),
-                                              distributions=dists, user_attrs=ua))
+    res = {
+        "status": "ok",
+        "source": "measured",
+        "samples_per_s": 10.0,
+        "tokens_per_s": 640.0,
+        "peak_bytes": 1000,
+        "log_tail": "",
+    }
+    ua = {
+        "config": cfg.to_dict(),
+        "status": "ok",
+        "source": "measured",
+        "reason": "",
+        "result": res,
+        "estimate": {
+            "tensor_bytes": 1000,
+            "total_bytes": 1000,
+            "capacity_bytes": 10**9,
+            "dominant_term": "activations",
+        },
+    }
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=TrialState.COMPLETE, value=10.0, params=st.params_of(cfg, dists), distributions=dists, user_attrs=ua
+        )
+    )
     out = tmp_path / "ds.json"
     assert main(["export", "--study", "lora", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -264,7 +377,7 @@ def test_recorded_lora_runs_stay_within_the_bar():
     import sys
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_memory.py"
-    sys.path.insert(0, str(path.parent))   # it imports its sibling hf_memory.py
+    sys.path.insert(0, str(path.parent))  # it imports its sibling hf_memory.py
     try:
         loaded = importlib.util.spec_from_file_location("lora_memory", path)
         bench = importlib.util.module_from_spec(loaded)
@@ -300,8 +413,10 @@ def _estimate_on_two_cores(bench) -> None:
         return shape.get("hidden_size", shape.get("n_embd")) == 384
 
     def estimates(chosen):
-        return lambda: [estimate(bench.spec_of(r["family"], json.loads(r["hf_config"])), cluster,
-                                 bench.train_config(r)) for r in chosen]
+        return lambda: [
+            estimate(bench.spec_of(r["family"], json.loads(r["hf_config"])), cluster, bench.train_config(r))
+            for r in chosen
+        ]
 
     there = [r for r in rows if r["family"] in ("qwen2", "gpt_neox") or (r["family"] == "gpt2" and wide(r))]
     here = [r for r in rows if r not in there]
@@ -315,9 +430,9 @@ def test_lora_under_zero_3_is_traced_with_deepspeeds_linear():
     (code_trace.zero3_linear_function), and is the real step with DeepSpeed's own function to the
     byte; torch's F.linear left it 884,720 B under at the forward here."""
     import torch
+    from cpu_step import measure_cpu
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
-    from cpu_step import measure_cpu
     from autotune.memory.traced import trace
 
     s = spec("hf-llama")
@@ -329,7 +444,7 @@ def test_lora_under_zero_3_is_traced_with_deepspeeds_linear():
         real = measure_cpu(s, cfg)
     finally:
         torch.nn.functional.linear = original
-    for phase in ("forward", "backward", "optimizer"):   # the 0-dim scalars c10 makes outside the dispatcher
+    for phase in ("forward", "backward", "optimizer"):  # the 0-dim scalars c10 makes outside the dispatcher
         assert 0 <= real[phase] - got[phase] <= 256, (phase, got, real)
     plain = trace(s, parse_gpus("1xcpu@8GiB"), dataclasses.replace(cfg, zero_stage=2)).raw_peaks
     assert plain["forward"] < got["forward"]
@@ -344,12 +459,15 @@ def test_a_real_lora_run_at_zero_3_is_not_underestimated(lora_runs):
     LoRA's adapters among them (model_states.zero3_step_parameters). Now within +2%, never under."""
     s, gpus = spec("hf-llama"), parse_gpus("2xcpu")
     cfg = TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32", micro_batch=2, seq_len=64)
-    req, res = lora_runs["z3-attention"]     # the run of cfg (lora_runs)
+    req, res = lora_runs["z3-attention"]  # the run of cfg (lora_runs)
     assert (req.model, req.cluster, req.config) == (s, gpus, cfg)
     assert res.status == "ok", res.reason
     est = estimate(s, gpus, cfg)
     assert 0 <= est.tensor_peak_bytes / steady_peak(res) - 1 <= 0.02, (est.phases, per_rank_steps(res))
-    assert abs(est.phases["optimizer"] / res.phase_peak_bytes["optimizer"] - 1) <= 0.005, (est.phases, res.phase_peak_bytes)
+    assert abs(est.phases["optimizer"] / res.phase_peak_bytes["optimizer"] - 1) <= 0.005, (
+        est.phases,
+        res.phase_peak_bytes,
+    )
 
 
 @pytest.mark.slow
@@ -360,9 +478,17 @@ def test_lora_at_zero_3_with_every_layer_checkpointed_and_all_linear_adapters(lo
     recompute, and the adapters of every linear layer are gathered with it. Measured within -0.01% to
     +0.83% on nine shapes (docs/memory.md, "Issue 30"); here one real run, at most 1% under, 3% over."""
     s, gpus = spec("hf-llama"), parse_gpus("2xcpu")
-    cfg = TrainConfig(method="lora", lora_rank=8, lora_targets="all-linear", zero_stage=3, precision="bf16",
-                      ckpt_layers=s.num_layers, micro_batch=2, seq_len=64)
-    req, res = lora_runs["z3-all-linear-every-layer"]     # the run of cfg (lora_runs)
+    cfg = TrainConfig(
+        method="lora",
+        lora_rank=8,
+        lora_targets="all-linear",
+        zero_stage=3,
+        precision="bf16",
+        ckpt_layers=s.num_layers,
+        micro_batch=2,
+        seq_len=64,
+    )
+    req, res = lora_runs["z3-all-linear-every-layer"]  # the run of cfg (lora_runs)
     assert (req.model, req.cluster, req.config) == (s, gpus, cfg)
     assert res.status == "ok", res.reason
     est = estimate(s, gpus, cfg)
@@ -377,7 +503,7 @@ def test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3(
     embedding (code_trace.released_after_forward). Priced as held, this run read +12.4%."""
     from autotune.memory.code_trace import _numels, param_numels, released_after_forward
 
-    s = granite_spec()     # the shape GRANITE
+    s = granite_spec()  # the shape GRANITE
     gpus = parse_gpus("2xcpu")
     cfg = TrainConfig(method="lora", lora_rank=8, zero_stage=3, precision="fp32", micro_batch=2, seq_len=80)
     released = released_after_forward(s, cfg)
@@ -385,14 +511,14 @@ def test_a_hybrid_stacks_layers_before_its_first_adapter_are_released_at_zero_3(
     # the embedding, then the first layer but for its conv1d (weight and bias over 2 x 96 + 2 x 16
     # channels, kernel 4), which the Mamba path uses functionally: a module never called is kept
     # gathered, the safe side
-    assert released[:len(pre)] == list(pre)
+    assert released[: len(pre)] == list(pre)
     kept = list(first_layer)
-    for n in released[len(pre):len(pre) + len(first_layer) - 2]:
+    for n in released[len(pre) : len(pre) + len(first_layer) - 2]:
         kept.remove(n)
     assert sorted(kept) == [224, 4 * 224]
-    assert sum(released) < sum(param_numels(s)) / 2   # later layers' inputs need gradients: held
-    assert released_after_forward(s, dataclasses.replace(cfg, ckpt_layers=1)) == []   # input_require_grads
-    req, res = lora_runs["granite-z3"]     # the run of cfg (lora_runs)
+    assert sum(released) < sum(param_numels(s)) / 2  # later layers' inputs need gradients: held
+    assert released_after_forward(s, dataclasses.replace(cfg, ckpt_layers=1)) == []  # input_require_grads
+    req, res = lora_runs["granite-z3"]  # the run of cfg (lora_runs)
     assert (req.model, req.cluster, req.config) == (s, gpus, cfg)
     assert res.status == "ok", res.reason
     est = estimate(s, gpus, cfg)
@@ -406,5 +532,5 @@ def test_lora_at_zero_3_holds_no_more_gathered_than_the_reuse_distance():
     spec, gpus = resolve_model("70b"), parse_gpus("8xA100")
     lora = estimate(spec, gpus, TrainConfig(zero_stage=3, method="lora", ckpt_layers=80))
     full = estimate(spec, gpus, TrainConfig(zero_stage=3, ckpt_layers=80))
-    assert lora.terms["zero3_gathered_params"] <= 2 * int(1e9)   # bf16, 1e9 elements
+    assert lora.terms["zero3_gathered_params"] <= 2 * int(1e9)  # bf16, 1e9 elements
     assert lora.fits and lora.tensor_peak_bytes < full.tensor_peak_bytes / 4

@@ -54,8 +54,10 @@ def test_logits_term_13b():
     # fp32 log-softmax kept: 4*V per token; final RMSNorm 8h+4 + 2h; int64 targets 8; nll's
     # 4-byte total_weight
     s = resolve_model("13b", implementation="builtin")
-    assert act.head_saved_bytes(s, micro_batch=4, seq_len=2048, precision="bf16") == \
-        4 * 2048 * (4 * 32000 + 8 * 5120 + 4 + 2 * 5120 + 8) + 4
+    assert (
+        act.head_saved_bytes(s, micro_batch=4, seq_len=2048, precision="bf16")
+        == 4 * 2048 * (4 * 32000 + 8 * 5120 + 4 + 2 * 5120 + 8) + 4
+    )
 
 
 def test_stage2_model_states_13b_by_hand():
@@ -63,8 +65,10 @@ def test_stage2_model_states_13b_by_hand():
     st = states(s, c, TrainConfig(zero_stage=2, precision="bf16"), persistence_threshold=51200)
     assert st == {"parameters": 2 * P13, "master_weights": int(4 * P13 / 4), "optimizer_states": int(8 * P13 / 4)}
     # GPU (FusedAdam): 16-bit partition + its fp32 copy at the step, no temporaries
-    assert step_terms(s, c, TrainConfig(zero_stage=2, precision="bf16"), fused_optimizer=True) == \
-        {"gradients": int(4 * P13 / 4) + int(2 * P13 / 4), "optimizer_temporaries": 0}
+    assert step_terms(s, c, TrainConfig(zero_stage=2, precision="bf16"), fused_optimizer=True) == {
+        "gradients": int(4 * P13 / 4) + int(2 * P13 / 4),
+        "optimizer_temporaries": 0,
+    }
 
 
 @pytest.mark.parametrize("gpus", ["4xA100", "8xA100", "16xH100"])
@@ -105,7 +109,11 @@ def test_article_7b_example_and_where_it_is_wrong():
     # Article sec. 4.1: 13B, ZeRO-2, 4 GPUs -> 18 x 13 / 4 = 58.5 GB. ZeRO-2 does not shard the
     # 16-bit parameters: 2P stay whole on every GPU, so the model states are 2P + 18P/4.
     assert article_static_bytes(13e9, 4, 2) == 58.5e9
-    ours = estimate(resolve_model("13b", implementation="builtin"), parse_gpus("4xA100"), TrainConfig(zero_stage=2, precision="bf16"))
+    ours = estimate(
+        resolve_model("13b", implementation="builtin"),
+        parse_gpus("4xA100"),
+        TrainConfig(zero_stage=2, precision="bf16"),
+    )
     assert ours.phases["optimizer"] == 2 * P13 + int(4 * P13 / 4) + int(8 * P13 / 4) + int(6 * P13 / 4)
     assert ours.phases["optimizer"] > 1.4 * article_static_bytes(P13, 4, 2)
 
@@ -152,10 +160,24 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True)
 
 
-@pytest.mark.slow   # a subprocess
+@pytest.mark.slow  # a subprocess
 def test_estimate_cli_json():
-    r = run_cli("estimate", "--model", "13b", "--gpus", "4xA100", "--zero", "3", "--micro-batch", "2",
-                "--ckpt-layers", "40", "--precision", "bf16", "--json")
+    r = run_cli(
+        "estimate",
+        "--model",
+        "13b",
+        "--gpus",
+        "4xA100",
+        "--zero",
+        "3",
+        "--micro-batch",
+        "2",
+        "--ckpt-layers",
+        "40",
+        "--precision",
+        "bf16",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for key in ("num_params", "total_bytes", "tensor_peak_bytes", "capacity_bytes", "fits", "phase", "terms"):
@@ -164,12 +186,15 @@ def test_estimate_cli_json():
     assert sum(out["terms"].values()) == out["tensor_peak_bytes"]
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--model", "13c", "--gpus", "4xA100"], "Did you mean"),
-    (["--model", "13b", "--gpus", "4A100"], "expected [NODESx]COUNTxTYPE"),
-    (["--model", "13b", "--gpus", "4xA100", "--ckpt-layers", "41"], "allowed: 0..40"),
-    (["--model", "13b", "--gpus", "4xV100", "--precision", "bf16"], "no native bf16"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--model", "13c", "--gpus", "4xA100"], "Did you mean"),
+        (["--model", "13b", "--gpus", "4A100"], "expected [NODESx]COUNTxTYPE"),
+        (["--model", "13b", "--gpus", "4xA100", "--ckpt-layers", "41"], "allowed: 0..40"),
+        (["--model", "13b", "--gpus", "4xV100", "--precision", "bf16"], "no native bf16"),
+    ],
+)
 def test_estimate_cli_errors_exit_2(args, msg):
     r = run_cli("estimate", *args)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr

@@ -10,6 +10,9 @@ import json
 
 import numpy as np
 import pytest
+from conftest import quick
+from cpu_step import measure_cpu
+from steady import per_rank_steps, steady_peak
 
 from autotune.hardware import parse_gpus
 from autotune.memory import _phases, code_trace, estimate
@@ -18,46 +21,91 @@ from autotune.memory.traced import trace
 from autotune.models import SpecError
 from autotune.train_config import TrainConfig
 
-from conftest import quick
-from cpu_step import measure_cpu  # noqa: I001 - a helper module of these tests
-from steady import per_rank_steps, steady_peak  # noqa: I001 - a helper module of these tests
-
-
 CPU = parse_gpus("1xcpu@8GiB")
 CONFIGS = {
-    "gpt2": dict(model_type="gpt2", n_layer=3, n_embd=64, n_head=4, vocab_size=1000, n_positions=128,
-                 bos_token_id=999, eos_token_id=999),  # dropout 0.1 (the defaults)
-    "llama": dict(model_type="llama", num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=160, vocab_size=1000, max_position_embeddings=128),
-    "qwen2": dict(model_type="qwen2", num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=1, intermediate_size=128, vocab_size=900, max_position_embeddings=128,
-                  tie_word_embeddings=True),
-    "gpt_neox": dict(model_type="gpt_neox", num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
-                     intermediate_size=192, vocab_size=1100, max_position_embeddings=128),
+    "gpt2": dict(
+        model_type="gpt2",
+        n_layer=3,
+        n_embd=64,
+        n_head=4,
+        vocab_size=1000,
+        n_positions=128,
+        bos_token_id=999,
+        eos_token_id=999,
+    ),  # dropout 0.1 (the defaults)
+    "llama": dict(
+        model_type="llama",
+        num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        vocab_size=1000,
+        max_position_embeddings=128,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        vocab_size=900,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    ),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=192,
+        vocab_size=1100,
+        max_position_embeddings=128,
+    ),
 }
 
 
 def spec(family):
     from transformers import AutoConfig
 
-    from autotune.models import hf_config as hf
     from autotune.models import from_shape
+    from autotune.models import hf_config as hf
 
     if family == "factory":  # a user's own module (tests/tiny_factory.py), through the same seam
         return dataclasses.replace(
-            from_shape("test-factory", "gpt2", num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=256,
-                       vocab_size=700, max_seq_len=128), implementation="factory", factory="tiny_factory:make")
+            from_shape(
+                "test-factory",
+                "gpt2",
+                num_layers=3,
+                hidden_size=64,
+                num_heads=4,
+                ffn_hidden_size=256,
+                vocab_size=700,
+                max_seq_len=128,
+            ),
+            implementation="factory",
+            factory="tiny_factory:make",
+        )
     d = dict(CONFIGS[family])
     return hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name=f"test-{family}", source="test")
 
 
-REAL = [("gpt2", "fp32", "sdpa", 0), ("gpt2", "bf16", "eager", 2), ("llama", "bf16", "sdpa", 1),
-        ("llama", "fp32", "eager", 0), ("qwen2", "bf16", "sdpa", 0), ("gpt_neox", "bf16", "sdpa", 3),
-        ("factory", "bf16", "sdpa", 1)]
+REAL = [
+    ("gpt2", "fp32", "sdpa", 0),
+    ("gpt2", "bf16", "eager", 2),
+    ("llama", "bf16", "sdpa", 1),
+    ("llama", "fp32", "eager", 0),
+    ("qwen2", "bf16", "sdpa", 0),
+    ("gpt_neox", "bf16", "sdpa", 3),
+    ("factory", "bf16", "sdpa", 1),
+]
 
 
-@pytest.mark.parametrize("family,precision,attention,ckpt", quick(REAL, fast={
-    ("gpt2", "fp32", "sdpa", 0), ("llama", "bf16", "sdpa", 1), ("factory", "bf16", "sdpa", 1)}))
+@pytest.mark.parametrize(
+    "family,precision,attention,ckpt",
+    quick(REAL, fast={("gpt2", "fp32", "sdpa", 0), ("llama", "bf16", "sdpa", 1), ("factory", "bf16", "sdpa", 1)}),
+)
 def test_traced_hf_step_matches_a_real_cpu_run(family, precision, attention, ckpt):
     s = spec(family)
     cfg = TrainConfig(micro_batch=2, seq_len=48, precision=precision, attention=attention, ckpt_layers=ckpt)
@@ -134,14 +182,20 @@ def real_runs(tmp_path_factory):
     runs = {
         # test_deepspeed_runs_of_hf_models_match_the_estimate
         "gpt2": (spec("gpt2"), TrainConfig(zero_stage=2, precision="bf16", micro_batch=2, seq_len=96, ckpt_layers=1)),
-        "qwen2": (spec("qwen2"), TrainConfig(zero_stage=3, precision="fp32", micro_batch=3, seq_len=64,
-                                             attention="eager")),
+        "qwen2": (
+            spec("qwen2"),
+            TrainConfig(zero_stage=3, precision="fp32", micro_batch=3, seq_len=64, attention="eager"),
+        ),
         # test_a_hybrid_stack_at_zero_2_is_priced_as_it_runs
-        "hybrid": (hybrid_spec(), TrainConfig(zero_stage=2, precision="bf16", micro_batch=2, seq_len=48,
-                                              ckpt_layers=1)),
+        "hybrid": (
+            hybrid_spec(),
+            TrainConfig(zero_stage=2, precision="bf16", micro_batch=2, seq_len=48, ckpt_layers=1),
+        ),
     }
-    reqs = [TrialRequest(model=m, cluster=gpus, config=c, steps=2, warmup_steps=1, out_dir=root / name)
-            for name, (m, c) in runs.items()]
+    reqs = [
+        TrialRequest(model=m, cluster=gpus, config=c, steps=2, warmup_steps=1, out_dir=root / name)
+        for name, (m, c) in runs.items()
+    ]
     return dict(zip(runs, zip(reqs, run_trials(reqs))))
 
 
@@ -225,22 +279,32 @@ def test_a_first_estimate_traces_in_two_processes_and_answers_as_one_does(tmp_pa
     import subprocess
     import sys
 
-    from autotune.cli import main
     from autotune import trace_cache
+    from autotune.cli import main
 
     # a GPU (the cost model's profile is traced here meanwhile) small enough for the answer to lie
     # in the range the two builds are stepped over
     args = ["estimate", "--model", "tiny-llama", "--gpus", "1xH100@1GiB", "--max-seq-len", "--json"]
     log = tmp_path / "traced_by"
-    run = subprocess.run([sys.executable, "-c", TRACED_BY, str(log), *args], capture_output=True, text=True,
-                         env={**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "two")}, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", TRACED_BY, str(log), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "two")},
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     two = json.loads(run.stdout)
     traced = [line.split() for line in log.read_text().splitlines()]
     assert two["max_seq_len"] and all(vary == "True" for _, vary, *_ in traced)
     assert len({pid for pid, *_ in traced}) == len(traced) == len({tuple(t[2:]) for t in traced}) == 2
-    later = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], capture_output=True, text=True,
-                           env={**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "two")}, timeout=300)
+    later = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "two")},
+        timeout=300,
+    )
     assert later.returncode == 0, later.stderr[-2000:]
     assert json.loads(later.stdout) == two
 
@@ -295,11 +359,27 @@ def test_registered_buffers_are_priced_whole_on_every_rank(zero):
     assert {phase: terms.get("module_buffers") for phase, terms in t.phases.items()} == dict.fromkeys(t.phases, held)
 
 
-MIXED = dict(model_type="deepseek_v3", num_hidden_layers=8, first_k_dense_replace=3, hidden_size=64,
-             num_attention_heads=4, num_key_value_heads=4, intermediate_size=256, vocab_size=512,
-             max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-             n_group=1, topk_group=1)
+MIXED = dict(
+    model_type="deepseek_v3",
+    num_hidden_layers=8,
+    first_k_dense_replace=3,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=256,
+    vocab_size=512,
+    max_position_embeddings=128,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+)
 
 
 @pytest.mark.parametrize("ckpt", [0, 2])
@@ -343,9 +423,23 @@ def test_the_grid_prices_each_k_of_a_mixed_stack():
             assert abs(grid[i, j] - exact) <= 1e-3 * exact, (mb, k, grid[i, j], exact)
 
 
-HYBRID = dict(model_type="jamba", num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=128, vocab_size=512, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
-              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)
+HYBRID = dict(
+    model_type="jamba",
+    num_hidden_layers=3,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    num_experts=4,
+    num_experts_per_tok=2,
+    attn_layer_period=2,
+    attn_layer_offset=1,
+    expert_layer_period=2,
+    expert_layer_offset=1,
+    mamba_d_state=8,
+    mamba_dt_rank=8,
+)
 
 
 def test_the_head_phase_of_a_mixed_stack_holds_what_its_layers_saved():
@@ -368,7 +462,9 @@ def test_the_head_phase_of_a_mixed_stack_holds_what_its_layers_saved():
         assert head["activations"] + head.get("checkpointed_inputs", 0) == t.points["fwd.layers"]["activations"]
         if model.uniform_blocks:
             lb = t.layer_bytes
-            assert t.points["fwd.layers"]["activations"] == lb["checkpointed_layer"] + lb["full_layer"] * (model.num_layers - 1)
+            assert t.points["fwd.layers"]["activations"] == lb["checkpointed_layer"] + lb["full_layer"] * (
+                model.num_layers - 1
+            )
 
 
 @pytest.mark.slow
@@ -378,10 +474,10 @@ def test_a_hybrid_stack_at_zero_2_is_priced_as_it_runs(real_runs):
     trace's fwd.layers point, the tracer counted in-place gradient sums once and the layers'
     parameter sizes were read one by one; now 6,128,664 B (+1.9%). Over, never under: the 1.9% left
     is not analysed (docs/memory.md)."""
-    s = hybrid_spec()     # the shape HYBRID
+    s = hybrid_spec()  # the shape HYBRID
     gpus = parse_gpus("2xcpu")
     cfg = TrainConfig(zero_stage=2, precision="bf16", micro_batch=2, seq_len=48, ckpt_layers=1)
-    req, res = real_runs["hybrid"]     # the run of cfg (real_runs)
+    req, res = real_runs["hybrid"]  # the run of cfg (real_runs)
     assert (req.model, req.cluster, req.config) == (s, gpus, cfg)
     assert res.status == "ok", res.reason
     est = estimate(s, gpus, cfg).tensor_peak_bytes
@@ -399,10 +495,21 @@ def test_gradients_the_real_engine_adds_in_place_are_counted_once():
 
     from autotune.models import hf_config as hf
 
-    conf = AutoConfig.for_model("jamba", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                num_key_value_heads=2, intermediate_size=128, vocab_size=512, attn_layer_period=8,
-                                attn_layer_offset=7, expert_layer_period=8, expert_layer_offset=7, mamba_d_state=8,
-                                mamba_dt_rank=8)
+    conf = AutoConfig.for_model(
+        "jamba",
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        attn_layer_period=8,
+        attn_layer_offset=7,
+        expert_layer_period=8,
+        expert_layer_offset=7,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+    )
     s = hf.spec_from_config(conf, name="test-mamba-scan", source="test")
     for seq in (8, 32):
         cfg = TrainConfig(micro_batch=1, seq_len=seq, precision="fp32", attention="sdpa")
@@ -423,7 +530,7 @@ def test_a_mixed_stack_has_each_of_its_parameters_sized():
 
     d = dict(HYBRID)
     s = hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name="test-hybrid", source="test")
-    experts = d["num_experts"] * 2 * d["intermediate_size"] * d["hidden_size"]   # gate and up, stacked
+    experts = d["num_experts"] * 2 * d["intermediate_size"] * d["hidden_size"]  # gate and up, stacked
     for model in (s, spec("llama")):
         sizes = code_trace.param_numels(model)
         assert sum(sizes) == model.num_params

@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
+from autotune.impl.builtin import Transformer, init_weights
 from autotune.memory import activations as act
 from autotune.models import resolve_model
 from autotune.trial.memprof import enable_cpu_memory_reporting
-from autotune.impl.builtin import Transformer, init_weights
 
 enable_cpu_memory_reporting()
 
@@ -34,8 +34,13 @@ def live_bytes_curve(fn):
     return stamps[-1][2] - base, max(s[2] for s in stamps) - base
 
 
-CASES = [(m, p, a, k) for m in ("tiny-llama", "tiny-gpt2") for p in ("fp32", "bf16") for a in ("sdpa", "eager")
-         for k in (0, 2)]
+CASES = [
+    (m, p, a, k)
+    for m in ("tiny-llama", "tiny-gpt2")
+    for p in ("fp32", "bf16")
+    for a in ("sdpa", "eager")
+    for k in (0, 2)
+]
 
 
 @pytest.mark.parametrize("name,precision,attention,ckpt", CASES)
@@ -53,8 +58,9 @@ def test_forward_saved_bytes_exact(name, precision, attention, ckpt):
         out["loss"] = model(tokens[:, :-1], tokens[:, 1:])
 
     saved, peak = live_bytes_curve(forward)
-    terms = act.activation_bytes(spec, micro_batch=b, seq_len=s, precision=precision, ckpt_layers=ckpt,
-                                 attention=attention)
+    terms = act.activation_bytes(
+        spec, micro_batch=b, seq_len=s, precision=precision, ckpt_layers=ckpt, attention=attention
+    )
     expected = sum(terms.values()) + 4  # + the fp32 loss value itself
     assert saved == expected, (saved, terms)
     transient = act.logits_forward_transient_bytes(spec, micro_batch=b, seq_len=s, precision=precision)

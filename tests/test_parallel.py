@@ -20,7 +20,7 @@ from autotune.parallel import data_parallel_size, global_batch
 from autotune.train_config import TrainConfig, check_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from hf_memory import spec_of  # noqa: E402
+from hf_memory import spec_of
 
 TWO, FOUR = parse_gpus("2xcpu"), parse_gpus("4xcpu")
 
@@ -41,14 +41,17 @@ def test_json_and_batch_arithmetic():
     assert data_parallel_size(cfg, 4) == 2 and global_batch(cfg, 4) == 3 * 2 * 2
 
 
-@pytest.mark.parametrize("family,cluster,kw,says", [
-    ("llama", parse_gpus("3xcpu"), {}, "must divide the world size 3"),
-    ("llama", TWO, dict(method="lora"), "drops lora_A/lora_B"),
-    ("llama", TWO, dict(zero_stage=2, offload_optimizer=True), "offload"),
-    ("gpt2", TWO, dict(seq_len=64), "AutoTP not supported for model"),
-    ("mistral", parse_gpus("3xcpu"), dict(autotp_size=3), "key/value heads"),   # 6 heads, 2 kv
-    ("llama", parse_gpus("3xcpu"), dict(autotp_size=3), "divide the 8 attention heads"),
-])
+@pytest.mark.parametrize(
+    "family,cluster,kw,says",
+    [
+        ("llama", parse_gpus("3xcpu"), {}, "must divide the world size 3"),
+        ("llama", TWO, dict(method="lora"), "drops lora_A/lora_B"),
+        ("llama", TWO, dict(zero_stage=2, offload_optimizer=True), "offload"),
+        ("gpt2", TWO, dict(seq_len=64), "AutoTP not supported for model"),
+        ("mistral", parse_gpus("3xcpu"), dict(autotp_size=3), "key/value heads"),  # 6 heads, 2 kv
+        ("llama", parse_gpus("3xcpu"), dict(autotp_size=3), "divide the 8 attention heads"),
+    ],
+)
 def test_refusals(family, cluster, kw, says):
     cfg = TrainConfig(**{"autotp_size": 2, **kw})
     with pytest.raises(SpecError, match=says):
@@ -86,7 +89,7 @@ def test_zero_shards_over_dp():
     assert small.tensor_peak_bytes < big.tensor_peak_bytes and small.num_params == big.num_params
 
 
-@pytest.mark.slow   # the 21 AutoTP rows, each estimated with today's memory model
+@pytest.mark.slow  # the 21 AutoTP rows, each estimated with today's memory model
 def test_recorded_tp_runs_meet_the_bar():
     """benchmarks/data/parallel_memory_runs.csv's AutoTP rows (tp 2 on 2 ranks under ZeRO 0-3, tp 2 x dp 2 on 4 ranks
     under ZeRO 1-3; Llama, Qwen2, Mistral), each estimated again as benchmarks/parallel_memory.py report() does, against
@@ -103,7 +106,7 @@ def test_recorded_tp_runs_meet_the_bar():
     for row in rows:
         spec, cfg = spec_of(row["family"], json.loads(row["hf_config"])), parallel_memory.train_config(row)
         cluster = parallel_memory.cluster(int(row["world"]))
-        check_config(cfg, spec, cluster)   # every recorded tp row is a combination autotune allows
+        check_config(cfg, spec, cluster)  # every recorded tp row is a combination autotune allows
         errors.append(estimate(spec, cluster, cfg).tensor_peak_bytes / int(row["measured_bytes"]) - 1)
     s = summary(errors)
     assert s["n"] == 21 and {r["family"] for r in rows} == {"llama", "qwen2", "mistral"}, s
@@ -117,8 +120,23 @@ def test_max_seq_len_with_sp_8_is_at_least_4x_without(capsys):
     import json
 
     def answer(*extra):
-        assert main(["estimate", "--model", "llama-3-8b", "--gpus", "8xH100", "--zero", "3", "--max-seq-len",
-                     "--json", *extra]) == 0
+        assert (
+            main(
+                [
+                    "estimate",
+                    "--model",
+                    "llama-3-8b",
+                    "--gpus",
+                    "8xH100",
+                    "--zero",
+                    "3",
+                    "--max-seq-len",
+                    "--json",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         return json.loads(capsys.readouterr().out)["max_seq_len"]
 
     plain, sp = answer(), answer("--sequence-parallel-size", "8")
@@ -138,11 +156,23 @@ def test_real_tp2_trial_matches_the_estimate(tmp_path):
 
     spec, cfg = spec_of("llama"), TrainConfig(autotp_size=2, zero_stage=1, micro_batch=2, seq_len=64)
     check_config(cfg, spec, TWO)
-    res, plain = run_trials([TrialRequest(model=spec, cluster=TWO, config=c, steps=2, warmup_steps=1, timeout_s=300,
-                                          out_dir=tmp_path / str(c.autotp_size)) for c in (cfg, replace(cfg, autotp_size=1))])
+    res, plain = run_trials(
+        [
+            TrialRequest(
+                model=spec,
+                cluster=TWO,
+                config=c,
+                steps=2,
+                warmup_steps=1,
+                timeout_s=300,
+                out_dir=tmp_path / str(c.autotp_size),
+            )
+            for c in (cfg, replace(cfg, autotp_size=1))
+        ]
+    )
     assert res.status == "ok", res.reason + res.log_tail
     assert res.losses[-1] < res.losses[0]
-    assert res.samples_per_s == pytest.approx(2 * 1 / res.step_time_s)   # micro batch x dp 1 x grad accum
+    assert res.samples_per_s == pytest.approx(2 * 1 / res.step_time_s)  # micro batch x dp 1 x grad accum
     assert res.param_bytes_per_rank == [2 * local_model(spec, 2).num_params] * 2
     err = estimate(spec, TWO, cfg).tensor_peak_bytes / steady_peak(res) - 1
     assert -0.01 <= err <= 0.03, err
@@ -172,8 +202,10 @@ def test_deepcompile_is_a_json_section_refused_on_cpu_and_at_zero_0():
         check_config(cfg, spec_of("llama"), TWO)
     with pytest.raises(SpecError, match="ZeRO stage 1-3"):
         TrainConfig(zero_stage=0, deepcompile=True)
-    assert estimate(spec_of("llama"), parse_gpus("8xH100"), cfg).tensor_peak_bytes == \
-        estimate(spec_of("llama"), parse_gpus("8xH100"), replace(cfg, deepcompile=False)).tensor_peak_bytes
+    assert (
+        estimate(spec_of("llama"), parse_gpus("8xH100"), cfg).tensor_peak_bytes
+        == estimate(spec_of("llama"), parse_gpus("8xH100"), replace(cfg, deepcompile=False)).tensor_peak_bytes
+    )
 
 
 def test_throughput_counts_a_tp_groups_batch_once():
@@ -206,6 +238,7 @@ def test_families_autotp_fails_on_or_misprices_are_refused():
     gemma2 = hf_spec("gemma2", head_dim=16)
     for z in (0, 1, 2):
         with pytest.raises(SpecError, match="gemma2 at ZeRO-"):
-            check_config(TrainConfig(autotp_size=2, zero_stage=z, seq_len=64, attention="eager"), gemma2,
-                         parse_gpus("2xcpu"))
+            check_config(
+                TrainConfig(autotp_size=2, zero_stage=z, seq_len=64, attention="eager"), gemma2, parse_gpus("2xcpu")
+            )
     check_config(TrainConfig(autotp_size=2, zero_stage=3, seq_len=64, attention="eager"), gemma2, parse_gpus("2xcpu"))

@@ -17,7 +17,7 @@ from autotune.models import resolve_model
 from autotune.train_config import TrainConfig, check_config
 
 H100x8 = parse_gpus("8xH100")
-L3 = resolve_model("llama-3-8b", implementation="hf")      # 32 heads, 8 KV heads, untied head
+L3 = resolve_model("llama-3-8b", implementation="hf")  # 32 heads, 8 KV heads, untied head
 KEY = cm.price_key(H100x8.gpu, "bf16")
 S = cm.Constants().for_gpu(H100x8.gpu.name)
 
@@ -28,8 +28,9 @@ def sim(cfg, cluster=H100x8, model=L3):
 
 
 def test_without_parallelism_the_price_is_the_plain_one():
-    assert shard_price(L3, 1, 1, "hf", "bf16", "sdpa", 1, 2048, KEY, S) == \
-        micro_step_price(L3, "hf", "bf16", "sdpa", 1, 2048, KEY, S)
+    assert shard_price(L3, 1, 1, "hf", "bf16", "sdpa", 1, 2048, KEY, S) == micro_step_price(
+        L3, "hf", "bf16", "sdpa", 1, 2048, KEY, S
+    )
 
 
 def test_a_tp_rank_computes_its_shard():
@@ -38,7 +39,7 @@ def test_a_tp_rank_computes_its_shard():
     whole = shard_price(L3, 1, 1, "hf", "bf16", "sdpa", 1, 4096, KEY, S)
     half = shard_price(L3, 2, 1, "hf", "bf16", "sdpa", 1, 4096, KEY, S)
     assert 0.45 < half.gemm / whole.gemm < 0.55
-    assert half.attention == pytest.approx(whole.attention / 2, rel=0.01)       # heads / 2, same kernel shapes
+    assert half.attention == pytest.approx(whole.attention / 2, rel=0.01)  # heads / 2, same kernel shapes
     assert 0.55 < half.elementwise / whole.elementwise < 1.0
     assert half.layer_forward < 0.6 * whole.layer_forward
 
@@ -60,11 +61,13 @@ def test_zero_collectives_move_the_shard_over_world_over_tp_ranks():
     s = sim(cfg)
     shard, dp = local_model(L3, 2), dp_cluster(H100x8, 2)
     assert dp.world_size == 4 and shard.num_params < 0.6 * L3.num_params
-    want = 3 / 4 * shard.num_params * 2 / cm.link_bytes_per_s(dp)           # reduce-scatter of bf16 gradients
+    want = 3 / 4 * shard.num_params * 2 / cm.link_bytes_per_s(dp)  # reduce-scatter of bf16 gradients
     assert s.breakdown_s["grad_reduce"] == pytest.approx(want)
     assert s.breakdown_s["param_gather"] == pytest.approx(want)
     plain = sim(replace(cfg, autotp_size=1))
-    assert s.breakdown_s["optimizer"] == pytest.approx(plain.breakdown_s["optimizer"] * shard.num_params * 2 / L3.num_params)
+    assert s.breakdown_s["optimizer"] == pytest.approx(
+        plain.breakdown_s["optimizer"] * shard.num_params * 2 / L3.num_params
+    )
 
 
 def test_tp2_is_no_longer_priced_as_the_whole_model():
@@ -72,9 +75,9 @@ def test_tp2_is_no_longer_priced_as_the_whole_model():
     cfg = TrainConfig(zero_stage=3, micro_batch=2, seq_len=2048)
     one, two = sim(cfg), sim(replace(cfg, autotp_size=2))
     assert two.step_time_s < 0.7 * one.step_time_s
-    assert two.samples_per_s == pytest.approx(2 * 4 / two.step_time_s)          # dp 4
+    assert two.samples_per_s == pytest.approx(2 * 4 / two.step_time_s)  # dp 4
     assert two.tokens_per_s_per_gpu == pytest.approx(2 * 2048 / two.step_time_s / 2)
-    assert sum(two.terms().values()) == pytest.approx(two.step_time_s)            # tp_comm is communication
+    assert sum(two.terms().values()) == pytest.approx(two.step_time_s)  # tp_comm is communication
 
 
 def test_tp_comm_counts_a_checkpointed_layers_recomputed_forward():
@@ -97,10 +100,11 @@ def test_sp_ranks_split_the_tokens_and_the_heads():
         assert quarter.breakdown_s[term] == pytest.approx(short.breakdown_s[term])
     assert quarter.breakdown_s["attention"] == pytest.approx(whole.breakdown_s["attention"] / 4)
     # a checkpointed block reruns its forward: seq / 4 outside attention, the whole sequence's attention / 4
-    fwd_attn = whole.breakdown_s["attention"] / 3.5      # forward of fwd + 2.5 x fwd (costops.attention_s)
+    fwd_attn = whole.breakdown_s["attention"] / 3.5  # forward of fwd + 2.5 x fwd (costops.attention_s)
     short_attn = short.breakdown_s["attention"] / 3.5
     assert quarter.breakdown_s["recompute"] == pytest.approx(
-        short.breakdown_s["recompute"] - short_attn + fwd_attn / 4, rel=0.01)
+        short.breakdown_s["recompute"] - short_attn + fwd_attn / 4, rel=0.01
+    )
     # ZeRO shards over data and sequence parallel ranks together (world / tp = 8): the same collectives, but the
     # gradients reduced in fp32 (seq_parallel_communication_data_type's default), twice bf16's bytes
     for term in ("stage3_gather", "optimizer"):
@@ -111,7 +115,7 @@ def test_sp_ranks_split_the_tokens_and_the_heads():
 def test_sp_throughput_counts_one_sample_per_group():
     cfg = TrainConfig(zero_stage=3, micro_batch=1, seq_len=16384, sequence_parallel_size=4, grad_accum=2)
     s = sim(cfg)
-    assert s.samples_per_s == pytest.approx(1 * 2 * (8 // 4) / s.step_time_s)      # dp = world / sp = 2
+    assert s.samples_per_s == pytest.approx(1 * 2 * (8 // 4) / s.step_time_s)  # dp = world / sp = 2
     assert s.tokens_per_s_per_gpu == pytest.approx(16384 * 2 / s.step_time_s / 4)
     assert sum(s.terms().values()) == pytest.approx(s.step_time_s)
 
@@ -121,8 +125,8 @@ def test_ulysses_all_to_alls_per_layer():
     checkpointed layer's recompute once more (DeepSpeed-Ulysses sec. 3.2: 4Nh/P per link for MHA)."""
     cfg = TrainConfig(zero_stage=3, micro_batch=1, seq_len=16384, sequence_parallel_size=4)
     link = cm.link_bytes_per_s(sp_group(H100x8, 1, 4))
-    assert link == cm.link_bytes_per_s(replace(H100x8, gpus_per_node=4))           # NVLink within the node
-    per_layer = 4096 * (2 * 32 + 2 * 8) * 128 * 2                                   # q and out 32 heads, k and v 8
+    assert link == cm.link_bytes_per_s(replace(H100x8, gpus_per_node=4))  # NVLink within the node
+    per_layer = 4096 * (2 * 32 + 2 * 8) * 128 * 2  # q and out 32 heads, k and v 8
     want = 2 * L3.num_layers * (3 / 4) * per_layer / link
     assert ulysses_comm_s(L3, cfg, H100x8, cm.link_bytes_per_s, 2) == pytest.approx(want)
     assert sim(cfg).breakdown_s["sp_comm"] == pytest.approx(want)

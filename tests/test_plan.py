@@ -22,8 +22,19 @@ GPUS = "8xA100,8xH100,4xH100"
 
 
 def plan_json(capsys, tmp_path, *extra) -> dict:
-    argv = ["plan", "--model", "13b", "--tokens", "1e9", "--gpus", GPUS, "--json",
-            "--picture", str(tmp_path / "plan.png"), *extra]
+    argv = [
+        "plan",
+        "--model",
+        "13b",
+        "--tokens",
+        "1e9",
+        "--gpus",
+        GPUS,
+        "--json",
+        "--picture",
+        str(tmp_path / "plan.png"),
+        *extra,
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     return json.loads(capsys.readouterr().out)
 
@@ -39,8 +50,24 @@ def plans(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(name)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            assert main(["plan", "--model", "13b", "--tokens", "1e9", "--gpus", GPUS, "--json",
-                         "--picture", str(tmp / "plan.png"), *extra]) == 0
+            assert (
+                main(
+                    [
+                        "plan",
+                        "--model",
+                        "13b",
+                        "--tokens",
+                        "1e9",
+                        "--gpus",
+                        GPUS,
+                        "--json",
+                        "--picture",
+                        str(tmp / "plan.png"),
+                        *extra,
+                    ]
+                )
+                == 0
+            )
         out[name] = (json.loads(buf.getvalue()), tmp / "plan.png")
     return out
 
@@ -55,7 +82,7 @@ def test_three_ranked_options_whose_arithmetic_holds(plans):
         assert o["usd"] == pytest.approx(o["hours"] * world * o["usd_per_gpu_hour"], rel=1e-5)
         assert o["usd_per_m_tokens"] == pytest.approx(o["usd"] / 1e3, rel=1e-5)
         assert o["simulated"] is True and o["price_source"]
-    assert [o["usd"] for o in opts] == sorted(o["usd"] for o in opts)      # --by usd is the default
+    assert [o["usd"] for o in opts] == sorted(o["usd"] for o in opts)  # --by usd is the default
     assert picture.stat().st_size > 1000 and doc["source"] == "simulated" and "not truths" in doc["prices_note"]
 
 
@@ -67,8 +94,11 @@ def test_each_option_is_the_fastest_candidate_that_fits(plans):
         cfg = TrainConfig(**o["config"])
         assert estimate(model, cluster, cfg).fits
         assert costmodel.simulate(model, cluster, cfg).samples_per_s * cfg.seq_len == pytest.approx(o["tokens_per_s"])
-        fitting = [c for c in expand(plan_space(None, None), model, cluster, seq_len=2048).candidates
-                   if estimate(model, cluster, c).fits]
+        fitting = [
+            c
+            for c in expand(plan_space(None, None), model, cluster, seq_len=2048).candidates
+            if estimate(model, cluster, c).fits
+        ]
         best = max(costmodel.simulate(model, cluster, c).samples_per_s * c.seq_len for c in fitting)
         assert o["tokens_per_s"] == pytest.approx(best)
 
@@ -85,15 +115,23 @@ def test_price_override_changes_only_the_h100_dollars(plans):
             assert o["usd"] == pytest.approx(o["hours"] * parse_gpus(gpus).world_size * 0.5)
             assert o["usd"] != b["usd"]
         else:
-            assert (o["usd"], o["usd_per_gpu_hour"], o["price_source"]) == (b["usd"], b["usd_per_gpu_hour"],
-                                                                             b["price_source"])
+            assert (o["usd"], o["usd_per_gpu_hour"], o["price_source"]) == (
+                b["usd"],
+                b["usd_per_gpu_hour"],
+                b["price_source"],
+            )
 
 
 def test_pareto_front_marks_exactly_the_undominated(plans):
     opts = plans["default"][0]["options"]
     for o in opts:
-        beaten = any(p["hours"] <= o["hours"] and p["usd"] <= o["usd"] and p is not o
-                     and (p["hours"] < o["hours"] or p["usd"] < o["usd"]) for p in opts)
+        beaten = any(
+            p["hours"] <= o["hours"]
+            and p["usd"] <= o["usd"]
+            and p is not o
+            and (p["hours"] < o["hours"] or p["usd"] < o["usd"])
+            for p in opts
+        )
         assert o["pareto"] == (not beaten), o["gpus"]
     assert any(o["pareto"] for o in opts)
 
@@ -108,41 +146,60 @@ def test_pareto_front_by_hand():
     a, b, c = _opt("1xA100", 1e5, 1.0), _opt("8xA100", 4e5, 1.0), _opt("8xH100", 1e5, 1.0)
     assert (a.hours, a.usd, b.hours, b.usd) == pytest.approx((10, 10, 2.5, 20))
     assert pareto_front([a, b, c]) == {0, 1}
-    assert pareto_front([a, a]) == {0}                  # an equal pair keeps one
+    assert pareto_front([a, a]) == {0}  # an equal pair keeps one
 
 
 def test_picture_data_is_the_plan(plans):
     from autotune.plan import PlanResult
 
     doc = plans["default"][0]
-    opts = [Option(gpus=o["gpus"], gpu_type="", num_gpus=0, config=TrainConfig(**o["config"]),
-                   tokens_per_s=o["tokens_per_s"], hours=o["hours"], usd=o["usd"], price=Price(1, "", ""),
-                   pareto=o["pareto"]) for o in doc["options"]]
+    opts = [
+        Option(
+            gpus=o["gpus"],
+            gpu_type="",
+            num_gpus=0,
+            config=TrainConfig(**o["config"]),
+            tokens_per_s=o["tokens_per_s"],
+            hours=o["hours"],
+            usd=o["usd"],
+            price=Price(1, "", ""),
+            pareto=o["pareto"],
+        )
+        for o in doc["options"]
+    ]
     pts = plan_points(PlanResult(opts))
-    assert [(p.gpus, p.hours, p.usd, p.pareto) for p in pts] == [(o["gpus"], o["hours"], o["usd"], o["pareto"])
-                                                                 for o in doc["options"]]
+    assert [(p.gpus, p.hours, p.usd, p.pareto) for p in pts] == [
+        (o["gpus"], o["hours"], o["usd"], o["pareto"]) for o in doc["options"]
+    ]
     line = front(pts)
-    assert [p.gpus for p in line] == [o["gpus"] for o in sorted(doc["options"], key=lambda o: o["hours"]) if o["pareto"]]
+    assert [p.gpus for p in line] == [
+        o["gpus"] for o in sorted(doc["options"], key=lambda o: o["hours"]) if o["pareto"]
+    ]
     assert all(p.source == "simulated" for p in pts)
 
 
 def test_table_output_says_simulated_and_prices_are_inputs(tmp_path, capsys):
-    assert main(["plan", "--model", "13b", "--tokens", "1e9", "--gpus", "8xA100", "--picture",
-                 str(tmp_path / "p.png")]) == 0
+    assert (
+        main(["plan", "--model", "13b", "--tokens", "1e9", "--gpus", "8xA100", "--picture", str(tmp_path / "p.png")])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "simulated" in out and "prices are inputs, not truths" in out and "8xA100" in out
 
 
-@pytest.mark.parametrize("extra,why", [
-    (["--gpus", "8xB999"], "unknown GPU type 'B999'"),
-    (["--gpus", "8xA100", "--max-usd", "1"], "no option meets --max-usd 1"),
-    (["--gpus", "8xA100,8xH100", "--max-hours", "0.01"], "no option meets --max-hours 0.01"),
-    (["--gpus", "8xA100", "--price", "Z80=1"], "unknown GPU type 'Z80'"),
-    (["--gpus", "8xA100", "--price", "A100=-1"], "positive number"),
-    (["--gpus", "8xA100", "--tokens", "0"], "--tokens must be a positive number"),
-    (["--gpus", "2xcpu"], "CPU ranks have no cost model"),
-    (["--gpus", "1xRTX4090"], "no GPU option can train this"),
-])
+@pytest.mark.parametrize(
+    "extra,why",
+    [
+        (["--gpus", "8xB999"], "unknown GPU type 'B999'"),
+        (["--gpus", "8xA100", "--max-usd", "1"], "no option meets --max-usd 1"),
+        (["--gpus", "8xA100,8xH100", "--max-hours", "0.01"], "no option meets --max-hours 0.01"),
+        (["--gpus", "8xA100", "--price", "Z80=1"], "unknown GPU type 'Z80'"),
+        (["--gpus", "8xA100", "--price", "A100=-1"], "positive number"),
+        (["--gpus", "8xA100", "--tokens", "0"], "--tokens must be a positive number"),
+        (["--gpus", "2xcpu"], "CPU ranks have no cost model"),
+        (["--gpus", "1xRTX4090"], "no GPU option can train this"),
+    ],
+)
 def test_refusals_exit_2_with_the_reason(extra, why, tmp_path, capsys):
     argv = ["plan", "--model", "13b", "--tokens", "1e9", "--picture", str(tmp_path / "p.png"), *extra]
     assert main(argv) == 2
@@ -171,8 +228,24 @@ def test_simulated_study_cannot_calibrate(tmp_path, monkeypatch, capsys):
     space.write_text("zero_stage: [0]\nmicro_batch: [1]\nckpt_layers: [0]\n")
     with open_search(model="gpt2", gpus="1xA100", executor="simulated", study="sim", space=space) as s:
         s.run(n_trials=1, progress=False)
-    assert main(["plan", "--model", "gpt2", "--tokens", "1e8", "--gpus", "1xA100", "--calibrate", "sim",
-                 "--picture", str(tmp_path / "p.png")]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt2",
+                "--tokens",
+                "1e8",
+                "--gpus",
+                "1xA100",
+                "--calibrate",
+                "sim",
+                "--picture",
+                str(tmp_path / "p.png"),
+            ]
+        )
+        == 2
+    )
     assert "no measured run" in capsys.readouterr().err
 
 
@@ -190,7 +263,9 @@ def test_notebook_draws_the_plan():
 
     root = Path(__file__).parents[1]
     nb = nbformat.read(root / "notebooks" / "plan.ipynb", as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(root / "notebooks")}}).execute()
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(root / "notebooks")}}
+    ).execute()
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
     assert "image/png" in text and "front: " in text and "8xH100" in text and "Error" not in text
 
@@ -204,18 +279,27 @@ def _measured_a100_study(name: str, ratio: float):
     from autotune.search import study as st
 
     model, cluster = resolve_model("13b"), parse_gpus("8xA100")
-    attrs = st.study_attrs(model, cluster, seq_len=2048, global_batch=None, space_text="", space_path="t",
-                           source="measured")
+    attrs = st.study_attrs(
+        model, cluster, seq_len=2048, global_batch=None, space_text="", space_path="t", source="measured"
+    )
     study = st.create_study(name, None, attrs, sampler=None)
-    cands = [TrainConfig(zero_stage=3, micro_batch=mb, seq_len=2048, precision="bf16", attention="sdpa")
-             for mb in (1, 2, 4)]
+    cands = [
+        TrainConfig(zero_stage=3, micro_batch=mb, seq_len=2048, precision="bf16", attention="sdpa") for mb in (1, 2, 4)
+    ]
     dists = st.distributions(cands)
     for cfg, r in zip(cands, (ratio, ratio, 1.5 * ratio)):
         sps = costmodel.simulate(model, cluster, cfg).samples_per_s * r
         res = {"status": "ok", "source": "measured", "samples_per_s": sps, "tokens_per_s": sps * 2048}
         ua = {"config": cfg.to_dict(), "status": "ok", "source": "measured", "estimate": {}, "result": res}
-        study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=sps, params=st.params_of(cfg, dists),
-                                                  distributions=dists, user_attrs=ua))
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=TrialState.COMPLETE,
+                value=sps,
+                params=st.params_of(cfg, dists),
+                distributions=dists,
+                user_attrs=ua,
+            )
+        )
 
 
 def test_calibrate_rescales_only_that_gpu_type(tmp_path, monkeypatch, capsys):

@@ -54,7 +54,22 @@ def test_plan_prices_a_slow_network_higher(tmp_path, capsys):
 
     from autotune.cli import main
 
-    assert main(["plan", "--model", "13b", "--tokens", "1e9", "--gpus", "8xA100,2x8xA100@net=100Gbps", "--json",
-                 "--picture", str(tmp_path / "p.png")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "13b",
+                "--tokens",
+                "1e9",
+                "--gpus",
+                "8xA100,2x8xA100@net=100Gbps",
+                "--json",
+                "--picture",
+                str(tmp_path / "p.png"),
+            ]
+        )
+        == 0
+    )
     opts = {o["gpus"]: o for o in json.loads(capsys.readouterr().out)["options"]}
     assert opts["2x8xA100@net=100Gbps"]["usd"] > opts["8xA100"]["usd"]

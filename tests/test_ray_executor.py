@@ -12,15 +12,14 @@ import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster as RayCluster
+from steady import per_rank_steps
 
 from autotune.executors import ray_auth
 from autotune.executors.ray_executor import RayExecutor
 from autotune.hardware import parse_gpus
 from autotune.models import SpecError, resolve_model
-from autotune.trial.record import TrialRequest
 from autotune.train_config import TrainConfig
-
-from steady import per_rank_steps  # noqa: I001 - a helper module of these tests
+from autotune.trial.record import TrialRequest
 
 pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs
 
@@ -30,14 +29,18 @@ CFG = TrainConfig(zero_stage=2, precision="bf16", seq_len=32)
 
 
 def request(cluster, out: Path, **kw) -> TrialRequest:
-    return TrialRequest(model=MODEL, cluster=cluster, config=CFG, out_dir=out, steps=2, warmup_steps=1,
-                        **{"timeout_s": 120.0, **kw})
+    return TrialRequest(
+        model=MODEL, cluster=cluster, config=CFG, out_dir=out, steps=2, warmup_steps=1, **{"timeout_s": 120.0, **kw}
+    )
 
 
 def ranks_of(out: Path) -> list[psutil.Process]:
     """Live rank processes of the trial in `out` (their command line names its payload)."""
-    return [p for p in psutil.process_iter(["cmdline", "status"])
-            if str(out) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+    return [
+        p
+        for p in psutil.process_iter(["cmdline", "status"])
+        if str(out) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
 
 
 def ray_worker_of(proc: psutil.Process) -> psutil.Process:
@@ -93,7 +96,7 @@ def test_waiting_on_a_running_trial_leaves_the_cores_to_its_ranks(tmp_path):
         ticket = ex.submit(request(one, out, fault="hang", timeout_s=30.0))
         log, end = out / "log.txt", time.monotonic() + 25
         while not (log.exists() and "injected hang" in log.read_text()) and time.monotonic() < end:
-            time.sleep(0.2)   # placed, and its rank past the warm-up step
+            time.sleep(0.2)  # placed, and its rank past the warm-up step
         assert log.exists() and "injected hang" in log.read_text(), "the trial's rank did not reach the hang in 25 s"
         cpu, wall = time.process_time(), time.monotonic()
         assert ex.wait_any(timeout_s=2.0) == []
@@ -110,8 +113,10 @@ def cluster():
     """Two Ray nodes of one CPU each on this machine, and an executor joined to them by address; with
     token authentication, as autotune's own local cluster (the executor joins with RAY_AUTH_MODE=token)."""
     ray_auth.secure_local_cluster()
-    rc = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                          "object_store_memory": 256 << 20})
+    rc = RayCluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": 256 << 20},
+    )
     rc.add_node(num_cpus=1, object_store_memory=256 << 20)
     ex = RayExecutor(parse_gpus("2x1xcpu"), ray_address=rc.address)
     yield ex
@@ -120,7 +125,6 @@ def cluster():
 
 
 class TestTwoNodes:
-
     def test_two_rank_trial_spreads_over_both_nodes(self, cluster, tmp_path):
         two = parse_gpus("2x1xcpu")
         assert cluster.slots() == 1

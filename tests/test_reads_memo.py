@@ -23,8 +23,9 @@ def counted(fn):
     calls = []
 
     def wrapped(model, cluster, cfg):
-        calls.append(None)      # nothing read of cfg: the count alone
+        calls.append(None)  # nothing read of cfg: the count alone
         return fn(cfg)
+
     return wrapped, calls
 
 
@@ -32,27 +33,42 @@ def test_a_config_that_differs_only_in_what_was_not_read_is_answered_without_a_c
     # reads the stage only for large micro batches, the checkpointed layers only for small ones
     fn, calls = counted(lambda c: ("big", c.zero_stage) if c.micro_batch > 2 else ("small", c.ckpt_layers))
     memo = ReadsMemo(fn)
-    cases = [BASE,
-             dataclasses.replace(BASE, ckpt_layers=2),                   # not read at micro batch 4: a hit
-             dataclasses.replace(BASE, zero_stage=2),                    # read: a call
-             dataclasses.replace(BASE, micro_batch=1),                   # read: a call
-             dataclasses.replace(BASE, micro_batch=1, zero_stage=3),     # the stage is not read there: a hit
-             dataclasses.replace(BASE, micro_batch=1, ckpt_layers=2)]    # read there: a call
+    cases = [
+        BASE,
+        dataclasses.replace(BASE, ckpt_layers=2),  # not read at micro batch 4: a hit
+        dataclasses.replace(BASE, zero_stage=2),  # read: a call
+        dataclasses.replace(BASE, micro_batch=1),  # read: a call
+        dataclasses.replace(BASE, micro_batch=1, zero_stage=3),  # the stage is not read there: a hit
+        dataclasses.replace(BASE, micro_batch=1, ckpt_layers=2),
+    ]  # read there: a call
     got = [memo(None, None, c) for c in cases]
     assert got == [("big", 1), ("big", 1), ("big", 2), ("small", 0), ("small", 0), ("small", 2)]
     assert len(calls) == memo.calls == 4
 
 
-@pytest.mark.parametrize("whole", [lambda c: hash(c), lambda c: c.key(), lambda c: vars(c), lambda c: repr(c),
-                                   lambda c: dataclasses.asdict(c), lambda c: json.dumps(c.to_dict())])
+@pytest.mark.parametrize(
+    "whole",
+    [
+        lambda c: hash(c),
+        lambda c: c.key(),
+        lambda c: vars(c),
+        lambda c: repr(c),
+        lambda c: dataclasses.asdict(c),
+        lambda c: json.dumps(c.to_dict()),
+    ],
+)
 def test_a_read_of_the_whole_config_is_a_read_of_every_field(whole):
     # the result depends on a field only through a read of the whole instance: no two configs may share it
     fn, calls = counted(lambda c: (whole(c), c.zero_stage, c.lora_dropout)[1:])
     memo = ReadsMemo(fn)
-    for c in (BASE, dataclasses.replace(BASE, ckpt_layers=2), dataclasses.replace(BASE, reduce_bucket_size=2 ** 20),
-              BASE):
+    for c in (
+        BASE,
+        dataclasses.replace(BASE, ckpt_layers=2),
+        dataclasses.replace(BASE, reduce_bucket_size=2**20),
+        BASE,
+    ):
         memo(None, None, c)
-    assert len(calls) == 3          # the repeat of BASE, and only it, is answered
+    assert len(calls) == 3  # the repeat of BASE, and only it, is answered
 
 
 def test_a_call_that_raises_is_not_kept():
@@ -60,6 +76,7 @@ def test_a_call_that_raises_is_not_kept():
         if c.micro_batch == 8:
             raise SpecError("refused")
         return c.micro_batch
+
     fn, calls = counted(fn)
     memo = ReadsMemo(fn)
     for _ in range(2):
@@ -99,7 +116,8 @@ def test_memoised_estimates_and_simulations_equal_the_functions_on_a_real_space(
         memo = ReadsMemo(fn)
         for cfg in cands:
             got, want = memo(model, cluster, cfg), fn(model, cluster, cfg)
-            assert (got.to_json() if fn is estimate else dataclasses.asdict(got)) == \
-                (want.to_json() if fn is estimate else dataclasses.asdict(want)), cfg.short()
+            assert (got.to_json() if fn is estimate else dataclasses.asdict(got)) == (
+                want.to_json() if fn is estimate else dataclasses.asdict(want)
+            ), cfg.short()
         print(f"{impl} {fn.__name__}: {memo.calls} calls for {len(cands)} candidates")
         assert memo.calls < len(cands) * (0.5 if fn is estimate else 1), (fn.__name__, memo.calls, len(cands))

@@ -14,11 +14,11 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune import report
-from autotune.search import study as st
 from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
+from autotune.search import study as st
 from autotune.train_config import TrainConfig
 from autotune.units import GiB
 
@@ -37,22 +37,41 @@ ROWS = [
 
 def make_study(name: str, source: str = "measured", precision: str = "bf16") -> optuna.Study:
     model, cluster = resolve_model("13b"), parse_gpus("4xA100")
-    attrs = st.study_attrs(model, cluster, seq_len=2048, global_batch=None, space_text="", space_path="t",
-                           source=source)
+    attrs = st.study_attrs(
+        model, cluster, seq_len=2048, global_batch=None, space_text="", space_path="t", source=source
+    )
     study = st.create_study(name, None, attrs, sampler=None)
     cands = [TrainConfig(**c, precision=precision, seq_len=2048) for c, *_ in ROWS]
     dists = st.distributions(cands)
     for cfg, (_, state, status, sps, peak, est, by) in zip(cands, ROWS):
-        res = {"status": status, "source": source, "samples_per_s": sps,
-               "tokens_per_s": sps and sps * 2048, "peak_bytes": peak and int(peak * GiB), "log_tail": "tail"}
-        ua = {"config": cfg.to_dict(), "status": status, "source": source,
-              "estimate": {"tensor_bytes": int(est * GiB), "total_bytes": int(est * GiB),
-                           "capacity_bytes": 80 * GiB, "dominant_term": "activations"},
-              "reason": "out of memory in backward" if status == "oom" else "", "result": res}
+        res = {
+            "status": status,
+            "source": source,
+            "samples_per_s": sps,
+            "tokens_per_s": sps and sps * 2048,
+            "peak_bytes": peak and int(peak * GiB),
+            "log_tail": "tail",
+        }
+        ua = {
+            "config": cfg.to_dict(),
+            "status": status,
+            "source": source,
+            "estimate": {
+                "tensor_bytes": int(est * GiB),
+                "total_bytes": int(est * GiB),
+                "capacity_bytes": 80 * GiB,
+                "dominant_term": "activations",
+            },
+            "reason": "out of memory in backward" if status == "oom" else "",
+            "result": res,
+        }
         if by:
             ua["pruned_by"] = by
-        study.add_trial(optuna.trial.create_trial(state=TrialState[state], value=sps, params=st.params_of(cfg, dists),
-                                                  distributions=dists, user_attrs=ua))
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=TrialState[state], value=sps, params=st.params_of(cfg, dists), distributions=dists, user_attrs=ua
+            )
+        )
     return study
 
 
@@ -66,7 +85,7 @@ def trials_dir(tmp_path, monkeypatch):
 def test_ranked_table_labels_every_number(trials_dir):
     study = make_study("r")
     table = report.ranked(report.trials_frame(study))
-    assert list(table["trial"]) == [1, 0, 2]                      # 40 > 30 > 20 samples/s
+    assert list(table["trial"]) == [1, 0, 2]  # 40 > 30 > 20 samples/s
     assert list(table["samples/s (measured)"]) == [40.0, 30.0, 20.0]
     assert list(table["tokens/s (measured)"]) == [40.0 * 2048, 30.0 * 2048, 20.0 * 2048]
     assert list(table["peak GiB (estimated)"]) == [72.0, 58.0, 49.0]
@@ -79,7 +98,7 @@ def test_ranked_table_labels_every_number(trials_dir):
     assert "samples/s (simulated)" in sim.columns and "MFU % (simulated)" in sim.columns
 
 
-@pytest.mark.slow   # draws the pictures (matplotlib)
+@pytest.mark.slow  # draws the pictures (matplotlib)
 def test_formats_and_files(trials_dir, capsys):
     make_study("f")
     for fmt in ("table", "csv", "json", "markdown"):
@@ -99,9 +118,9 @@ def test_formats_and_files(trials_dir, capsys):
     assert len((d / "trials.csv").read_text().splitlines()) == 1 + len(ROWS)
     for png in ("throughput.png", "memory.png"):
         assert (d / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["report"]) == 0 and "study f:" in capsys.readouterr().out    # default: most recent
+    assert main(["report"]) == 0 and "study f:" in capsys.readouterr().out  # default: most recent
     make_study("later")
-    assert main(["report", "--study", "f"]) == 0        # reading f and rewriting its files does not make it newer
+    assert main(["report", "--study", "f"]) == 0  # reading f and rewriting its files does not make it newer
     capsys.readouterr()
     assert main(["report"]) == 0 and "study later:" in capsys.readouterr().out
 
@@ -115,11 +134,11 @@ def test_export_best_and_given_trial(trials_dir, tmp_path, capsys):
     assert json.loads(out.read_text()) == deepspeed_config(cfg, resolve_model("13b"), parse_gpus("4xA100"))
     assert "trial 1" in text and "deepspeed --num_gpus 4 train.py --deepspeed_config" in text
     assert "per_device_train_batch_size=4" in text and "gradient_accumulation_steps=1" in text
-    assert "model.model.layers[10:]" in text                      # k = 10 of 40 layers: partial checkpointing
+    assert "model.model.layers[10:]" in text  # k = 10 of 40 layers: partial checkpointing
     assert main(["export", "--study", "e", "--trial", "2", "--out", str(out)]) == 0
     assert "Activation checkpointing: none" in capsys.readouterr().out
     assert json.loads(out.read_text())["train_micro_batch_size_per_gpu"] == 1
-    for bad in ("3", "5", "99"):                                  # pruned, failed, absent: exit 2
+    for bad in ("3", "5", "99"):  # pruned, failed, absent: exit 2
         assert main(["export", "--study", "e", "--trial", bad, "--out", str(out)]) == 2
     assert "did not run successfully" in capsys.readouterr().err
     assert study.trials[1].value == 40.0
@@ -159,17 +178,35 @@ def test_exported_json_is_accepted_by_deepspeeds_config_class(trials_dir, tmp_pa
     make_study("fp16", precision="fp16")
     out = tmp_path / "ds.json"
     assert main(["export", "--study", "fp16", "--out", str(out)]) == 0
-    run = subprocess.run([sys.executable, "-c", VALIDATE, str(out), "4"], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    run = subprocess.run(
+        [sys.executable, "-c", VALIDATE, str(out), "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     parsed = json.loads(run.stdout.strip().splitlines()[-1])
-    assert parsed == {"world": 4, "train_batch": 16, "stage": 3, "fp16": True, "bf16": False,
-                      "scale_power": 16, "window": 2000, "clip": 1.0}
+    assert parsed == {
+        "world": 4,
+        "train_batch": 16,
+        "stage": 3,
+        "fp16": True,
+        "bf16": False,
+        "scale_power": 16,
+        "window": 2000,
+        "clip": 1.0,
+    }
     bad = json.loads(out.read_text())
-    bad["train_batch_size"] += 1                                  # the parser does check: an inconsistent batch fails
+    bad["train_batch_size"] += 1  # the parser does check: an inconsistent batch fails
     out.write_text(json.dumps(bad))
-    run = subprocess.run([sys.executable, "-c", VALIDATE, str(out), "4"], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    run = subprocess.run(
+        [sys.executable, "-c", VALIDATE, str(out), "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert run.returncode != 0 and "train_batch_size is not equal" in run.stderr
 
 
@@ -180,9 +217,10 @@ def test_notebook_runs_on_a_study(trials_dir, monkeypatch):
 
     make_study("nb")
     nb = nbformat.read(ROOT / "notebooks" / "explore_study.ipynb", as_version=4)
-    monkeypatch.setenv("AUTOTUNE_STUDY", "nb")                   # the kernel inherits the environment
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(trials_dir.parent)}}).execute()
+    monkeypatch.setenv("AUTOTUNE_STUDY", "nb")  # the kernel inherits the environment
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(trials_dir.parent)}}
+    ).execute()
     text = json.dumps([c.get("outputs", []) for c in nb.cells])
     assert "study nb:" in text and "3 runs with a peak" in text and "image/png" in text
-    assert "peak" in text and "GiB of" in text          # the report_pictures cell printed its memory bars
+    assert "peak" in text and "GiB of" in text  # the report_pictures cell printed its memory bars

@@ -13,8 +13,8 @@ from autotune import memory as mem
 from autotune import report
 from autotune.report import pictures as rp
 from autotune.search import study as st
-from autotune.trial.record import FAILED
 from autotune.search.session import open_search
+from autotune.trial.record import FAILED
 
 PICTURES = ("memory_terms.png", "frontier.png", "step_time.png")
 
@@ -24,7 +24,7 @@ def _search(root: Path, monkeypatch, n_trials: int, **kw):
     with open_search(**kw) as s:
         s.run(n_trials=n_trials, progress=False)
         name = s.study.study_name
-    return st.load_study(name)        # read back from the database, as `autotune report` does
+    return st.load_study(name)  # read back from the database, as `autotune report` does
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def sim_root(tmp_path_factory):
 @pytest.fixture
 def sim_study(sim_root, monkeypatch):
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(sim_root))
-    return st.load_study(None)        # the most recent (the only) study under the root
+    return st.load_study(None)  # the most recent (the only) study under the root
 
 
 def check_content(study) -> rp.Pictures:
@@ -55,7 +55,7 @@ def check_content(study) -> rp.Pictures:
         e = mem.estimate(model, cluster, recs[b.trial].config)
         assert sum(b.groups.values()) == b.total_bytes == e.total_bytes
         assert b.tensor_peak_bytes == e.tensor_peak_bytes and b.phase == e.phase
-        if b.status == "ok":     # a run's bar is its recorded estimate: the memory model's, before the online
+        if b.status == "ok":  # a run's bar is its recorded estimate: the memory model's, before the online
             # correction (a measured peak off the estimate moves total_bytes; seen once on a loaded machine)
             assert b.total_bytes == recs[b.trial].estimate["model_total_bytes"]
     decided = {n for n, r in recs.items() if r.status in ("ok", "pruned", *FAILED)}
@@ -85,7 +85,8 @@ def check_files(study, out: Path) -> None:
     assert md.index("## Why this configuration") < md.index("![memory_terms]") < md.index("## Ranked runs")
     assert "**Winner #" in md and "**Memory**" in md and "**Ruled out**" in md
     assert md.count("data:image/png;base64,") == 0 and (out / "report.html").read_text().count(
-        "data:image/png;base64,") == md.count("![")
+        "data:image/png;base64,"
+    ) == md.count("![")
 
 
 @pytest.mark.slow
@@ -128,10 +129,10 @@ def test_a_margin_within_the_winners_step_spread_is_flagged():
     from autotune.report.page import within_noise
     from autotune.trial.record import TrialResult
 
-    steps = TrialResult(status="ok", step_time_s=1.0, step_time_spread_s=0.15)   # steps 15% apart
+    steps = TrialResult(status="ok", step_time_s=1.0, step_time_spread_s=0.15)  # steps 15% apart
     assert "within the 15% spread" in within_noise(0.053, steps)
     assert within_noise(0.20, steps) == ""
-    assert within_noise(0.01, TrialResult(status="ok", step_time_s=1.0, step_time_spread_s=0.0)) == ""   # simulated
+    assert within_noise(0.01, TrialResult(status="ok", step_time_s=1.0, step_time_spread_s=0.0)) == ""  # simulated
     assert within_noise(0.01, None) == ""
 
 
@@ -158,9 +159,20 @@ def test_html_in_headless_chromium(sim_study, tmp_path):
     out = tmp_path / "out"
     report.write_outputs(sim_study, out)
     shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,2400",
-                    f"--screenshot={shot}", (out / "report.html").as_uri()],
-                   check=True, timeout=120, capture_output=True)
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--window-size=1200,2400",
+            f"--screenshot={shot}",
+            (out / "report.html").as_uri(),
+        ],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
     import matplotlib.image
 
     img = matplotlib.image.imread(shot)
@@ -174,9 +186,22 @@ def test_html_in_headless_chromium(sim_study, tmp_path):
 def _frame(source: str):
     import pandas as pd
 
-    rows = [{"trial": i, "status": "ok", "source": source, "zero_stage": z, "precision": "bf16", "micro_batch": 2,
-             "grad_accum": 1, "ckpt_layers": 0, "samples_per_s": s, "peak_bytes": 2**30 * (i + 1),
-             "est_tensor_bytes": 2**30 * (i + 1.1)} for i, (z, s) in enumerate([(0, 3.0), (2, 5.5), (3, 4.25)])]
+    rows = [
+        {
+            "trial": i,
+            "status": "ok",
+            "source": source,
+            "zero_stage": z,
+            "precision": "bf16",
+            "micro_batch": 2,
+            "grad_accum": 1,
+            "ckpt_layers": 0,
+            "samples_per_s": s,
+            "peak_bytes": 2**30 * (i + 1),
+            "est_tensor_bytes": 2**30 * (i + 1.1),
+        }
+        for i, (z, s) in enumerate([(0, 3.0), (2, 5.5), (3, 4.25)])
+    ]
     return pd.DataFrame(rows)
 
 

@@ -16,24 +16,30 @@ from pathlib import Path
 
 import optuna
 import pytest
+from conftest import finished_runs
 
-from autotune.search import study as st
 from autotune.cli import main
 from autotune.executors.base import Executor
-from autotune.trial.record import TrialResult
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import SpecError, from_hf_config
+from autotune.search import study as st
 from autotune.search.loop import Search
 from autotune.search.space import expand, parse_space
 from autotune.train_config import TrainConfig
+from autotune.trial.record import TrialResult
 from autotune.units import MiB
 
-from conftest import finished_runs
-
 ROOT = Path(__file__).resolve().parent.parent
-TINY = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-        "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
+TINY = {
+    "model_type": "llama",
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+}
 SPACE = "zero_stage: [0, 1, 3]\nprecision: [fp32]\nmicro_batch: [1, 2, 4, 8]\nckpt_layers: all\n"
 SEQ = 64
 
@@ -55,9 +61,13 @@ class Landscape(Executor):
         status = self.status(c)
         sps = c.micro_batch / (1 + c.ckpt_layers / 8) * (1.2 if c.zero_stage == 1 else 1.0)
         ticket = str(len(self.seen))
-        self.pending[ticket] = TrialResult(status=status, samples_per_s=sps if status == "ok" else None,
-                                           reason="" if status == "ok" else f"{status} by the table",
-                                           log_tail=f"log of {c.short()}", peak_bytes=1 << 20)
+        self.pending[ticket] = TrialResult(
+            status=status,
+            samples_per_s=sps if status == "ok" else None,
+            reason="" if status == "ok" else f"{status} by the table",
+            log_tail=f"log of {c.short()}",
+            peak_bytes=1 << 20,
+        )
         return ticket
 
     def wait_any(self, timeout_s=None):
@@ -77,19 +87,34 @@ def env(tmp_path, monkeypatch):
     model = dataclasses.replace(from_hf_config(cfg), implementation="builtin")
     space = parse_space(SPACE)
     # A cap between the smallest and the largest estimate, so the memory model prunes some and keeps some.
-    totals = sorted(estimate(model, parse_gpus("2xcpu@64GiB"), c).total_bytes
-                    for c in expand(space, model, parse_gpus("2xcpu@64GiB"), seq_len=SEQ).candidates)
+    totals = sorted(
+        estimate(model, parse_gpus("2xcpu@64GiB"), c).total_bytes
+        for c in expand(space, model, parse_gpus("2xcpu@64GiB"), seq_len=SEQ).candidates
+    )
     cap_mib = totals[len(totals) // 2] // MiB
-    return {"model": model, "cluster": parse_gpus(f"2xcpu@{cap_mib}MiB"), "space": space, "cfg_path": cfg,
-            "cap_mib": cap_mib, "tmp": tmp_path}
+    return {
+        "model": model,
+        "cluster": parse_gpus(f"2xcpu@{cap_mib}MiB"),
+        "space": space,
+        "cfg_path": cfg,
+        "cap_mib": cap_mib,
+        "tmp": tmp_path,
+    }
 
 
 def _search(env, executor, name="s", resume=False, **kw) -> Search:
     if resume:
         study = st.load_study(name)
     else:
-        attrs = st.study_attrs(env["model"], env["cluster"], seq_len=SEQ, global_batch=kw.get("global_batch"),
-                               space_text=env["space"].text, space_path="test", source="measured")
+        attrs = st.study_attrs(
+            env["model"],
+            env["cluster"],
+            seq_len=SEQ,
+            global_batch=kw.get("global_batch"),
+            space_text=env["space"].text,
+            space_path="test",
+            source="measured",
+        )
         study = st.create_study(name, None, attrs, sampler=None)
     return Search(study, env["model"], env["cluster"], env["space"], executor, seq_len=SEQ, **kw)
 
@@ -100,12 +125,12 @@ def _by_status(study) -> Counter:
 
 def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
     ex = Landscape()
-    s = _search(env, ex, exhaustive=True)      # every group runs: the bookkeeping of all of them is under test
+    s = _search(env, ex, exhaustive=True)  # every group runs: the bookkeeping of all of them is under test
     summary = s.run(progress=False)
     trials = s.study.trials
     assert summary.stop == "exhausted"
     keys = [st.record_of(t).config.key() for t in trials]
-    assert len(keys) == len(set(keys)) == summary.candidates          # every candidate decided exactly once
+    assert len(keys) == len(set(keys)) == summary.candidates  # every candidate decided exactly once
     assert len(ex.seen) == len({c.key() for c in ex.seen}) == summary.ok  # nothing ran twice
     for t in trials:
         a, e = t.user_attrs, t.user_attrs["estimate"]
@@ -135,23 +160,34 @@ def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
 def test_oom_skips_larger_micro_batches_and_failures_keep_status_reason_log(env):
     # A cap that lets ZeRO-3 run micro batches 1 and 2 without checkpointing; micro batch 1 then runs
     # out of memory in the table, so micro batch 2 (and any larger one fitting at k = 0) must not run.
-    need = estimate(env["model"], parse_gpus("2xcpu@64GiB"),
-                    TrainConfig(zero_stage=3, precision="fp32", micro_batch=2, seq_len=SEQ)).total_bytes
+    need = estimate(
+        env["model"], parse_gpus("2xcpu@64GiB"), TrainConfig(zero_stage=3, precision="fp32", micro_batch=2, seq_len=SEQ)
+    ).total_bytes
     env = {**env, "cluster": parse_gpus(f"2xcpu@{-(-need // MiB)}MiB")}
     cands = expand(env["space"], env["model"], env["cluster"], seq_len=SEQ).candidates
     fit0 = [c for c in cands if c.ckpt_layers == 0 and estimate(env["model"], env["cluster"], c).fits]
     zero = 3
     mbs = sorted(c.micro_batch for c in fit0 if c.zero_stage == zero)
     assert mbs[:2] == [1, 2]
-    ex = Landscape(status=lambda c: "oom" if (c.zero_stage, c.micro_batch, c.ckpt_layers) == (zero, mbs[0], 0)
-                   else "crashed" if c.zero_stage != zero and c.micro_batch == 1 else "ok")
-    s = _search(env, ex, prior=lambda c: 1.0 / c.micro_batch)    # small micro batches first
+    ex = Landscape(
+        status=lambda c: (
+            "oom"
+            if (c.zero_stage, c.micro_batch, c.ckpt_layers) == (zero, mbs[0], 0)
+            else "crashed"
+            if c.zero_stage != zero and c.micro_batch == 1
+            else "ok"
+        )
+    )
+    s = _search(env, ex, prior=lambda c: 1.0 / c.micro_batch)  # small micro batches first
     s.run(progress=False)
     trials = s.study.trials
     oom = [t for t in trials if t.user_attrs["status"] == "oom"]
     assert len(oom) == 1 and oom[0].state == optuna.trial.TrialState.FAIL
-    implied = {(st.record_of(t).config.zero_stage, st.record_of(t).config.micro_batch, st.record_of(t).config.ckpt_layers): t
-               for t in trials if t.user_attrs.get("pruned_by") == "oom-implied"}
+    implied = {
+        (st.record_of(t).config.zero_stage, st.record_of(t).config.micro_batch, st.record_of(t).config.ckpt_layers): t
+        for t in trials
+        if t.user_attrs.get("pruned_by") == "oom-implied"
+    }
     assert set(implied) == {(zero, mb, 0) for mb in mbs[1:]}
     for t in implied.values():
         assert f"trial {oom[0].number} ran out of memory at micro batch {mbs[0]}" in t.user_attrs["reason"]
@@ -167,7 +203,7 @@ def test_oom_skips_larger_micro_batches_and_failures_keep_status_reason_log(env)
 def test_interrupt_keeps_completed_and_resume_redoes_none(env):
     ex = Landscape(slots=2, stop_after=3)
     with pytest.raises(KeyboardInterrupt):
-        _search(env, ex, exhaustive=True).run(progress=False)     # not stopped by the bound before the interrupt
+        _search(env, ex, exhaustive=True).run(progress=False)  # not stopped by the bound before the interrupt
     study = st.load_study("s")
     done = {st.record_of(t).config.key() for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
     interrupted = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
@@ -177,8 +213,8 @@ def test_interrupt_keeps_completed_and_resume_redoes_none(env):
     assert s2.summary.ok == len(done) and s2.summary.interrupted == len(interrupted)
     s2.run(progress=False)
     rerun = {c.key() for c in ex2.seen}
-    assert not rerun & done                                             # no completed config again
-    assert {st.record_of(t).config.key() for t in interrupted} <= rerun        # interrupted ones do run
+    assert not rerun & done  # no completed config again
+    assert {st.record_of(t).config.key() for t in interrupted} <= rerun  # interrupted ones do run
     complete = [st.record_of(t).config.key() for t in s2.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == len(set(complete))
 
@@ -191,14 +227,14 @@ def test_stale_running_trial_of_a_killed_process_is_rerun(env):
     s.run(n_trials=1, progress=False)
     first = s.strategy.pick(s.plan.available(set()))
     s.sampler.chosen = st.params_of(first.cfg, s.dists)
-    t = s.study.ask(s.dists)                    # what a process killed with SIGKILL leaves: RUNNING
+    t = s.study.ask(s.dists)  # what a process killed with SIGKILL leaves: RUNNING
     for k, v in {"config": first.cfg.to_dict(), "status": "running", "owner": "nohost:1"}.items():
         t.set_user_attr(k, v)
     ex = Landscape()
     s2 = _search(env, ex, resume=True, prior=prior)
     assert s2.study.trials[t.number].state == optuna.trial.TrialState.FAIL
     s2.run(n_trials=2, progress=False)
-    assert [c.key() for c in ex.seen] == [first.cfg.key()]              # budget 2 = the old run + this one
+    assert [c.key() for c in ex.seen] == [first.cfg.key()]  # budget 2 = the old run + this one
 
 
 def test_budget_counts_runs_across_resume(env):
@@ -227,7 +263,7 @@ def test_corrector_hook_tightens_pruning_and_sees_results(env):
 
     class Stricter:
         def __call__(self, est, cfg):
-            return est.total_bytes * (2 if seen else 1)     # after the first result: estimates x2
+            return est.total_bytes * (2 if seen else 1)  # after the first result: estimates x2
 
         def observe(self, est, cfg, result):
             seen.append((cfg, result.status))
@@ -246,7 +282,7 @@ def test_global_batch_sets_grad_accum(env):
     ex = Landscape()
     _search(env, ex, global_batch=8).run(progress=False)
     assert ex.seen and all(c.micro_batch * c.grad_accum * 2 == 8 for c in ex.seen)
-    assert {c.micro_batch for c in ex.seen} <= {1, 2, 4}                # 8 x 2 ranks does not divide 8
+    assert {c.micro_batch for c in ex.seen} <= {1, 2, 4}  # 8 x 2 ranks does not divide 8
 
 
 def _cli(env, *args) -> int:
@@ -263,15 +299,18 @@ def _dump(db: Path) -> list[str]:
 def test_existing_study_corrupt_database_and_unknown_study_exit_2_untouched(env, capsys):
     _search(env, Landscape(), name="taken").run(n_trials=1, progress=False)
     db = env["tmp"] / "trials" / "taken" / "study.db"
-    before = _dump(db)      # the content, not the bytes: SQLite may checkpoint its WAL file at any close
+    before = _dump(db)  # the content, not the bytes: SQLite may checkpoint its WAL file at any close
     assert _cli(env, "--study", "taken") == 2
     err = capsys.readouterr().err
     assert "already exists" in err and "--resume" in err and _dump(db) == before
     bad = env["tmp"] / "trials" / "broken" / "study.db"
     bad.parent.mkdir(parents=True)
     bad.write_bytes(b"not a database" * 10)
-    for argv in (["search", "--model", str(env["cfg_path"]), "--gpus", "2xcpu", "--study", "broken"],
-                 ["report", "--study", "broken"], ["export", "--study", "broken", "--out", "x.json"]):
+    for argv in (
+        ["search", "--model", str(env["cfg_path"]), "--gpus", "2xcpu", "--study", "broken"],
+        ["report", "--study", "broken"],
+        ["export", "--study", "broken", "--out", "x.json"],
+    ):
         assert main(argv) == 2
         assert "not a SQLite database" in capsys.readouterr().err
     assert bad.read_bytes() == b"not a database" * 10
@@ -282,6 +321,7 @@ def test_existing_study_corrupt_database_and_unknown_study_exit_2_untouched(env,
     with pytest.raises(SpecError, match="not an Optuna study"):
         other = env["tmp"] / "other.db"
         import sqlite3
+
         with sqlite3.connect(other) as con:
             con.execute("create table t (x)")
         st.load_study("x", f"sqlite:///{other}")
@@ -291,7 +331,9 @@ def test_existing_study_corrupt_database_and_unknown_study_exit_2_untouched(env,
 def test_main_command_without_the_gpus_is_simulated_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     # --exhaustive: two runs, where the stopping rule ends this search after one
-    assert main(["search", "--model", "13b", "--gpus", "4xA100", "--n-trials", "2", "--exhaustive", "--no-progress"]) == 0
+    assert (
+        main(["search", "--model", "13b", "--gpus", "4xA100", "--n-trials", "2", "--exhaustive", "--no-progress"]) == 0
+    )
     out = capsys.readouterr().out
     assert "executor: simulated" in out and "SIMULATED by the cost model, not measured" in out
     assert "samples/s (simulated)" in out and "samples/s (measured)" not in out
@@ -318,24 +360,41 @@ def test_end_to_end_real_trials_killed_and_resumed(killed_and_resumed):
     study = optuna.load_study(study_name="e2e", storage=f"sqlite:///{db}")
     real = [t for t in study.trials if t.user_attrs["status"] in ("ok", "oom", "timeout", "crashed", "diverged")]
     keys = [json.dumps(t.user_attrs["config"], sort_keys=True) for t in real]
-    assert len(real) == 3 and len(keys) == len(set(keys))        # budget of 3 runs, none twice
+    assert len(real) == 3 and len(keys) == len(set(keys))  # budget of 3 runs, none twice
     assert done_before <= set(keys) and len(runs) >= 3
     assert all(t.user_attrs["source"] == "measured" for t in real)
     ok = [t for t in real if t.user_attrs["status"] == "ok"]
     assert ok and all(t.value > 0 and t.user_attrs["result"]["peak_bytes"] > 0 for t in ok)
-    assert any(t.user_attrs.get("pruned_by") == "memory" for t in study.trials)     # the cap pruned some
-    rep = subprocess.run([sys.executable, "-m", "autotune", "report", "--study", "e2e", "--format", "json"],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert any(t.user_attrs.get("pruned_by") == "memory" for t in study.trials)  # the cap pruned some
+    rep = subprocess.run(
+        [sys.executable, "-m", "autotune", "report", "--study", "e2e", "--format", "json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     ranked = json.loads(rep.stdout)["ranked"]
     values = [r["samples/s (measured)"] for r in ranked]
     assert values == sorted(values, reverse=True) and values[0] == pytest.approx(max(t.value for t in ok))
-    exp = subprocess.run([sys.executable, "-m", "autotune", "export", "--study", "e2e", "--out", "ds.json"],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    exp = subprocess.run(
+        [sys.executable, "-m", "autotune", "export", "--study", "e2e", "--out", "ds.json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert exp.returncode == 0 and "deepspeed --num_gpus 2" in exp.stdout
     from test_report_export import VALIDATE
 
-    check = subprocess.run([sys.executable, "-c", VALIDATE, str(tmp_path / "ds.json"), "2"], capture_output=True,
-                           text=True, timeout=120, env=env)
+    check = subprocess.run(
+        [sys.executable, "-c", VALIDATE, str(tmp_path / "ds.json"), "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert check.returncode == 0, check.stderr[-2000:]
     assert json.loads(check.stdout.strip().splitlines()[-1])["world"] == 2
 
@@ -345,11 +404,17 @@ def test_bulk_pruned_records_read_back_as_add_trials_writes_them(tmp_path, monke
     wrote reads back through Optuna exactly as `Study.add_trials` writes it, numbered after a running
     trial, and the study goes on (ask, tell) as usual."""
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
-    cfgs = [TrainConfig(zero_stage=z, micro_batch=b, precision=p) for z in (0, 3) for b in (1, 2, 8)
-            for p in ("fp32", "bf16")]
+    cfgs = [
+        TrainConfig(zero_stage=z, micro_batch=b, precision=p)
+        for z in (0, 3)
+        for b in (1, 2, 8)
+        for p in ("fp32", "bf16")
+    ]
     dists = st.distributions(cfgs)
-    records = [st.pruned_record(c, dists, {"pruned_by": "memory", "reason": f"r{i}", "estimate": {"total_bytes": i}})
-               for i, c in enumerate(cfgs)]
+    records = [
+        st.pruned_record(c, dists, {"pruned_by": "memory", "reason": f"r{i}", "estimate": {"total_bytes": i}})
+        for i, c in enumerate(cfgs)
+    ]
     studies = {}
     for name, write in (("one", lambda s, r: s.add_trials(r)), ("bulk", st.add_finished)):
         study = st.create_study(name, None, {"x": 1}, sampler=optuna.samplers.RandomSampler(seed=0))
@@ -374,19 +439,24 @@ def test_records_read_from_the_rows_equal_optunas_trials(tmp_path, monkeypatch):
     kind of trial (pruned in bulk, complete with a result, failed, running, one left running by a dead
     process) reads back as record_of(FrozenTrial) reads it."""
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
-    monkeypatch.setattr(st, "_CONFIGS", {})      # no config text read by an earlier test
+    monkeypatch.setattr(st, "_CONFIGS", {})  # no config text read by an earlier test
     cfgs = [TrainConfig(zero_stage=z, micro_batch=b) for z in (0, 2) for b in (1, 4)]
     dists = st.distributions(cfgs)
     study = st.create_study("rows", None, {"x": 1}, sampler=st.ChosenSampler())
-    st.add_finished(study, [st.pruned_record(c, dists, {"pruned_by": "memory", "reason": "r", "estimate": {"total_bytes": 7}})
-                            for c in cfgs[:2]])
+    st.add_finished(
+        study,
+        [
+            st.pruned_record(c, dists, {"pruned_by": "memory", "reason": "r", "estimate": {"total_bytes": 7}})
+            for c in cfgs[:2]
+        ],
+    )
     ok = st.start_trial(study, cfgs[2], dists, st.running_attrs(cfgs[2], {"estimate": {"total_bytes": 9}}))
     for k, v in st.result_attrs(TrialResult(status="ok", samples_per_s=3.25, step_time_s=0.5)).items():
         ok.set_user_attr(k, v)
     study.tell(ok, 3.25)
     failed = st.start_trial(study, cfgs[3], dists, st.running_attrs(cfgs[3], {}))
     study.tell(failed, state=optuna.trial.TrialState.FAIL)
-    st.start_trial(study, cfgs[1], dists, st.running_attrs(cfgs[1], {}))     # still running
+    st.start_trial(study, cfgs[1], dists, st.running_attrs(cfgs[1], {}))  # still running
     fresh = st.load_study("rows")
     slow = [st.record_of(t) for t in sorted(fresh.get_trials(deepcopy=False), key=lambda t: t.number)]
     fast = st.records(fresh)

@@ -57,7 +57,12 @@ def test_deepspeed_autotuner_emulation(landscape):
     order = se.deepspeed_autotuner(landscape, 0)
     assert isinstance(order[0], se.ProfileRun) and (order[0].cfg.zero_stage, order[0].cfg.micro_batch) == (3, 1)
     assert [(c.zero_stage, c.micro_batch, c.ckpt_layers) for c in order[1:]] == [
-        (0, 1, 0), (0, 2, 0), (3, 1, 0), (3, 8, 0), (3, 4, 0)]
+        (0, 1, 0),
+        (0, 2, 0),
+        (3, 1, 0),
+        (3, 8, 0),
+        (3, 4, 0),
+    ]
     assert se.reach(landscape, order)[0] is None
 
 
@@ -77,11 +82,15 @@ def test_perturbed_landscape_is_bounded_structured_and_seeded(landscape):
     """The error of a perturbed copy stays within its amplitude, is the same for one seed and another
     for another seed, and the prior ours sees is the unperturbed landscape."""
     a = se.perturbed(landscape, 0.15, 3)
-    ratios = {c.key(): a.run(c).samples_per_s / landscape.run(c).samples_per_s
-              for c in landscape.configs if landscape.run(c).status == "ok"}
+    ratios = {
+        c.key(): a.run(c).samples_per_s / landscape.run(c).samples_per_s
+        for c in landscape.configs
+        if landscape.run(c).status == "ok"
+    }
     assert all(abs(r - 1) <= 0.15 + 1e-12 for r in ratios.values()) and max(abs(r - 1) for r in ratios.values()) > 0.01
-    assert ratios == {k: se.perturbed(landscape, 0.15, 3).table[k].samples_per_s / landscape.table[k].samples_per_s
-                      for k in ratios}
+    assert ratios == {
+        k: se.perturbed(landscape, 0.15, 3).table[k].samples_per_s / landscape.table[k].samples_per_s for k in ratios
+    }
     assert a.table != se.perturbed(landscape, 0.15, 4).table
     assert a.prior == {k: o.samples_per_s for k, o in landscape.table.items() if o.status == "ok"}
     # the stage factor is shared: configs of one stage and micro batch differ by the k trend and the noise alone
@@ -90,7 +99,9 @@ def test_perturbed_landscape_is_bounded_structured_and_seeded(landscape):
     noise = 2 * se.PERTURB_SHARES["noise"] * 0.15
     assert abs(ratios[z0[0].key()] - ratios[z3[0].key()]) > 0 and all(
         abs(ratios[c.key()] - ratios[z0[0].key()]) <= noise + 2 * se.PERTURB_SHARES["ckpt"] * 0.15 + 1e-12
-        for c in z0 if c.key() in ratios)
+        for c in z0
+        if c.key() in ratios
+    )
 
 
 def _restaged(landscape, z3_speed: float):

@@ -12,8 +12,15 @@ from autotune.hardware import parse_gpus
 from autotune.models import SpecError, resolve_model
 from autotune.search.space import DEFAULT_SPACE, SPACES_DIR, SearchSpace, expand, load_space, parse_space
 
-TINY = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-        "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
+TINY = {
+    "model_type": "llama",
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+}
 
 
 def _error(text: str) -> str:
@@ -47,22 +54,25 @@ def test_bad_value_names_the_line_of_the_item():
     assert "line 4" in msg and "zero_stage" in msg and "5" in msg and "0, 1, 2, 3" in msg
 
 
-@pytest.mark.parametrize("text, line, words", [
-    ("micro_batch: [1, 0]\n", 1, ["micro_batch", "positive"]),
-    ("\n\nckpt_layers: [0, 2L]\n", 3, ["ckpt_layers", "'2L'"]),
-    ("offload_optimizer: [yes please]\n", 1, ["offload_optimizer", "true or false"]),
-    ("precision: [fp8]\n", 1, ["precision", "fp8"]),
-    ("zero_stage: [true]\n", 1, ["zero_stage"]),
-    ("micro_batch: []\n", 1, ["empty"]),
-    ("micro_batch: {a: 1}\n", 1, ["mapping"]),
-    ("trial:\n  steps: 2\n  timout: 5m\n", 3, ["trial.timout", "did you mean 'timeout'"]),
-    ("trial:\n  timeout: soon\n", 2, ["trial.timeout", "duration"]),
-    ("trial:\n  steps: 0\n", 2, ["trial.steps", ">= 1"]),
-    ("zero_stage: [0]\nzero_stage: [1]\n", 2, ["twice"]),
-    ("trial:\n  steps: 2\n  steps: 3\n", 3, ["'trial.steps' given twice"]),
-    ("zero_stage: [0\nmicro_batch: 1\n", 2, ["not valid YAML"]),
-    ("- 1\n- 2\n", 1, ["mapping"]),
-])
+@pytest.mark.parametrize(
+    "text, line, words",
+    [
+        ("micro_batch: [1, 0]\n", 1, ["micro_batch", "positive"]),
+        ("\n\nckpt_layers: [0, 2L]\n", 3, ["ckpt_layers", "'2L'"]),
+        ("offload_optimizer: [yes please]\n", 1, ["offload_optimizer", "true or false"]),
+        ("precision: [fp8]\n", 1, ["precision", "fp8"]),
+        ("zero_stage: [true]\n", 1, ["zero_stage"]),
+        ("micro_batch: []\n", 1, ["empty"]),
+        ("micro_batch: {a: 1}\n", 1, ["mapping"]),
+        ("trial:\n  steps: 2\n  timout: 5m\n", 3, ["trial.timout", "did you mean 'timeout'"]),
+        ("trial:\n  timeout: soon\n", 2, ["trial.timeout", "duration"]),
+        ("trial:\n  steps: 0\n", 2, ["trial.steps", ">= 1"]),
+        ("zero_stage: [0]\nzero_stage: [1]\n", 2, ["twice"]),
+        ("trial:\n  steps: 2\n  steps: 3\n", 3, ["'trial.steps' given twice"]),
+        ("zero_stage: [0\nmicro_batch: 1\n", 2, ["not valid YAML"]),
+        ("- 1\n- 2\n", 1, ["mapping"]),
+    ],
+)
 def test_errors_name_key_and_line(text, line, words):
     msg = _error(text)
     assert f"s.yaml, line {line}:" in msg, msg
@@ -78,8 +88,8 @@ def test_scalars_are_one_value_lists_and_trial_settings_parse():
 
 def test_ckpt_symbols_resolve_against_the_layer_count():
     s = parse_space("ckpt_layers: [0, L/4, L/2, 3L/4, L, 48]\n")
-    assert s.ckpt_values(40) == [0, 10, 20, 30, 40]        # 48 clipped to L = 40
-    assert s.ckpt_values(6) == [0, 1, 3, 4, 6]              # 6/4 -> 1, 18/4 -> 4 (floor)
+    assert s.ckpt_values(40) == [0, 10, 20, 30, 40]  # 48 clipped to L = 40
+    assert s.ckpt_values(6) == [0, 1, 3, 4, 6]  # 6/4 -> 1, 18/4 -> 4 (floor)
     assert parse_space("ckpt_layers: all\n").ckpt_values(3) == [0, 1, 2, 3]
 
 
@@ -89,15 +99,22 @@ def test_expand_counts_and_global_batch():
     space = parse_space("zero_stage: [2, 3]\nmicro_batch: [1, 2, 4, 8]\nckpt_layers: [0, L]\n")
     exp = expand(space, model, cluster, seq_len=2048)
     assert len(exp.candidates) == 2 * 4 * 2 and not exp.excluded
-    assert {c.precision for c in exp.candidates} == {"bf16"}          # auto on an A100
+    assert {c.precision for c in exp.candidates} == {"bf16"}  # auto on an A100
     # 16 sequences per step over 4 GPUs: micro 1 -> accum 4, 2 -> 2, 4 -> 1; 8 x 4 = 32 does not divide 16
     exp = expand(space, model, cluster, seq_len=2048, global_batch=16)
     assert sorted({(c.micro_batch, c.grad_accum) for c in exp.candidates}) == [(1, 4), (2, 2), (4, 1)]
     assert sum(exp.excluded.values()) == 2 * 2 and "does not divide --global-batch 16" in next(iter(exp.excluded))
 
 
-@pytest.mark.parametrize("space,gpus", [(s.name, g) for s in sorted(SPACES_DIR.glob("*.yaml"))
-                                         for g in ("4xA100", "2xcpu") if not (s.name == "full.yaml" and g == "2xcpu")])
+@pytest.mark.parametrize(
+    "space,gpus",
+    [
+        (s.name, g)
+        for s in sorted(SPACES_DIR.glob("*.yaml"))
+        for g in ("4xA100", "2xcpu")
+        if not (s.name == "full.yaml" and g == "2xcpu")
+    ],
+)
 def test_expand_builds_what_checking_every_combination_builds(space, gpus):
     """expand checks each combination of check_combination's fields once and builds the configs that pass it
     without TrainConfig's checks (TrainConfig.prechecked): the same candidates, in the same order, and the same
@@ -130,12 +147,17 @@ def test_a_prechecked_config_is_reset_as_a_checked_one():
 
 
 def test_expand_auto_precision_without_bf16_and_invalid_combinations(tmp_path):
-    space = parse_space("zero_stage: [0, 1]\nprecision: [auto, fp16]\nmicro_batch: [1]\nckpt_layers: [0]\n"
-                        "offload_optimizer: [false, true]\n")
+    space = parse_space(
+        "zero_stage: [0, 1]\nprecision: [auto, fp16]\nmicro_batch: [1]\nckpt_layers: [0]\n"
+        "offload_optimizer: [false, true]\n"
+    )
     exp = expand(space, resolve_model("gpt2"), parse_gpus("2xV100"), seq_len=1024)
     # V100 has no bf16: auto -> fp16 (deduplicated with the explicit fp16); offload needs ZeRO >= 1
     assert {(c.zero_stage, c.precision, c.offload_optimizer) for c in exp.candidates} == {
-        (0, "fp16", False), (1, "fp16", False), (1, "fp16", True)}
+        (0, "fp16", False),
+        (1, "fp16", False),
+        (1, "fp16", True),
+    }
     assert sum(exp.excluded.values()) == 1
     with pytest.raises(SpecError, match="no valid candidate.*fp16 cannot run on CPU"):
         expand(parse_space("precision: [fp16]\n"), resolve_model("gpt2"), parse_gpus("2xcpu@1GiB"), seq_len=64)

@@ -17,11 +17,11 @@ import ray
 
 from autotune import executors
 from autotune.executors import ray_auth
-from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 from autotune.trial import launch
+from autotune.trial.record import TrialRequest
 
 CLIENT = """
 import sys, ray
@@ -37,26 +37,27 @@ def client(gcs: str, home, **env) -> subprocess.CompletedProcess:
     # Ray retries a refused connection 20 times, ~1 s apart (ray/_private/ray_constants.py
     # NUM_REDIS_GET_RETRIES); 5 tell the same story sooner.
     base.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", RAY_NUM_REDIS_GET_RETRIES="5")
-    return subprocess.run([sys.executable, "-c", CLIENT, gcs], env={**base, **env}, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-c", CLIENT, gcs], env={**base, **env}, capture_output=True, text=True, timeout=180
+    )
 
 
 @pytest.mark.slow
 def test_local_cluster_runs_tasks_for_the_token_holder_only(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
-    with executors.make("ray", parse_gpus("1xcpu")):     # the local cluster, as `autotune search` starts it
+    with executors.make("ray", parse_gpus("1xcpu")):  # the local cluster, as `autotune search` starts it
         gcs = ray.get_runtime_context().gcs_address
         token = ray_auth.token_file()
         assert token is not None and token.stat().st_mode & 0o777 == 0o600
 
-        refused = client(gcs, home)                             # no token anywhere: not in env, not in home
+        refused = client(gcs, home)  # no token anywhere: not in env, not in home
         out = refused.stdout + refused.stderr
         assert refused.returncode != 0 and "result:" not in refused.stdout
-        assert "InvalidAuthToken" in out, out[-3000:]           # the GCS said no, not the client
+        assert "InvalidAuthToken" in out, out[-3000:]  # the GCS said no, not the client
         why = next(line for line in out.splitlines() if "InvalidAuthToken" in line)
         print(f"\nclient without token -> {gcs}: exit {refused.returncode}\n{why}\n{out.strip().splitlines()[-1]}")
-        assert not (home / ".ray").exists()                     # and it did not make itself a token
+        assert not (home / ".ray").exists()  # and it did not make itself a token
 
         accepted = client(gcs, home, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
         print(f"client with the token -> {gcs}: exit {accepted.returncode}\n{accepted.stdout.strip()}")
@@ -69,12 +70,12 @@ def test_token_file_is_created_owner_only_and_an_open_one_is_tightened(tmp_path,
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert ray_auth.secure_local_cluster() == path
-    assert os.environ["RAY_AUTH_MODE"] == "token"               # overridden, and said so
+    assert os.environ["RAY_AUTH_MODE"] == "token"  # overridden, and said so
     assert "ignored: the local Ray cluster autotune starts listens on every" in capsys.readouterr().err
     assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_text()) == 64
     first = path.read_text()
 
-    path.chmod(0o644)                                           # as Ray itself writes it
+    path.chmod(0o644)  # as Ray itself writes it
     ray_auth.secure_local_cluster()
     assert path.stat().st_mode & 0o777 == 0o600 and path.read_text() == first
     assert "was readable by other users (mode 644)" in capsys.readouterr().err
@@ -103,8 +104,11 @@ def listening_while(work, poll_s: float = 0.2) -> tuple[list, set]:
     while runner.is_alive():
         family = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
         try:
-            listening |= {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp")
-                          if c.status == psutil.CONN_LISTEN and c.pid in family}
+            listening |= {
+                (c.laddr.ip, c.laddr.port)
+                for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.pid in family
+            }
         except psutil.Error:  # a process that exits mid-listing
             pass
         time.sleep(poll_s)
@@ -116,9 +120,15 @@ def listening_while(work, poll_s: float = 0.2) -> tuple[list, set]:
 def test_single_node_trial_listens_on_loopback_only(tmp_path):
     """Every socket the launcher and its ranks listen on during a 2-rank trial is on 127.0.0.1 (left to
     torch, the rendezvous store listened on every interface)."""
-    req = TrialRequest(model=resolve_model("tiny-llama"), cluster=parse_gpus("2xcpu"),
-                       config=TrainConfig(zero_stage=2, precision="bf16", seq_len=32), out_dir=tmp_path / "t",
-                       steps=3, warmup_steps=1, timeout_s=150.0)
+    req = TrialRequest(
+        model=resolve_model("tiny-llama"),
+        cluster=parse_gpus("2xcpu"),
+        config=TrainConfig(zero_stage=2, precision="bf16", seq_len=32),
+        out_dir=tmp_path / "t",
+        steps=3,
+        warmup_steps=1,
+        timeout_s=150.0,
+    )
     done, listening = listening_while(lambda: launch.run_trial(req, threads=1))
     assert done and done[0].status == "ok", done and done[0].reason
     assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening

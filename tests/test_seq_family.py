@@ -6,17 +6,16 @@ must not change."""
 import dataclasses
 
 import pytest
+from conftest import quick
+from test_memory_hf import CONFIGS, spec
 
 from autotune.hardware import parse_gpus
 from autotune.memory import code_trace, estimate, limits
 from autotune.train_config import TrainConfig
 
-from conftest import quick
-from test_memory_hf import CONFIGS, spec
-
 CASES = [  # family, precision, attention, ckpt, method, field, values
     ("llama", "bf16", "sdpa", 1, "full", "seq_len", (16, 48, 128)),
-    ("gpt2", "fp32", "eager", 0, "full", "seq_len", (16, 64, 128)),     # s x s attention probabilities
+    ("gpt2", "fp32", "eager", 0, "full", "seq_len", (16, 64, 128)),  # s x s attention probabilities
     ("qwen2", "bf16", "sdpa", 0, "lora", "seq_len", (16, 64, 128)),
     ("factory", "bf16", "sdpa", 1, "full", "seq_len", (16, 64, 128)),
     ("llama", "fp32", "eager", 2, "full", "micro_batch", (2, 4, 9)),
@@ -29,17 +28,20 @@ def _fresh(monkeypatch):
 
 
 @pytest.mark.parametrize("family,precision,attention,ckpt,method,name,values", quick(CASES, fast={CASES[0], CASES[1]}))
-def test_one_build_replays_every_value_to_the_byte(monkeypatch, family, precision, attention, ckpt, method, name,
-                                                   values):
+def test_one_build_replays_every_value_to_the_byte(
+    monkeypatch, family, precision, attention, ckpt, method, name, values
+):
     s = spec(family)
-    cfg = TrainConfig(micro_batch=2, seq_len=48, precision=precision, attention=attention, ckpt_layers=ckpt,
-                      method=method)
+    cfg = TrainConfig(
+        micro_batch=2, seq_len=48, precision=precision, attention=attention, ckpt_layers=ckpt, method=method
+    )
 
-    def program(v):   # one of the programs an estimate traces: `ckpt` checkpointed layers, then 2 more
-        return code_trace.trace_program(s, dataclasses.replace(cfg, **{name: v}), ckpt=ckpt, full=2, fused=False,
-                                        host_rng=True)
+    def program(v):  # one of the programs an estimate traces: `ckpt` checkpointed layers, then 2 more
+        return code_trace.trace_program(
+            s, dataclasses.replace(cfg, **{name: v}), ckpt=ckpt, full=2, fused=False, host_rng=True
+        )
 
-    asked = (values[0] + 1, values[1] + 3, values[2] - 1)   # the probes themselves are their own steps
+    asked = (values[0] + 1, values[1] + 3, values[2] - 1)  # the probes themselves are their own steps
     _fresh(monkeypatch)
     # the first trace of a code in a process can count a few bytes more, of objects the code makes
     # once and keeps (measured: 16 B with peft); both passes below come after it
@@ -49,7 +51,7 @@ def test_one_build_replays_every_value_to_the_byte(monkeypatch, family, precisio
         replayed = {v: program(v) for v in asked}
     assert [f is not None for f in code_trace._FAMILIES.values()] == [True]
     _fresh(monkeypatch)
-    for v in asked:   # every segment peak, every category
+    for v in asked:  # every segment peak, every category
         assert replayed[v] == program(v), v
 
 
@@ -66,8 +68,9 @@ def test_code_that_branches_on_the_length_is_traced_value_by_value(monkeypatch):
     cfg = TrainConfig(micro_batch=2, seq_len=48, precision="bf16")
 
     def program(v):
-        return code_trace.trace_program(s, dataclasses.replace(cfg, seq_len=v), ckpt=0, full=2, fused=False,
-                                        host_rng=True)
+        return code_trace.trace_program(
+            s, dataclasses.replace(cfg, seq_len=v), ckpt=0, full=2, fused=False, host_rng=True
+        )
 
     program(48)
     for values, exact in (((16, 40, 128), False), ((16, 32, 60), True)):
@@ -86,12 +89,12 @@ def test_the_largest_fitting_length_is_the_one_traced_value_by_value(monkeypatch
     cfg = TrainConfig(micro_batch=2, seq_len=48, precision="bf16", ckpt_layers=1)
     _fresh(monkeypatch)
     v = limits.largest_fitting(s, cluster, cfg, "seq_len")
-    assert limits.RANGE["seq_len"][0] < v < limits.RANGE["seq_len"][1]    # answered inside the family's range
+    assert limits.RANGE["seq_len"][0] < v < limits.RANGE["seq_len"][1]  # answered inside the family's range
     assert code_trace._FAMILIES and all(f is not None for f in code_trace._FAMILIES.values())
     _fresh(monkeypatch)
-    with monkeypatch.context() as m:   # a later run: the families are read back from the disk cache
+    with monkeypatch.context() as m:  # a later run: the families are read back from the disk cache
         m.setattr(code_trace, "_run", None)
         assert limits.largest_fitting(s, cluster, cfg, "seq_len") == v
     _fresh(monkeypatch)
-    assert estimate(s, cluster, dataclasses.replace(cfg, seq_len=v)).fits     # traced on their own
+    assert estimate(s, cluster, dataclasses.replace(cfg, seq_len=v)).fits  # traced on their own
     assert not estimate(s, cluster, dataclasses.replace(cfg, seq_len=v + 1)).fits

@@ -9,12 +9,12 @@ import json
 import pytest
 
 from autotune.costmodel import simulate
-from autotune.memory import estimate
 from autotune.executors import simulated as sim
-from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
+from autotune.memory import estimate
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
+from autotune.trial.record import TrialRequest
 
 MODEL, CLUSTER = resolve_model("13b"), parse_gpus("4xA100")
 
@@ -62,8 +62,9 @@ def test_many_in_flight_and_wait_any_returns_all(tmp_path):
 
 
 def test_invalid_config_comes_back_crashed_with_why(tmp_path):
-    req = TrialRequest(model=MODEL, cluster=parse_gpus("4xV100"), config=TrainConfig(zero_stage=3),
-                       out_dir=tmp_path / "t")
+    req = TrialRequest(
+        model=MODEL, cluster=parse_gpus("4xV100"), config=TrainConfig(zero_stage=3), out_dir=tmp_path / "t"
+    )
     res = sim.simulated_result(req)
     assert res.status == "crashed" and "bf16" in res.reason and res.source == "simulated"
 

@@ -43,9 +43,19 @@ def _write(tmp_path, cfg):
 
 
 def test_hf_llama_config_with_gqa_and_tied(tmp_path):
-    p = _write(tmp_path, {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
-                          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-                          "vocab_size": 100, "tie_word_embeddings": True})
+    p = _write(
+        tmp_path,
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+            "tie_word_embeddings": True,
+        },
+    )
     s = resolve_model(str(p))
     # embed 100*64 (tied head), per layer: q 64*64, k,v 64*32 each, o 64*64, mlp 3*64*128, norms 2*64
     per_layer = 64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
@@ -54,26 +64,83 @@ def test_hf_llama_config_with_gqa_and_tied(tmp_path):
 
 
 def test_hf_gpt2_neox_mpt_configs(tmp_path):
-    gpt2 = resolve_model(str(_write(tmp_path, {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12,
-                                               "vocab_size": 50257, "n_positions": 1024})))
+    gpt2 = resolve_model(
+        str(
+            _write(
+                tmp_path,
+                {
+                    "model_type": "gpt2",
+                    "n_layer": 12,
+                    "n_embd": 768,
+                    "n_head": 12,
+                    "vocab_size": 50257,
+                    "n_positions": 1024,
+                },
+            )
+        )
+    )
     assert gpt2.num_params == 124_439_808
     (tmp_path / "n").mkdir()
-    neox = resolve_model(str(_write(tmp_path / "n", {
-        "model_type": "gpt_neox", "num_hidden_layers": 6, "hidden_size": 512, "num_attention_heads": 8,
-        "intermediate_size": 2048, "vocab_size": 50304, "max_position_embeddings": 2048})))
+    neox = resolve_model(
+        str(
+            _write(
+                tmp_path / "n",
+                {
+                    "model_type": "gpt_neox",
+                    "num_hidden_layers": 6,
+                    "hidden_size": 512,
+                    "num_attention_heads": 8,
+                    "intermediate_size": 2048,
+                    "vocab_size": 50304,
+                    "max_position_embeddings": 2048,
+                },
+            )
+        )
+    )
     assert neox.num_params == 70_426_624  # EleutherAI/pythia-70m, model card
     (tmp_path / "m").mkdir()
-    mpt = resolve_model(str(_write(tmp_path / "m", {
-        "model_type": "mpt", "n_layers": 32, "d_model": 4096, "n_heads": 32, "expansion_ratio": 4,
-        "vocab_size": 50432, "max_seq_len": 2048})))
+    mpt = resolve_model(
+        str(
+            _write(
+                tmp_path / "m",
+                {
+                    "model_type": "mpt",
+                    "n_layers": 32,
+                    "d_model": 4096,
+                    "n_heads": 32,
+                    "expansion_ratio": 4,
+                    "vocab_size": 50432,
+                    "max_seq_len": 2048,
+                },
+            )
+        )
+    )
     assert mpt.num_params == presets()["mpt-7b"].num_params
 
 
-@pytest.mark.parametrize("config", [
-    {"model_type": "opt", "num_hidden_layers": 2, "hidden_size": 192, "num_attention_heads": 6, "ffn_dim": 640,
-     "word_embed_proj_dim": 192, "vocab_size": 2048},
-    {"model_type": "falcon", "num_hidden_layers": 2, "hidden_size": 192, "num_attention_heads": 6,
-     "ffn_hidden_size": 640, "vocab_size": 2048}], ids=["opt-ffn_dim", "falcon-ffn_hidden_size"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {
+            "model_type": "opt",
+            "num_hidden_layers": 2,
+            "hidden_size": 192,
+            "num_attention_heads": 6,
+            "ffn_dim": 640,
+            "word_embed_proj_dim": 192,
+            "vocab_size": 2048,
+        },
+        {
+            "model_type": "falcon",
+            "num_hidden_layers": 2,
+            "hidden_size": 192,
+            "num_attention_heads": 6,
+            "ffn_hidden_size": 640,
+            "vocab_size": 2048,
+        },
+    ],
+    ids=["opt-ffn_dim", "falcon-ffn_hidden_size"],
+)
 def test_the_ffn_width_is_read_under_the_name_the_family_gives_it(tmp_path, config):
     """OPT (and XGLM) call it ffn_dim, Falcon ffn_hidden_size: the header line and the spec's shape said
     4 x hidden (768) for a config that says 640."""
@@ -113,8 +180,16 @@ def test_gpus_grammar():
     assert parse_gpus("2xcpu@1.5GiB").capacity_bytes == int(1.5 * GiB)
 
 
-@pytest.mark.parametrize("bad, match", [("4A100", "malformed"), ("0xA100", "at least 1"), ("4xA10", "unknown GPU"),
-                                        ("12xH100", "do not fill nodes"), ("2xcpu@3XB", "bad memory")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("4A100", "malformed"),
+        ("0xA100", "at least 1"),
+        ("4xA10", "unknown GPU"),
+        ("12xH100", "do not fill nodes"),
+        ("2xcpu@3XB", "bad memory"),
+    ],
+)
 def test_gpus_errors(bad, match):
     with pytest.raises(SpecError, match=match):
         parse_gpus(bad)

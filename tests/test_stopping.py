@@ -8,24 +8,30 @@ import dataclasses
 import json
 import math
 
-import optuna
 import pytest
 
-from autotune.search import study as st
 from autotune.cli import main
 from autotune.executors.base import Executor
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
 from autotune.models import from_hf_config
 from autotune.report import render
+from autotune.search import study as st
 from autotune.search.loop import Search
 from autotune.search.space import expand, parse_space
 from autotune.search.stopping import ResidualModel, error_kernel, t_quantile
 from autotune.train_config import TrainConfig
 from autotune.trial.record import TrialResult
 
-TINY = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-        "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
+TINY = {
+    "model_type": "llama",
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+}
 SPACE = "zero_stage: [0, 1, 2, 3]\nprecision: [fp32]\nmicro_batch: [1, 2, 4, 8, 16]\nckpt_layers: [0, 2, 4]\n"
 SEQ = 64
 
@@ -66,8 +72,9 @@ def env(tmp_path, monkeypatch):
 
 def _search(env, truth, name, **kw):
     model, cluster, space = env
-    attrs = st.study_attrs(model, cluster, seq_len=SEQ, global_batch=None, space_text=space.text,
-                           space_path="test", source="measured")
+    attrs = st.study_attrs(
+        model, cluster, seq_len=SEQ, global_batch=None, space_text=space.text, space_path="test", source="measured"
+    )
     study = st.create_study(name, None, attrs, sampler=None)
     ex = Table(truth)
     return Search(study, model, cluster, space, ex, seq_len=SEQ, prior=prior, **kw), ex
@@ -75,8 +82,11 @@ def _search(env, truth, name, **kw):
 
 def _true_best(env, truth) -> float:
     model, cluster, space = env
-    return max(prior(c) * truth(c) for c in expand(space, model, cluster, seq_len=SEQ).candidates
-               if estimate(model, cluster, c).fits)
+    return max(
+        prior(c) * truth(c)
+        for c in expand(space, model, cluster, seq_len=SEQ).candidates
+        if estimate(model, cluster, c).fits
+    )
 
 
 def test_an_exact_prior_stops_early_and_says_why_in_the_summary_the_study_and_the_report(env):
@@ -86,7 +96,7 @@ def test_an_exact_prior_stops_early_and_says_why_in_the_summary_the_study_and_th
     full, ex_all = _search(env, exact, "all", exhaustive=True)
     full.run(progress=False)
     assert summary.stop == "bound" and full.summary.stop == "exhausted"
-    assert len(ex.seen) < len(ex_all.seen) / 2                     # 20 groups; the rule needs a few
+    assert len(ex.seen) < len(ex_all.seen) / 2  # 20 groups; the rule needs a few
     assert summary.best_value == pytest.approx(_true_best(env, exact))
     b = s.study.user_attrs["stopping"]
     assert b["rule"] == "bound" and b["stop"] and b["largest_bound"] <= 0.02 and b["tolerance"] == 0.02
@@ -101,13 +111,13 @@ def test_a_prior_that_ranks_the_best_last_does_not_stop_before_it(env):
     # the truth reverses the prior's micro-batch trend at every stage, and ZeRO-1 is 30% faster than
     # it thinks: the prior's first picks (large micro batches) are its worst
     def truth(c):
-        return (1 + 0.15 * c.micro_batch) / (1 + 0.15) / c.micro_batch ** 0.5 * (1.3 if c.zero_stage == 1 else 1)
+        return (1 + 0.15 * c.micro_batch) / (1 + 0.15) / c.micro_batch**0.5 * (1.3 if c.zero_stage == 1 else 1)
 
     s, ex = _search(env, truth, "reversed")
     summary = s.run(progress=False)
     assert summary.best_value >= 0.98 * _true_best(env, truth)
     first = prior(ex.seen[0]) * truth(ex.seen[0])
-    assert first < 0.8 * summary.best_value                       # the first pick was far off; it went on
+    assert first < 0.8 * summary.best_value  # the first pick was far off; it went on
 
 
 def test_tolerance_and_n_trials(env):
@@ -136,11 +146,11 @@ def test_the_bound_widens_with_the_error_the_study_shows():
         wild.observe(c, r)
     assert calm.sigma < 0.05 < wild.sigma
     (m_calm,), (sd_calm,) = calm.predict([mid])
-    (_, ), (sd_wild,) = wild.predict([mid])
+    (_,), (sd_wild,) = wild.predict([mid])
     assert m_calm == pytest.approx(0.3, abs=0.01) and sd_calm < sd_wild
     # a measured candidate keeps only its own part (the nugget), a far one the whole
-    (_, ), (sd_at,) = calm.predict([cfgs[0]])
-    (_, ), (sd_far,) = calm.predict([TrainConfig(zero_stage=3, precision="bf16", micro_batch=1, seq_len=SEQ)])
+    (_,), (sd_at,) = calm.predict([cfgs[0]])
+    (_,), (sd_far,) = calm.predict([TrainConfig(zero_stage=3, precision="bf16", micro_batch=1, seq_len=SEQ)])
     assert sd_at < 0.3 * sd_far
 
 
@@ -161,7 +171,7 @@ def test_bad_tolerance_exits_2(value, tmp_path, monkeypatch, capsys):
 def test_settings_the_prior_prices_alike_share_their_error_and_another_stage_does_not():
     """error_kernel: LoRA ranks 0.4% apart by the prior are mispriced alike; what the prior prices further
     apart shares less of the smooth part; another ZeRO stage shares only the smooth part."""
-    from autotune.search.stopping import W_SMOOTH, W_STAGE, NUGGET
+    from autotune.search.stopping import NUGGET, W_SMOOTH, W_STAGE
 
     var = W_STAGE + W_SMOOTH + NUGGET
     r8 = TrainConfig(method="lora", lora_rank=8, seq_len=SEQ)
@@ -169,7 +179,7 @@ def test_settings_the_prior_prices_alike_share_their_error_and_another_stage_doe
     full = TrainConfig(seq_len=SEQ)
     assert error_kernel(r8, r64, 4, prior_gap=0.004) / var > 0.98
     near, far, farther = (error_kernel(r8, full, 4, prior_gap=g) for g in (0.004, 0.30, 1.0))
-    assert near > far > farther > W_STAGE and far < W_STAGE + 0.75 * W_SMOOTH     # 0.69 of it at 30% apart
+    assert near > far > farther > W_STAGE and far < W_STAGE + 0.75 * W_SMOOTH  # 0.69 of it at 30% apart
     # a setting the prior does not price at all still differs a little (OTHER_MIN)
     assert error_kernel(r8, r64, 4, prior_gap=0.0) < error_kernel(r8, r8, 4)
     z3 = dataclasses.replace(r8, zero_stage=3)
@@ -181,7 +191,7 @@ def test_the_cost_models_calibration_counts_and_the_cpu_priors_does_not_as_much(
     pseudo-measurements; the first measurement only fixes its level), 2.92 for the CPU prior (one, and the
     first measurement checks the level it predicts: stopping.SHARED), 6.3 for a given prior (one; its level
     unknown)."""
-    from autotune.search.stopping import Bounded, QUANTILE
+    from autotune.search.stopping import QUANTILE, Bounded
 
     for kind, t in (("cost model", 1.943), ("cpu prior", 2.920), ("given prior", 6.314)):
         b = Bounded(lambda c: 1.0, 4, kind)
@@ -199,8 +209,9 @@ def test_simulated_13b_stops_after_the_first_trial_with_the_exhaustive_answer(tm
     monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "trials"))
     runs = {}
     for exhaustive in (False, True):
-        with open_search(model="13b", gpus="4xA100", executor="simulated", study=f"e{exhaustive}",
-                         exhaustive=exhaustive) as s:
+        with open_search(
+            model="13b", gpus="4xA100", executor="simulated", study=f"e{exhaustive}", exhaustive=exhaustive
+        ) as s:
             runs[exhaustive] = s.run(progress=False)
     stop, every = runs[False], runs[True]
     assert stop.stop == "bound" and stop.ok == 1 and every.ok == 4
@@ -232,7 +243,7 @@ def test_a_cpu_prior_that_misses_its_own_level_has_shown_error_a_cost_model_has_
         on, _, _ = _granite(kind, 0.95)
         if kind == "cpu prior":
             assert off.model.sigma > 1.5 * on.model.sigma
-        else:     # flat, up to the finite variance that stands for flat
+        else:  # flat, up to the finite variance that stands for flat
             assert off.model.sigma == pytest.approx(on.model.sigma, rel=0.1)
 
 

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import quick
+from cpu_step import measure_cpu
 
 from autotune.hardware import parse_gpus
 from autotune.memory import activations as act
@@ -17,9 +19,6 @@ from autotune.memory.traced import TRACED_TERMS, compare, trace
 from autotune.memory.tracer import builtin_program
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
-
-from conftest import quick
-from cpu_step import measure_cpu  # noqa: E402 - after the imports it needs (it enables memory reporting)
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = parse_gpus("1xcpu@8GiB")
@@ -59,16 +58,20 @@ def test_traced_peaks_match_a_real_cpu_run(name, precision, attention, ckpt):
 ACT = [(n, p, a, k) for n in FAMILIES for p in PRECISIONS for a in ("sdpa", "eager") for k in (0, 2)]
 
 
-@pytest.mark.parametrize("name,precision,attention,ckpt", quick(ACT, fast={
-    ("tiny-llama", "bf16", "sdpa", 2), ("tiny-gpt2", "fp32", "eager", 2)}))
+@pytest.mark.parametrize(
+    "name,precision,attention,ckpt",
+    quick(ACT, fast={("tiny-llama", "bf16", "sdpa", 2), ("tiny-gpt2", "fp32", "eager", 2)}),
+)
 def test_traced_activations_are_the_analytic_terms(name, precision, attention, ckpt):
     spec, t = resolve_model(name, implementation="builtin"), traced(name, precision, attention, ckpt)
     kw = dict(micro_batch=B, seq_len=S, precision=precision)
     eager_scalar = act.EAGER_SCALE_BYTES if attention == "eager" else 0  # see the test above
     assert t.layer_bytes["full_layer"] == act.layer_saved_bytes(spec, attention=attention, **kw) - eager_scalar
     if ckpt:
-        assert t.layer_bytes["checkpointed_layer"] == act.checkpointed_layer_bytes(
-            spec, attention=attention, **kw) - eager_scalar
+        assert (
+            t.layer_bytes["checkpointed_layer"]
+            == act.checkpointed_layer_bytes(spec, attention=attention, **kw) - eager_scalar
+        )
     assert t.layer_bytes["head"] == act.head_saved_bytes(spec, **kw)
     fwd, loss = t.phases["forward"], t.phases["backward (loss)"]
     assert fwd.get("rotary_tables", 0) == act.rotary_table_bytes(spec, seq_len=S, precision=precision)
@@ -77,9 +80,18 @@ def test_traced_activations_are_the_analytic_terms(name, precision, attention, c
     assert loss["logits_transient"] == act.logits_backward_transient_bytes(spec, **kw) + 4
 
 
-@pytest.mark.parametrize("name,precision,attention,layers,ckpt", quick([
-    ("tiny-llama", "bf16", "sdpa", 6, 0), ("tiny-llama", "bf16", "sdpa", 6, 1), ("tiny-llama", "fp32", "sdpa", 6, 6),
-    ("tiny-gpt2", "fp32", "eager", 9, 4)], fast={("tiny-llama", "bf16", "sdpa", 6, 1)}))
+@pytest.mark.parametrize(
+    "name,precision,attention,layers,ckpt",
+    quick(
+        [
+            ("tiny-llama", "bf16", "sdpa", 6, 0),
+            ("tiny-llama", "bf16", "sdpa", 6, 1),
+            ("tiny-llama", "fp32", "sdpa", 6, 6),
+            ("tiny-gpt2", "fp32", "eager", 9, 4),
+        ],
+        fast={("tiny-llama", "bf16", "sdpa", 6, 1)},
+    ),
+)
 def test_extrapolation_equals_a_direct_trace(name, precision, attention, layers, ckpt):
     spec = dataclasses.replace(resolve_model(name, implementation="builtin"), num_layers=layers)
     cfg = config(precision, attention, ckpt)
@@ -94,8 +106,10 @@ def test_large_models_trace_in_seconds_and_agree(name, ckpt, capsys):
     t0 = time.perf_counter()
     t = trace(spec, gpus, cfg)
     with capsys.disabled():  # the timing belongs in the test output, not in an assertion
-        print(f"\n{name} b=1 s=2048 bf16 k={ckpt}: traced in {time.perf_counter() - t0:.2f} s "
-              f"(small models, (checkpointed, full) layers: {t.traced_layers})")
+        print(
+            f"\n{name} b=1 s=2048 bf16 k={ckpt}: traced in {time.perf_counter() - t0:.2f} s "
+            f"(small models, (checkpointed, full) layers: {t.traced_layers})"
+        )
     print(compare(estimate(spec, gpus, cfg), t))  # shown when the test fails
     a = t.analytic_phases
     for phase in ("forward", "backward (loss)"):
@@ -119,8 +133,11 @@ def test_stage_accounting():
     # parameter's `denom` is still alive: max_i 8*n_i + 4*n_(i-1) (model_states.single_tensor_adam_peak,
     # added to the analytic model after this trace found it): for the LM head, the final norm's 4h
     t0 = trace(tiny, CPU, config("fp32", "sdpa", 0))
-    assert t0.phases["optimizer"]["optimizer_temporaries"] == \
-        t0.analytic_phases["optimizer"]["optimizer_temporaries"] == 8 * 2048 * 128 + 4 * tiny.hidden_size
+    assert (
+        t0.phases["optimizer"]["optimizer_temporaries"]
+        == t0.analytic_phases["optimizer"]["optimizer_temporaries"]
+        == 8 * 2048 * 128 + 4 * tiny.hidden_size
+    )
     # stage 2 on 2 CPU ranks: the flat fp32 partition is stepped, 8 bytes per element
     t2 = trace(tiny, parse_gpus("2xcpu@4GiB"), config("bf16", "sdpa", 0, zero_stage=2))
     assert t2.phases["optimizer"]["optimizer_temporaries"] == 8 * (tiny.num_params // 2)
@@ -129,7 +146,10 @@ def test_stage_accounting():
 
 def test_compare_table():
     cfg = config("bf16", "sdpa", 2)
-    est, t = estimate(resolve_model("tiny-llama", implementation="builtin"), CPU, cfg), traced("tiny-llama", "bf16", "sdpa", 2)
+    est, t = (
+        estimate(resolve_model("tiny-llama", implementation="builtin"), CPU, cfg),
+        traced("tiny-llama", "bf16", "sdpa", 2),
+    )
     table = compare(est, t)
     assert {r.phase for r in table.rows} >= set(est.phases)
     totals = {r.phase: r for r in table.rows if r.term == "total"}
@@ -146,8 +166,9 @@ def test_notebook_runs(capsys):
 
     nb = nbformat.read(ROOT / "notebooks" / "memory_model.ipynb", as_version=4)
     t0 = time.perf_counter()
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}
+    ).execute()
     with capsys.disabled():
         print(f"\nnotebooks/memory_model.ipynb ran in {time.perf_counter() - t0:.1f} s")
     text = "\n".join(str(o) for c in nb.cells for o in c.get("outputs", []))

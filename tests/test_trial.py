@@ -15,17 +15,17 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from steady import per_rank_steps, steady_peak
 
 from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
-from autotune.trial.record import TrialRequest
 from autotune.hardware import parse_gpus
+from autotune.impl.builtin import Transformer
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 from autotune.trial import run_trials
 from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
-from autotune.impl.builtin import Transformer
-from steady import per_rank_steps, steady_peak
+from autotune.trial.record import TrialRequest
 
 pytestmark = pytest.mark.slow  # real DeepSpeed / Ray runs
 
@@ -51,8 +51,17 @@ def matrix(tmp_path_factory):
     reqs = []
     for name, z, p, k in MATRIX:
         cfg = TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=SHAPES[name], seq_len=32)
-        reqs.append(TrialRequest(model=resolve_model(name), cluster=CLUSTER, config=cfg,
-                                 out_dir=root / f"{name}-z{z}-{p}-k{k}", steps=2, warmup_steps=1, timeout_s=180))
+        reqs.append(
+            TrialRequest(
+                model=resolve_model(name),
+                cluster=CLUSTER,
+                config=cfg,
+                out_dir=root / f"{name}-z{z}-{p}-k{k}",
+                steps=2,
+                warmup_steps=1,
+                timeout_s=180,
+            )
+        )
     results = run_trials(reqs)
     assert not ours(root)
     return dict(zip(MATRIX, zip(reqs, results)))
@@ -98,8 +107,10 @@ def test_matrix_measured_peak_matches_estimate(matrix, key):
     est = estimate(req.model, req.cluster, req.config)
     peak = steady_peak(res)
     err = est.tensor_peak_bytes / peak - 1
-    assert -UNDER <= err <= OVER, (f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
-                                   f"{peak:,} {per_rank_steps(res)}: {100 * err:+.2f}%")
+    assert -UNDER <= err <= OVER, (
+        f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
+        f"{peak:,} {per_rank_steps(res)}: {100 * err:+.2f}%"
+    )
     # A step that ran higher did so by a communication buffer gloo's thread freed late (tests/steady.py):
     # at most one flat fp32 copy of every gradient (ZeRO 0-1 all-reduce flattened buckets). Seen in CI:
     # the lm_head's fp32 gradient (1 MiB, tiny-llama ZeRO-2 fp32, one rank) and a flat bf16 copy of
@@ -142,16 +153,36 @@ def test_failure_classes_are_real_and_leave_no_process(tmp_path):
     model, cfg = resolve_model("tiny-gpt2"), TrainConfig(zero_stage=1, precision="fp32", seq_len=32)
 
     def req(name, cluster=CLUSTER, fault=None, timeout_s=120.0):
-        return TrialRequest(model=model, cluster=cluster, config=cfg, out_dir=tmp_path / name, steps=2,
-                            warmup_steps=1, timeout_s=timeout_s, fault=fault)
+        return TrialRequest(
+            model=model,
+            cluster=cluster,
+            config=cfg,
+            out_dir=tmp_path / name,
+            steps=2,
+            warmup_steps=1,
+            timeout_s=timeout_s,
+            fault=fault,
+        )
 
     # One batch: oom and nan finish cleanly in the group; crash and exit kill it and a new group
     # carries on; ok proves the restart; hang is last (its group is killed at the timeout).
-    reqs = [req("oom", parse_gpus("2xcpu@1MiB")), req("nan", fault="nan"), req("crash", fault="crash"),
-            req("exit", fault="exit"), req("ok"), req("hang", fault="hang", timeout_s=10.0)]
+    reqs = [
+        req("oom", parse_gpus("2xcpu@1MiB")),
+        req("nan", fault="nan"),
+        req("crash", fault="crash"),
+        req("exit", fault="exit"),
+        req("ok"),
+        req("hang", fault="hang", timeout_s=10.0),
+    ]
     res = dict(zip(["oom", "nan", "crash", "exit", "ok", "hang"], run_trials(reqs)))
-    assert {k: r.status for k, r in res.items()} == {"oom": "oom", "nan": "diverged", "crash": "crashed",
-                                                     "exit": "crashed", "ok": "ok", "hang": "timeout"}
+    assert {k: r.status for k, r in res.items()} == {
+        "oom": "oom",
+        "nan": "diverged",
+        "crash": "crashed",
+        "exit": "crashed",
+        "ok": "ok",
+        "hang": "timeout",
+    }
     assert "exceeds the per-rank cap of 1,048,576 bytes" in res["oom"].reason
     assert res["oom"].peak_bytes > 1 << 20  # the measured bytes it was judged on
     assert "non-finite loss nan" in res["nan"].reason and res["nan"].losses[-1] != res["nan"].losses[-1]
@@ -168,13 +199,45 @@ def test_failure_classes_are_real_and_leave_no_process(tmp_path):
 def test_cli_trial_json(tmp_path):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = main(["trial", "--model", "tiny-llama", "--gpus", "2xcpu", "--zero", "2", "--micro-batch", "1",
-                   "--ckpt-layers", "2", "--precision", "bf16", "--seq-len", "32", "--steps", "2",
-                   "--warmup-steps", "1", "--json", "--out", str(tmp_path / "t"), "--profile"])
+        rc = main(
+            [
+                "trial",
+                "--model",
+                "tiny-llama",
+                "--gpus",
+                "2xcpu",
+                "--zero",
+                "2",
+                "--micro-batch",
+                "1",
+                "--ckpt-layers",
+                "2",
+                "--precision",
+                "bf16",
+                "--seq-len",
+                "32",
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "1",
+                "--json",
+                "--out",
+                str(tmp_path / "t"),
+                "--profile",
+            ]
+        )
     doc = json.loads(out.getvalue())
     assert rc == 0 and doc["status"] == "ok" and doc["reason"] == ""
-    for key in ("samples_per_s", "tokens_per_s", "step_time_s", "peak_bytes", "estimate", "config",
-                "deepspeed_config", "log_tail"):
+    for key in (
+        "samples_per_s",
+        "tokens_per_s",
+        "step_time_s",
+        "peak_bytes",
+        "estimate",
+        "config",
+        "deepspeed_config",
+        "log_tail",
+    ):
         assert key in doc, key
     assert doc["config"]["zero_stage"] == 2 and doc["deepspeed_config"]["zero_optimization"]["stage"] == 2
     assert doc["estimate"] is None or doc["estimate"]["total_bytes"] > 0  # None until autotune.memory exists

@@ -47,8 +47,9 @@ class TinyLM(nn.Module):
     def __init__(self, spec):
         super().__init__()
         self.embed = Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Layer(spec.hidden_size, spec.num_heads, spec.ffn_hidden_size)
-                                    for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            Layer(spec.hidden_size, spec.num_heads, spec.ffn_hidden_size) for _ in range(spec.num_layers)
+        )
         self.norm = nn.LayerNorm(spec.hidden_size)
         self.head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
 

@@ -14,8 +14,8 @@ from autotune.errors import SpecError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="autotune",
-        description="Find the fastest DeepSpeed configuration to train an LLM on given GPUs.")
+        prog="autotune", description="Find the fastest DeepSpeed configuration to train an LLM on given GPUs."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     mods = []
     for info in pkgutil.iter_modules(__path__):

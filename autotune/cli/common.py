@@ -13,26 +13,38 @@ from autotune.train_config import TrainConfig, check_config, choices, kind
 
 
 def add_model_gpus(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="preset name or alias (`autotune models`), a Hugging Face config.json, a directory "
-                        "holding one, or a hub id already in the local Hugging Face cache (docs/models.md)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="preset name or alias (`autotune models`), a Hugging Face config.json, a directory "
+        "holding one, or a hub id already in the local Hugging Face cache (docs/models.md)",
+    )
     add_impl(p)
-    p.add_argument("--gpus", required=True,
-                   help="[NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 16xH100, 2xcpu (`autotune gpus`)")
+    p.add_argument(
+        "--gpus", required=True, help="[NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 16xH100, 2xcpu (`autotune gpus`)"
+    )
 
 
 def add_impl(p: argparse.ArgumentParser) -> None:
     """--impl and --model-factory: whose code trials run and the memory model prices."""
-    p.add_argument("--impl", default=None, choices=["hf", "builtin", "factory"],
-                   help="model code: hf (transformers, default), builtin (autotune's stand-in), "
-                        "factory (--model-factory)")
-    p.add_argument("--model-factory", default=None, metavar="PKG.MODULE:FUNCTION",
-                   help="your own torch module: function(spec, attention=...) -> nn.Module (docs/models.md)")
+    p.add_argument(
+        "--impl",
+        default=None,
+        choices=["hf", "builtin", "factory"],
+        help="model code: hf (transformers, default), builtin (autotune's stand-in), factory (--model-factory)",
+    )
+    p.add_argument(
+        "--model-factory",
+        default=None,
+        metavar="PKG.MODULE:FUNCTION",
+        help="your own torch module: function(spec, attention=...) -> nn.Module (docs/models.md)",
+    )
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    return resolve_model(args.model, implementation=getattr(args, "impl", None) or "hf",
-                         factory=getattr(args, "model_factory", None))
+    return resolve_model(
+        args.model, implementation=getattr(args, "impl", None) or "hf", factory=getattr(args, "model_factory", None)
+    )
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -49,8 +61,14 @@ def add_train_config(p: argparse.ArgumentParser) -> None:
         # seq_len: the model's own maximum, up to 2048; attention: what transformers picks for the class
         default = None if f.name in ("seq_len", "attention") else f.default
         c = choices(f.name)
-        p.add_argument(_flag(f), dest=f.name, type=kind(f.name), default=default,
-                       choices=list(c) if c else None, help=help + ("" if default is None else f" (default {default})"))
+        p.add_argument(
+            _flag(f),
+            dest=f.name,
+            type=kind(f.name),
+            default=default,
+            choices=list(c) if c else None,
+            help=help + ("" if default is None else f" (default {default})"),
+        )
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, TrainConfig]:
@@ -61,7 +79,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, Train
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     if values["seq_len"] is None:
         values["seq_len"] = default_seq_len(model)
-    pick = values["attention"] is None   # what transformers picks for the class, once the rest is valid
+    pick = values["attention"] is None  # what transformers picks for the class, once the rest is valid
     # fast: looks up no class for eager; Ulysses refuses eager (autotune/parallel.py), so sdpa stands in there
     stand_in = "sdpa" if values["sequence_parallel_size"] > 1 else "eager"
     cfg = TrainConfig(**{**values, "attention": stand_in if pick else values["attention"]})

@@ -11,28 +11,43 @@ ORDER = 10
 
 
 def register(sub) -> None:
-    p = sub.add_parser("estimate", help="per-GPU memory breakdown of one configuration (no GPU needed)",
-                       description="Price one training configuration per GPU, term by term, at the peak "
-                                   "phase of a step. Every figure is estimated by the memory model: "
-                                   "analytic terms for the builtin model, terms traced from the module's "
-                                   "code for Hugging Face and factory models (docs/memory.md).")
+    p = sub.add_parser(
+        "estimate",
+        help="per-GPU memory breakdown of one configuration (no GPU needed)",
+        description="Price one training configuration per GPU, term by term, at the peak "
+        "phase of a step. Every figure is estimated by the memory model: "
+        "analytic terms for the builtin model, terms traced from the module's "
+        "code for Hugging Face and factory models (docs/memory.md).",
+    )
     add_model_gpus(p)
     add_train_config(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", action="store_true",
-                   help="also trace the step on fake tensors (seconds, no GPU) and print traced vs estimated")
-    p.add_argument("--max-seq-len", action="store_true",
-                   help="also answer the largest sequence length that fits, the rest of the configuration as given")
-    p.add_argument("--max-micro-batch", action="store_true",
-                   help="also answer the largest micro batch that fits, the rest of the configuration as given")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also trace the step on fake tensors (seconds, no GPU) and print traced vs estimated",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="also answer the largest sequence length that fits, the rest of the configuration as given",
+    )
+    p.add_argument(
+        "--max-micro-batch",
+        action="store_true",
+        help="also answer the largest micro batch that fits, the rest of the configuration as given",
+    )
     p.set_defaults(func=run)
 
 
 def _limits(args, model, cluster, cfg) -> dict[str, int]:
     from autotune.memory.limits import largest_fitting
 
-    return {f"max_{n}": largest_fitting(model, cluster, cfg, n)
-            for n, asked in (("seq_len", args.max_seq_len), ("micro_batch", args.max_micro_batch)) if asked}
+    return {
+        f"max_{n}": largest_fitting(model, cluster, cfg, n)
+        for n, asked in (("seq_len", args.max_seq_len), ("micro_batch", args.max_micro_batch))
+        if asked
+    }
 
 
 def _simulated(model, cluster, cfg) -> dict | None:
@@ -52,8 +67,10 @@ def _print_simulated(model, cluster, cfg) -> None:
     from autotune.costmodel import simulate
 
     s = simulate(model, cluster, cfg)
-    print(f"\nsimulated step {s.step_time_s:.4f} s: {s.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
-          f"{s.samples_per_s:,.1f} samples/s, MFU {100 * s.mfu:.1f}%")
+    print(
+        f"\nsimulated step {s.step_time_s:.4f} s: {s.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+        f"{s.samples_per_s:,.1f} samples/s, MFU {100 * s.mfu:.1f}%"
+    )
     print(f"{'term (simulated)':<26} {'seconds':>10} {'share':>6}")
     for name, t in s.terms().items():
         print(f"{name:<26} {t:>10.4f} {100 * t / s.step_time_s:>5.1f}%")
@@ -77,8 +94,8 @@ def _trace_ahead(model, cluster, cfg) -> None:
     come back from another process, and a later run finds them cached and forks nothing. Measured
     by `python benchmarks/estimate_speed.py` (docs/search.md)."""
     from autotune.memory.code_trace import kept_on_disk
-    from autotune.trace_cache import in_parallel
     from autotune.memory.traced import trace_jobs
+    from autotune.trace_cache import in_parallel
 
     jobs = trace_jobs(model, cluster, cfg) if kept_on_disk(model) else []
     here, there = jobs[:-1], jobs[-1:]
@@ -98,8 +115,13 @@ def _run(args, model, cluster, cfg) -> int:
 
     est = estimate(model, cluster, cfg)
     if args.json:
-        out = {"implementation": model.code_name, **est.to_json(), "model": model.name, "gpus": cluster.text,
-               "config": cfg.to_dict()}
+        out = {
+            "implementation": model.code_name,
+            **est.to_json(),
+            "model": model.name,
+            "gpus": cluster.text,
+            "config": cfg.to_dict(),
+        }
         out["simulated"] = _simulated(model, cluster, cfg)
         out.update(_limits(args, model, cluster, cfg))
         out["risks"] = risks(cfg)
@@ -136,13 +158,18 @@ def _run(args, model, cluster, cfg) -> int:
     for k, v in _limits(args, model, cluster, cfg).items():
         other = f"micro batch {cfg.micro_batch}" if k == "max_seq_len" else f"seq len {cfg.seq_len}"
         what = k.removeprefix("max_").replace("_", " ")
-        bound = (" = the model's max_seq_len: its code runs no longer sequences (position table or ALiBi)"
-                 if k == "max_seq_len" and v == model.max_seq_len and model.position != "rotary" else "")
+        bound = (
+            " = the model's max_seq_len: its code runs no longer sequences (position table or ALiBi)"
+            if k == "max_seq_len" and v == model.max_seq_len and model.position != "rotary"
+            else ""
+        )
         if k == "max_seq_len" and v > model.max_seq_len and model.position == "rotary":
             # not capped: rotary code runs any length, and long context (sequence parallelism) is the point of going
             # past it; what the model was trained for is the config's max_position_embeddings
-            bound = (f" (memory's answer: past the model's max_position_embeddings {model.max_seq_len}, which it was "
-                     "trained for, it needs RoPE scaling, e.g. rope_scaling in its config, to model such lengths well)")
+            bound = (
+                f" (memory's answer: past the model's max_position_embeddings {model.max_seq_len}, which it was "
+                "trained for, it needs RoPE scaling, e.g. rope_scaling in its config, to model such lengths well)"
+            )
         print(f"largest {what} that fits (with {other}): {v}{bound}" if v else f"no {what} fits (with {other})")
     if args.trace:
         from autotune.memory.traced import compare, trace

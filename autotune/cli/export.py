@@ -14,14 +14,19 @@ def register(sub) -> None:
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's own)")
     p.add_argument("--trial", type=int, default=None, help="trial number (default: the fastest successful run)")
     p.add_argument("--out", required=True, type=Path, help="where to write the JSON")
-    p.add_argument("--accelerate-config", default=None, type=Path, metavar="FILE",
-                   help="also write an `accelerate launch --config_file` YAML that starts DeepSpeed with the JSON")
+    p.add_argument(
+        "--accelerate-config",
+        default=None,
+        type=Path,
+        metavar="FILE",
+        help="also write an `accelerate launch --config_file` YAML that starts DeepSpeed with the JSON",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from autotune.search import study as st
     from autotune.report.export import export
+    from autotune.search import study as st
 
     study = st.load_study(args.study, args.storage)
     _, _, text = export(study, args.out, args.trial, args.accelerate_config)

@@ -22,22 +22,26 @@ def run_models(args) -> int:
     print(f"{'name':<13} {'params':>8} {'layers':>6} {'hidden':>6} {'heads':>7} {'ffn':>6} {'vocab':>7}  aliases")
     for name, s in presets().items():
         heads = f"{s.num_heads}/{s.num_kv_heads}" if s.num_kv_heads != s.num_heads else str(s.num_heads)
-        print(f"{name:<13} {fmt_count(s.num_params):>8} {s.num_layers:>6} {s.hidden_size:>6} {heads:>7} "
-              f"{s.ffn_hidden_size:>6} {s.vocab_size:>7}  {', '.join(sorted(by_name.get(name, [])))}")
+        print(
+            f"{name:<13} {fmt_count(s.num_params):>8} {s.num_layers:>6} {s.hidden_size:>6} {heads:>7} "
+            f"{s.ffn_hidden_size:>6} {s.vocab_size:>7}  {', '.join(sorted(by_name.get(name, [])))}"
+        )
     print("\n--model also takes the path of a Hugging Face config.json (llama, mistral, gpt2, gpt_neox, mpt).")
     return 0
 
 
 def run_gpus(args) -> int:
     from autotune.hardware import GRAMMAR, _raw
-    from autotune.units import MiB, GiB
+    from autotune.units import GiB, MiB
 
     print(f"{'name':<10} {'memory':>10} {'bf16':>5} {'peak bf16/fp16/fp32 TFLOPS':>27}  aliases")
     for name, e in _raw().items():
         pk = e.get("peak_tflops") or {}
         peaks = "/".join(str(pk.get(k, "-")) for k in ("bf16", "fp16", "fp32"))
         mem = f"{e['memory_mib'] * MiB / GiB:.1f} GiB" if e["memory_mib"] else "host RAM"
-        print(f"{name:<10} {mem:>10} {'yes' if e['bf16'] else 'no':>5} {peaks:>27}  "
-              f"{', '.join(str(a) for a in e.get('aliases', []))}")
+        print(
+            f"{name:<10} {mem:>10} {'yes' if e['bf16'] else 'no':>5} {peaks:>27}  "
+            f"{', '.join(str(a) for a in e.get('aliases', []))}"
+        )
     print(f"\n--gpus grammar: {GRAMMAR}. A100 alone means the 80 GB part; sources in autotune/data/gpus.yaml.")
     return 0

@@ -13,15 +13,18 @@ def register(sub) -> None:
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's own)")
     p.add_argument("--top", type=int, default=None, help="show the N fastest runs only")
     p.add_argument("--format", choices=["table", "csv", "json", "markdown"], default="table")
-    p.add_argument("--open", action="store_true",
-                   help="open the written report.html in a browser, where one exists (else print its path)")
+    p.add_argument(
+        "--open",
+        action="store_true",
+        help="open the written report.html in a browser, where one exists (else print its path)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from autotune import report
-    from autotune.search import study as st
     from autotune.errors import SpecError
+    from autotune.search import study as st
 
     if args.top is not None and args.top < 1:
         raise SpecError(f"--top must be at least 1, got {args.top}")

@@ -13,40 +13,70 @@ ORDER = 30
 
 
 def register(sub) -> None:
-    p = sub.add_parser("search", help="search the fastest DeepSpeed configuration (Optuna, memory-pruned)",
-                       description="Search the fastest DeepSpeed configuration: the memory model prunes what "
-                                   "cannot fit, the rest runs (or is simulated), ranked by samples/s (or --objective tokens).")
-    p.add_argument("--model", help="preset, alias (`autotune models`), a Hugging Face config.json, a directory "
-                                   "holding one, or a cached hub id (docs/models.md); optional with --resume")
+    p = sub.add_parser(
+        "search",
+        help="search the fastest DeepSpeed configuration (Optuna, memory-pruned)",
+        description="Search the fastest DeepSpeed configuration: the memory model prunes what "
+        "cannot fit, the rest runs (or is simulated), ranked by samples/s (or --objective tokens).",
+    )
+    p.add_argument(
+        "--model",
+        help="preset, alias (`autotune models`), a Hugging Face config.json, a directory "
+        "holding one, or a cached hub id (docs/models.md); optional with --resume",
+    )
     add_impl(p)
     p.add_argument("--gpus", help="[NODESx]COUNTxTYPE[@MEM], e.g. 4xA100, 2xcpu@2GiB; optional with --resume")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, model max))")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step: grad accum = global / (micro batch * devices)")
-    p.add_argument("--objective", choices=["samples", "tokens"], default=None,
-                   help="maximise samples/s (default) or tokens/s; they rank differently once the space "
-                        "varies seq_len")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step: grad accum = global / (micro batch * devices)",
+    )
+    p.add_argument(
+        "--objective",
+        choices=["samples", "tokens"],
+        default=None,
+        help="maximise samples/s (default) or tokens/s; they rank differently once the space varies seq_len",
+    )
     p.add_argument("--space", default=None, help="search space YAML (default: search_spaces/default.yaml)")
-    p.add_argument("--n-trials", type=int, default=None,
-                   help="run at most this many trials in the study (counted across --resume); "
-                        "pruned candidates cost none. Default: until the feasible space is exhausted")
-    p.add_argument("--tolerance", default="2%",
-                   help="stop when no unrun candidate can beat the best measured by more than this "
-                        "(percent: 2 or 2%%; docs/search.md, 'When the search stops'). Default 2%%")
-    p.add_argument("--exhaustive", action="store_true",
-                   help="run every feasible group instead (no stopping rule); --n-trials and --timeout still cap")
+    p.add_argument(
+        "--n-trials",
+        type=int,
+        default=None,
+        help="run at most this many trials in the study (counted across --resume); "
+        "pruned candidates cost none. Default: until the feasible space is exhausted",
+    )
+    p.add_argument(
+        "--tolerance",
+        default="2%",
+        help="stop when no unrun candidate can beat the best measured by more than this "
+        "(percent: 2 or 2%%; docs/search.md, 'When the search stops'). Default 2%%",
+    )
+    p.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="run every feasible group instead (no stopping rule); --n-trials and --timeout still cap",
+    )
     p.add_argument("--timeout", default=None, help="stop starting trials after this long: 90, 15m, 1h30m")
     p.add_argument("--study", default=None, help="study name (default: MODEL_GPUS); its folder is trials/NAME")
-    p.add_argument("--storage", default=None,
-                   help="Optuna storage URL (default: sqlite:///trials/NAME/study.db)")
-    p.add_argument("--executor", choices=["auto", "ray", "simulated"], default="auto",
-                   help="ray: real DeepSpeed trials; simulated: the cost model; auto: ray when the devices "
-                        "are here, else simulated")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///trials/NAME/study.db)")
+    p.add_argument(
+        "--executor",
+        choices=["auto", "ray", "simulated"],
+        default="auto",
+        help="ray: real DeepSpeed trials; simulated: the cost model; auto: ray when the devices "
+        "are here, else simulated",
+    )
     p.add_argument("--resume", action="store_true", help="continue an existing study; no completed trial reruns")
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start one locally)")
-    p.add_argument("--concurrent-trials", type=int, default=1,
-                   help="trials that may run at once on the same devices (default 1: each trial has its "
-                        "cores to itself, so its samples/s do not depend on what else runs)")
+    p.add_argument(
+        "--concurrent-trials",
+        type=int,
+        default=1,
+        help="trials that may run at once on the same devices (default 1: each trial has its "
+        "cores to itself, so its samples/s do not depend on what else runs)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -54,8 +84,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from autotune import interrupts, report
     from autotune.search import study as st
-    from autotune.units import parse_duration_s
     from autotune.search.session import open_search
+    from autotune.units import parse_duration_s
 
     # `kill` ends a search like Ctrl-C: running trials are recorded as interrupted, the rest is kept.
     signal.signal(signal.SIGTERM, interrupts.raise_interrupted)
@@ -66,11 +96,24 @@ def run(args: argparse.Namespace) -> int:
     if args.n_trials is not None and args.n_trials < 1:
         raise SpecError(f"--n-trials must be at least 1, got {args.n_trials}")
     tolerance = _percent(args.tolerance)
-    session = open_search(model=args.model, impl=args.impl, model_factory=args.model_factory, gpus=args.gpus,
-                          seq_len=args.seq_len, global_batch=args.global_batch, space=args.space, study=args.study, storage=args.storage, executor=args.executor,
-                          resume=args.resume, ray_address=args.ray_address,
-                          concurrent_trials=args.concurrent_trials, objective=args.objective,
-                          exhaustive=args.exhaustive, tolerance=tolerance)
+    session = open_search(
+        model=args.model,
+        impl=args.impl,
+        model_factory=args.model_factory,
+        gpus=args.gpus,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        space=args.space,
+        study=args.study,
+        storage=args.storage,
+        executor=args.executor,
+        resume=args.resume,
+        ray_address=args.ray_address,
+        concurrent_trials=args.concurrent_trials,
+        objective=args.objective,
+        exhaustive=args.exhaustive,
+        tolerance=tolerance,
+    )
     study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
     print(f"executor: {session.how}")
@@ -79,20 +122,31 @@ def run(args: argparse.Namespace) -> int:
             _print_plan(session.search, study.study_name, session.inputs.space.path)
             summary = session.run(n_trials=args.n_trials, timeout_s=timeout_s, progress=not args.no_progress)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: every completed trial is kept; continue with "
-              f"`autotune search --resume --study {study.study_name}`", file=sys.stderr)
+        print(
+            f"\ninterrupted: every completed trial is kept; continue with "
+            f"`autotune search --resume --study {study.study_name}`",
+            file=sys.stderr,
+        )
         raise
-    stop = {"exhausted": "every feasible candidate is decided", "n-trials": "--n-trials reached",
-            "timeout": "--timeout reached", "bound": summary.bound.get("line")}.get(summary.stop, summary.stop)
-    print(f"\nstopped: {stop}. {summary.ok} ok, {summary.failed} failed, {summary.pruned} pruned without a run"
-          + (f", {summary.interrupted} interrupted (rerun on --resume)" if summary.interrupted else ""))
+    stop = {
+        "exhausted": "every feasible candidate is decided",
+        "n-trials": "--n-trials reached",
+        "timeout": "--timeout reached",
+        "bound": summary.bound.get("line"),
+    }.get(summary.stop, summary.stop)
+    print(
+        f"\nstopped: {stop}. {summary.ok} ok, {summary.failed} failed, {summary.pruned} pruned without a run"
+        + (f", {summary.interrupted} interrupted (rerun on --resume)" if summary.interrupted else "")
+    )
     corr = session.correction.summary()
     if corr["measured_trials"] or corr["oom_trials"]:
-        print(f"memory model: x{corr['factor']:.3f} after {corr['measured_trials']} measured and "
-              f"{corr['oom_trials']} out-of-memory trials; |error| median "
-              f"{_pct(corr['median_abs_error_before'])} -> {_pct(corr['median_abs_error_after'])}, max "
-              f"{_pct(corr['max_abs_error_before'])} -> {_pct(corr['max_abs_error_after'])}")
-    recs = st.records(study)     # read once for the table and every part of the report
+        print(
+            f"memory model: x{corr['factor']:.3f} after {corr['measured_trials']} measured and "
+            f"{corr['oom_trials']} out-of-memory trials; |error| median "
+            f"{_pct(corr['median_abs_error_before'])} -> {_pct(corr['median_abs_error_after'])}, max "
+            f"{_pct(corr['max_abs_error_before'])} -> {_pct(corr['max_abs_error_after'])}"
+        )
+    recs = st.records(study)  # read once for the table and every part of the report
     print(report.render(study, "table", top=10, recs=recs))
     files = report.write_outputs(study, recs=recs)
     print(f"report: {files[0]}; export the winner: autotune export --study {study.study_name} --out ds_config.json")
@@ -117,8 +171,10 @@ def _pct(x: float | None) -> str:
 def _print_plan(search, name: str, space_path: str) -> None:
     s = search.summary
     excluded = sum(s.excluded.values())
-    print(f"study {name}: {s.candidates} candidates from {space_path}"
-          + (f" ({excluded} combinations left out as invalid)" if excluded else "")
-          + f"; {s.pruned} pruned so far, {len(search.plan.available(set()))} groups to try"
-          + (f"; resumed: {s.ran} trials already run" if s.ran else ""))
+    print(
+        f"study {name}: {s.candidates} candidates from {space_path}"
+        + (f" ({excluded} combinations left out as invalid)" if excluded else "")
+        + f"; {s.pruned} pruned so far, {len(search.plan.available(set()))} groups to try"
+        + (f"; resumed: {s.ran} trials already run" if s.ran else "")
+    )
     sys.stdout.flush()

@@ -15,10 +15,13 @@ ORDER = 35
 
 
 def register(sub) -> None:
-    p = sub.add_parser("trial", help="run one real DeepSpeed trial here and print what it measured",
-                       description="Run one trial on this machine: N ranks (--gpus) train the model with "
-                                   "DeepSpeed for --steps measured steps. Exit code 0 when the trial's status "
-                                   "is ok, 1 for oom, diverged, timeout or crashed.")
+    p = sub.add_parser(
+        "trial",
+        help="run one real DeepSpeed trial here and print what it measured",
+        description="Run one trial on this machine: N ranks (--gpus) train the model with "
+        "DeepSpeed for --steps measured steps. Exit code 0 when the trial's status "
+        "is ok, 1 for oom, diverged, timeout or crashed.",
+    )
     add_model_gpus(p)
     add_train_config(p)
     p.add_argument("--steps", type=int, default=6, help="measured optimizer steps (default 6)")
@@ -33,8 +36,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from autotune.deepspeed_config import deepspeed_config
-    from autotune.trial.record import TrialRequest
     from autotune.trial import run_trial
+    from autotune.trial.record import TrialRequest
 
     model, cluster, cfg = specs_from_args(args)
     if args.steps < 1 or args.warmup_steps < 0:
@@ -44,20 +47,34 @@ def run(args) -> int:
     except ValueError as e:
         raise SpecError(str(e)) from None
     if cluster.num_nodes > 1 and not cluster.gpu.is_cpu:
-        raise SpecError(f"--gpus {cluster.text}: `autotune trial` runs on this machine only; place multi-node "
-                        f"trials with `autotune search --ray-address`")
+        raise SpecError(
+            f"--gpus {cluster.text}: `autotune trial` runs on this machine only; place multi-node "
+            f"trials with `autotune search --ray-address`"
+        )
     from autotune.memory import estimate as memory_estimate
 
     # before the run: a broken estimate fails in a second, not after the trial
     estimate = memory_estimate(model, cluster, cfg).to_json()
     out = args.out or Path("trials", "adhoc", time.strftime("%Y%m%d-%H%M%S"))
-    req = TrialRequest(model=model, cluster=cluster, config=cfg, out_dir=out, steps=args.steps,
-                       warmup_steps=args.warmup_steps, timeout_s=timeout_s, profile=args.profile, fault=args.fault)
+    req = TrialRequest(
+        model=model,
+        cluster=cluster,
+        config=cfg,
+        out_dir=out,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        timeout_s=timeout_s,
+        profile=args.profile,
+        fault=args.fault,
+    )
     res = run_trial(req)
     if args.json:
-        doc = {**res.to_dict(), "estimate": estimate,
-               "config": {**cfg.to_dict(), "model": model.name, "gpus": cluster.text},
-               "deepspeed_config": deepspeed_config(cfg, model, cluster)}
+        doc = {
+            **res.to_dict(),
+            "estimate": estimate,
+            "config": {**cfg.to_dict(), "model": model.name, "gpus": cluster.text},
+            "deepspeed_config": deepspeed_config(cfg, model, cluster),
+        }
         print(json.dumps(doc, indent=2, default=str))
     else:
         print(summary(req, res, estimate))
@@ -66,23 +83,33 @@ def run(args) -> int:
 
 def summary(req, res, estimate: dict) -> str:
     cfg = req.config
-    lines = [f"{req.model.name} ({req.model.code_name}) on {req.cluster.describe()}: {cfg.short()}, seq {cfg.seq_len}",
-             f"status      {res.status}{'  (' + res.reason + ')' if res.reason else ''}"]
+    lines = [
+        f"{req.model.name} ({req.model.code_name}) on {req.cluster.describe()}: {cfg.short()}, seq {cfg.seq_len}",
+        f"status      {res.status}{'  (' + res.reason + ')' if res.reason else ''}",
+    ]
     if res.samples_per_s is not None:
         mfu = f"MFU {res.mfu:.1%}" if res.mfu is not None else f"MFU n/a (no peak for {req.cluster.gpu.name})"
-        lines += [f"throughput  {res.samples_per_s:,.2f} samples/s, {res.tokens_per_s:,.0f} tokens/s "
-                  f"(step {res.step_time_s:.3f} s median, spread {res.step_time_spread_s:.3f} s)",
-                  f"compute     {res.tflops:.4f} model TFLOPS per device, {mfu}"]
+        lines += [
+            f"throughput  {res.samples_per_s:,.2f} samples/s, {res.tokens_per_s:,.0f} tokens/s "
+            f"(step {res.step_time_s:.3f} s median, spread {res.step_time_spread_s:.3f} s)",
+            f"compute     {res.tflops:.4f} model TFLOPS per device, {mfu}",
+        ]
     if res.peak_bytes is not None:
         phases = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.phase_peak_bytes.items())
-        lines += [f"memory      peak {fmt_bytes(res.peak_bytes)} per rank (max over ranks), init "
-                  f"{fmt_bytes(res.init_peak_bytes)}; last step: {phases}" + ("; LEAK: grows per step" if res.leak else ""),
-                  f"cap         {fmt_bytes(req.cluster.capacity_bytes)} per rank"]
-    lines.append(f"estimate    {fmt_bytes(estimate['tensor_peak_bytes'])} tensor peak, {fmt_bytes(estimate['total_bytes'])} "
-                 f"with the framework allowance (memory model, estimated)")
+        lines += [
+            f"memory      peak {fmt_bytes(res.peak_bytes)} per rank (max over ranks), init "
+            f"{fmt_bytes(res.init_peak_bytes)}; last step: {phases}" + ("; LEAK: grows per step" if res.leak else ""),
+            f"cap         {fmt_bytes(req.cluster.capacity_bytes)} per rank",
+        ]
+    lines.append(
+        f"estimate    {fmt_bytes(estimate['tensor_peak_bytes'])} tensor peak, {fmt_bytes(estimate['total_bytes'])} "
+        f"with the framework allowance (memory model, estimated)"
+    )
     if res.losses:
-        lines.append(f"loss        {res.losses[0]:.4f} -> {res.losses[-1]:.4f} over {len(res.losses)} steps "
-                     f"({req.warmup_steps} warm-up)")
+        lines.append(
+            f"loss        {res.losses[0]:.4f} -> {res.losses[-1]:.4f} over {len(res.losses)} steps "
+            f"({req.warmup_steps} warm-up)"
+        )
     if res.overhead_s is not None:
         parts = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in res.timings_s.items() if k != "measured_s")
         lines.append(f"overhead    {res.overhead_s:.2f} s outside the measured steps ({parts})")

@@ -19,15 +19,16 @@ import math
 from dataclasses import dataclass, replace
 from functools import cache
 
+from autotune.costops.ops import Op, OpProfile
 from autotune.hardware import GpuSpec
-from autotune.costops.ops import Op, OpProfile  # noqa: F401 - the package's names
 from autotune.models import ModelSpec
 
 
 # ---- the code priced: through the model-code seam (autotune/impl/) -------------------------
 @cache
-def profile_for(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
-                seq_len: int, depth: int = 0) -> OpProfile:
+def profile_for(
+    spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int, seq_len: int, depth: int = 0
+) -> OpProfile:
     """The cached op profile of one (model, implementation, precision, attention, micro batch, seq
     len). `implementation`: whose code is priced, as ModelSpec.implementation names it (builtin:
     autotune's stand-in; hf: transformers' own modeling code; factory: the user's module), built
@@ -35,8 +36,8 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
     code and of the stand-in is also kept on disk between runs, beside the memory traces
     (autotune/trace_cache.py: under a fingerprint of the libraries and of autotune's own
     sources); a user's module is not, as its file can change between runs."""
-    from autotune.impl import impl_for
     from autotune import trace_cache
+    from autotune.impl import impl_for
     from autotune.memory.code_trace import spec_key
 
     kept = implementation in ("hf", "builtin")
@@ -55,16 +56,33 @@ def profile_for(spec: ModelSpec, implementation: str, precision: str, attention:
     def build(num_layers: int):
         return impl.build(spec, dtype=dtype, attention=traced_attention, num_layers=num_layers)
 
-    profile = op_profile(build, impl.loss, micro_batch=micro_batch, seq_len=seq_len, vocab=spec.vocab_size,
-                         heads=spec.num_heads, depth=depth, uniform=spec.uniform_blocks)
+    profile = op_profile(
+        build,
+        impl.loss,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        vocab=spec.vocab_size,
+        heads=spec.num_heads,
+        depth=depth,
+        uniform=spec.uniform_blocks,
+    )
     if kept:
         trace_cache.store(key, profile.to_json())
     return profile
 
 
 # ---- pricing ---------------------------------------------------------------------------------
-SMS = {"V100-32GB": 80, "V100-16GB": 80, "T4": 40, "A100-80GB": 108, "A100-40GB": 108, "H100-80GB": 132,
-       "H200": 132, "RTX4090": 128, "L40S": 142}
+SMS = {
+    "V100-32GB": 80,
+    "V100-16GB": 80,
+    "T4": 40,
+    "A100-80GB": 108,
+    "A100-40GB": 108,
+    "H100-80GB": 132,
+    "H200": 132,
+    "RTX4090": 128,
+    "L40S": 142,
+}
 """Streaming multiprocessors, the waves a GEMM's tiles run in: NVIDIA Volta (V100 80), Turing (T4 40),
 Ampere (A100 108), Hopper (H100/H200 SXM 132), Ada (RTX 4090 128, L40S 142) architecture whitepapers."""
 
@@ -92,8 +110,7 @@ H100_FA2_FWD_BWD = 335.0 / 989.0
 arXiv:2307.08691, sec. 4.1, Fig. 7: the A100 kernel run unchanged on H100) over the H100's 989 TFLOPS
 dense bf16 peak (data/gpus.yaml), FLOPs counted as forward + 2.5 x forward."""
 
-FLASH_EFFICIENCY = {"A100": (0.73, 0.63),
-                    "H100": (0.35, 2.5 / (3.5 / H100_FA2_FWD_BWD - 1 / 0.35))}
+FLASH_EFFICIENCY = {"A100": (0.73, 0.63), "H100": (0.35, 2.5 / (3.5 / H100_FA2_FWD_BWD - 1 / 0.35))}
 """(forward, backward) fraction of the 16-bit dense peak a FlashAttention-2 kernel reaches at long
 sequences, head dim 128. A100: "up to 73% of the theoretical max throughput in the forward pass,
 and up to 63% in the backward pass" (Dao 2023, "FlashAttention-2", arXiv:2307.08691, sec. 4.1:
@@ -177,6 +194,7 @@ def attention_efficiency(key: tuple, phase: str, head_dim: int, s_kv: int, causa
 
     def mm_share(d: int) -> float:
         return 4 * d / (4 * d + SOFTMAX_OPS_PER_SCORE * ratio)
+
     e *= mm_share(head_dim) / mm_share(128)
     if causal:
         e *= s_kv / (s_kv + ATTENTION_BLOCK)
@@ -203,8 +221,10 @@ def attention_s(op: Op, key: tuple, sustained: float, kernel: str = "flash2") ->
     flops = fwd if op.phase == "fwd" else 2.5 * fwd
     slower = ATTENTION_KERNELS[kernel][0 if op.phase == "fwd" else 1]
     peak = key[1]
-    return max(flops * slower / (peak * attention_efficiency(key, op.phase, d, s_kv, causal)),
-               op.nbytes / _hbm(key)) + LAUNCH_S
+    return (
+        max(flops * slower / (peak * attention_efficiency(key, op.phase, d, s_kv, causal)), op.nbytes / _hbm(key))
+        + LAUNCH_S
+    )
 
 
 def elementwise_s(op: Op, key: tuple, sustained: float) -> float:
@@ -236,10 +256,12 @@ def op_s(op: Op, key: tuple, sustained: float = 1.0, attention_kernel: str = "fl
 
 
 @cache
-def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.0,
-          attention_kernel: str = "flash2") -> ComputePrice:
+def price(
+    profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.0, attention_kernel: str = "flash2"
+) -> ComputePrice:
     """Price every distinct op once, times its count (cached per profile, depth, GPU, sustained,
     attention kernel)."""
+
     def cost(op: Op) -> float:
         return op_s(op, key, sustained, attention_kernel)
 
@@ -249,20 +271,32 @@ def price(profile: OpProfile, num_layers: int, key: tuple, sustained: float = 1.
         per[op.term or op.cls] += n * cost(op)
     fwd = sum(n * cost(op) for op, n in profile.layer if op.phase == "fwd")
     kernels = sum(ops.values())
-    return ComputePrice(gemm=per["gemm"], attention=per["attention"], elementwise=per["elementwise"],
-                        layer_forward=fwd, kernels=kernels)
+    return ComputePrice(
+        gemm=per["gemm"], attention=per["attention"], elementwise=per["elementwise"], layer_forward=fwd, kernels=kernels
+    )
 
 
-def _profile(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
-             seq_len: int) -> OpProfile:
+def _profile(
+    spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int, seq_len: int
+) -> OpProfile:
     # the profile is per block: its cache key leaves the depth out, but for the whole-depth trace of a
     # model whose blocks differ (trace.op_profile), which needs it
-    return profile_for(replace(spec, num_layers=1), implementation, precision, attention, micro_batch, seq_len,
-                       spec.num_layers)
+    return profile_for(
+        replace(spec, num_layers=1), implementation, precision, attention, micro_batch, seq_len, spec.num_layers
+    )
 
 
-def micro_step_price(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
-                     seq_len: int, key: tuple, sustained: float = 1.0, attention_kernel: str = "flash2") -> ComputePrice:
+def micro_step_price(
+    spec: ModelSpec,
+    implementation: str,
+    precision: str,
+    attention: str,
+    micro_batch: int,
+    seq_len: int,
+    key: tuple,
+    sustained: float = 1.0,
+    attention_kernel: str = "flash2",
+) -> ComputePrice:
     """Forward+backward of one micro step of `spec` on the GPU `key` (gpu_key), op by op (cached);
     `attention_kernel`: the flash kernel the framework runs (ATTENTION_KERNELS)."""
     profile = _profile(spec, implementation, precision, attention, micro_batch, seq_len)
@@ -270,8 +304,9 @@ def micro_step_price(spec: ModelSpec, implementation: str, precision: str, atten
 
 
 @cache
-def step_flops(spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int,
-               seq_len: int) -> float:
+def step_flops(
+    spec: ModelSpec, implementation: str, precision: str, attention: str, micro_batch: int, seq_len: int
+) -> float:
     """FLOPs one micro step's GEMMs and attention kernels run, forward and backward, as traced (no
     recompute; element-wise ops count none): what the code runs, whatever the GPU. Cached: a report
     asks it for each of a study's tens of thousands of candidates, of a few shapes."""

@@ -39,6 +39,7 @@ class OpProfile:
     def from_json(cls, d: dict) -> OpProfile:
         def op(cls_, name, phase, flops, nbytes, shape, term):
             return Op(cls_, name, phase, float(flops), int(nbytes), tuple(shape), term)
+
         return cls(**{part: tuple((op(*row[:-1]), row[-1]) for row in d[part]) for part in ("layer", "rest")})
 
     def ops(self, num_layers: int) -> Counter[Op]:

@@ -87,13 +87,13 @@ def tp_comm_s(model, cfg, cluster, link_bytes_per_s: Callable, dtype_bytes: int)
     if tp == 1:
         return 0.0
     link = link_bytes_per_s(tp_group(cluster, tp))
-    tokens = cfg.micro_batch * (cfg.seq_len // sequence_parallel_size(cfg))   # this rank's tokens
+    tokens = cfg.micro_batch * (cfg.seq_len // sequence_parallel_size(cfg))  # this rank's tokens
     activation = tokens * model.hidden_size * dtype_bytes
-    ring = (tp - 1) / tp   # bytes each rank sends per byte of the tensor: reduce-scatter or all-gather half
-    per_layer = 2 * ring * activation / link   # ring all-reduce: 2 halves
+    ring = (tp - 1) / tp  # bytes each rank sends per byte of the tensor: reduce-scatter or all-gather half
+    per_layer = 2 * ring * activation / link  # ring all-reduce: 2 halves
     seconds = (model.num_layers * ALLREDUCES_PER_LAYER + cfg.ckpt_layers * FORWARD_ALLREDUCES_PER_LAYER) * per_layer
     if not model.tied_embeddings:
-        seconds += ring * tokens * model.vocab_size * dtype_bytes / link   # the head's gathered logits
+        seconds += ring * tokens * model.vocab_size * dtype_bytes / link  # the head's gathered logits
     return seconds
 
 
@@ -133,9 +133,13 @@ def _narrow_head(op, vocab: int, tp: int):
     new[i] = -(-vocab // tp)
     m, k, n = dims
     m2, k2, n2 = new
-    elems = lambda a, b, c: a * b + b * c + a * c   # noqa: E731 - the three matrices a GEMM reads and writes
-    return dataclasses.replace(op, flops=op.flops * new[i] / vocab,
-                               nbytes=round(op.nbytes * elems(m2, k2, n2) / elems(m, k, n)), shape=(batch, *new))
+    elems = lambda a, b, c: a * b + b * c + a * c  # noqa: E731 - the three matrices a GEMM reads and writes
+    return dataclasses.replace(
+        op,
+        flops=op.flops * new[i] / vocab,
+        nbytes=round(op.nbytes * elems(m2, k2, n2) / elems(m, k, n)),
+        shape=(batch, *new),
+    )
 
 
 def _sums(profile, num_layers: int, key: tuple, sustained: float, kernel: str, head=None):
@@ -156,16 +160,28 @@ def _sums(profile, num_layers: int, key: tuple, sustained: float, kernel: str, h
 
 
 @cache
-def shard_price(model, tp: int, sp: int, implementation: str, precision: str, attention: str, micro_batch: int,
-                seq_len: int, key: tuple, sustained: float = 1.0, attention_kernel: str = "flash2"):
+def shard_price(
+    model,
+    tp: int,
+    sp: int,
+    implementation: str,
+    precision: str,
+    attention: str,
+    micro_batch: int,
+    seq_len: int,
+    key: tuple,
+    sustained: float = 1.0,
+    attention_kernel: str = "flash2",
+):
     """Forward+backward of one micro step on one rank of a tp x sp group (module docstring), as a
     costops.ComputePrice: the tp shard's ops at seq / sp tokens, its attention kernels those of the full sequence
     / sp, the untied head's GEMMs V / tp wide. tp = sp = 1 is costops.micro_step_price."""
     from autotune.costops import ComputePrice, _profile, micro_step_price
 
     if tp == 1 and sp == 1:
-        return micro_step_price(model, implementation, precision, attention, micro_batch, seq_len, key, sustained,
-                                attention_kernel)
+        return micro_step_price(
+            model, implementation, precision, attention, micro_batch, seq_len, key, sustained, attention_kernel
+        )
     local = model
     if tp > 1:
         from autotune.memory.tensor_parallel import local_model
@@ -173,8 +189,10 @@ def shard_price(model, tp: int, sp: int, implementation: str, precision: str, at
         local = local_model(model, tp)
     head = None
     if tp > 1 and not model.tied_embeddings:
+
         def head(op):
             return _narrow_head(op, model.vocab_size, tp)
+
     L = model.num_layers
     mine = _profile(local, implementation, precision, attention, micro_batch, seq_len // sp)
     per, layer_fwd, attn_fwd, kernels = _sums(mine, L, key, sustained, attention_kernel, head)
@@ -183,6 +201,10 @@ def shard_price(model, tp: int, sp: int, implementation: str, precision: str, at
         per_w, _, attn_fwd_w, _ = _sums(whole, L, key, sustained, attention_kernel)
         per["attention"] = per_w["attention"] / sp
         layer_fwd += attn_fwd_w / sp - attn_fwd
-    return ComputePrice(gemm=per["gemm"], attention=per["attention"], elementwise=per["elementwise"],
-                        layer_forward=layer_fwd, kernels=kernels)
-
+    return ComputePrice(
+        gemm=per["gemm"],
+        attention=per["attention"],
+        elementwise=per["elementwise"],
+        layer_forward=layer_fwd,
+        kernels=kernels,
+    )

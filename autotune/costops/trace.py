@@ -18,14 +18,30 @@ from autotune.costops.ops import Op, OpProfile
 aten = torch.ops.aten
 GEMM_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 """aten ops a linear layer or a matmul lowers to (nn.Linear -> addmm/mm; q @ k^T -> bmm)."""
-SDPA_FWD = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-            aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention}
-SDPA_BWD = {aten._scaled_dot_product_flash_attention_backward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward,
-            aten._scaled_dot_product_efficient_attention_backward,
-            aten._scaled_dot_product_cudnn_attention_backward}
-NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.detach, aten.lift_fresh, aten._unsafe_view,
-             aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym_numel}
+SDPA_FWD = {
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+}
+SDPA_BWD = {
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+}
+NO_KERNEL = {
+    aten.empty,
+    aten.empty_strided,
+    aten.empty_like,
+    aten.detach,
+    aten.lift_fresh,
+    aten._unsafe_view,
+    aten._local_scalar_dense,
+    aten.sym_size,
+    aten.sym_stride,
+    aten.sym_numel,
+}
 """Ops that allocate or describe a tensor without launching a kernel (views are skipped by their
 schema: OpOverload.is_view)."""
 
@@ -87,8 +103,15 @@ class _Recorder(TorchDispatchMode):
         nbytes = sum(_nbytes(t) for t in tensors)
         scores = "attention" if self._touches_scores(tensors) else ""
         if packet in GEMM_OPS:
-            op = Op("gemm", packet.__name__, self.phase, float(fc.flop_registry[packet](*args, **kwargs, out_val=out)),
-                    nbytes, _gemm_shape(func, args), scores)
+            op = Op(
+                "gemm",
+                packet.__name__,
+                self.phase,
+                float(fc.flop_registry[packet](*args, **kwargs, out_val=out)),
+                nbytes,
+                _gemm_shape(func, args),
+                scores,
+            )
         elif packet is aten._grouped_mm:
             flops, shape = _grouped_gemm(args, out)
             op = Op("gemm", packet.__name__, self.phase, flops, nbytes, shape, scores)
@@ -120,8 +143,9 @@ Loss = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 """The training loss of the model on a (micro batch, seq len + 1) token batch."""
 
 
-def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len: int, vocab: int,
-           heads: int = 0) -> Counter[Op]:
+def _trace(
+    build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len: int, vocab: int, heads: int = 0
+) -> Counter[Op]:
     """The ops of one forward+backward on fake tensors, on the branch a real run takes: transformers'
     masks read the position ids, which fake tensors cannot, and would build a 4-D mask where a real
     run passes none and runs a causal kernel (memory/code_trace.py `unpacked_sequences`)."""
@@ -139,8 +163,17 @@ def _trace(build: Build, loss: Loss, num_layers: int, micro_batch: int, seq_len:
     return rec.ops
 
 
-def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, vocab: int, heads: int = 0,
-               depth: int = 0, uniform: bool = True) -> OpProfile:
+def op_profile(
+    build: Build,
+    loss: Loss,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    vocab: int,
+    heads: int = 0,
+    depth: int = 0,
+    uniform: bool = True,
+) -> OpProfile:
     """Trace 1- and 2-block copies and split their ops into one block's and the rest (the
     difference of the two multisets is one block; blocks run the same ops). `heads`: attention
     heads, to report eager attention's kernels under attention (0: by class only).
@@ -155,13 +188,14 @@ def op_profile(build: Build, loss: Loss, *, micro_batch: int, seq_len: int, voca
         layer = two - one
         rest = one - layer
         if one - rest == layer:
-            return OpProfile(layer=tuple(sorted(layer.items(), key=repr)),
-                             rest=tuple(sorted(rest.items(), key=repr)))
+            return OpProfile(layer=tuple(sorted(layer.items(), key=repr)), rest=tuple(sorted(rest.items(), key=repr)))
     if depth < 1:
         raise ValueError("the traced blocks do not run the same ops and the model's depth is not given")
     whole, none = (_trace(build, loss, n, micro_batch, seq_len, vocab, heads) for n in (depth, 0))
     if none - whole:  # an op of the blockless program the whole one does not run: no split either
-        raise ValueError("the traced blocks do not run the same ops, and the blockless program is not "
-                         "part of the whole one; cannot extrapolate per block")
+        raise ValueError(
+            "the traced blocks do not run the same ops, and the blockless program is not "
+            "part of the whole one; cannot extrapolate per block"
+        )
     mean = {op: (whole[op] - none[op]) / depth for op in whole if whole[op] > none[op]}
     return OpProfile(layer=tuple(sorted(mean.items(), key=repr)), rest=tuple(sorted(none.items(), key=repr)))

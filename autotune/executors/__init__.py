@@ -38,8 +38,9 @@ def devices_present(cluster: Cluster) -> tuple[bool, str]:
     props = torch.cuda.get_device_properties(0)
     family = cluster.gpu.name.split("-")[0].lower()
     if family not in props.name.lower() or props.total_memory < PRESENT_MEMORY_FRACTION * cluster.gpu.memory_bytes:
-        return False, (f"{cluster.gpu.name} requested, this machine has {n} x {props.name} "
-                       f"({props.total_memory / 2**30:.0f} GiB)")
+        return False, (
+            f"{cluster.gpu.name} requested, this machine has {n} x {props.name} ({props.total_memory / 2**30:.0f} GiB)"
+        )
     return True, f"{n} x {props.name} here"
 
 
@@ -55,13 +56,16 @@ def choose(kind: str, cluster: Cluster, ray_address: str | None) -> tuple[Kind, 
             why += "; results below are SIMULATED by the cost model, not measured"
     if kind == "ray":
         if not here and not ray_address:
-            raise SpecError(f"--executor ray: {why}; pass --ray-address of a Ray cluster that has them, "
-                            f"or use --executor simulated")
+            raise SpecError(
+                f"--executor ray: {why}; pass --ray-address of a Ray cluster that has them, or use --executor simulated"
+            )
         where = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray instance"
         return "ray", f"ray: real DeepSpeed trials on {where} ({why})"
     if cluster.gpu.is_cpu:
-        raise SpecError("--executor simulated: the cost model prices GPUs from their datasheets; CPU ranks "
-                        "are run for real (--executor ray or auto)")
+        raise SpecError(
+            "--executor simulated: the cost model prices GPUs from their datasheets; CPU ranks "
+            "are run for real (--executor ray or auto)"
+        )
     return "simulated", f"simulated: the throughput cost model ({why})"
 
 

@@ -39,10 +39,13 @@ def secure_local_cluster() -> Path | None:
     """
     mode = os.environ.get(MODE_VAR)
     if mode is not None and mode.lower() != "token":
-        print(f"warning: {MODE_VAR}={mode} ignored: the local Ray cluster autotune starts listens on every "
-              f"network interface, and without a token anyone who can reach this machine could run code "
-              f"through it as the user running autotune. It uses Ray's token authentication "
-              f"(docs/security.md).", file=sys.stderr)
+        print(
+            f"warning: {MODE_VAR}={mode} ignored: the local Ray cluster autotune starts listens on every "
+            f"network interface, and without a token anyone who can reach this machine could run code "
+            f"through it as the user running autotune. It uses Ray's token authentication "
+            f"(docs/security.md).",
+            file=sys.stderr,
+        )
     os.environ[MODE_VAR] = "token"
     path = token_file()
     if path is not None:
@@ -67,13 +70,18 @@ def _owner_only_token(path: Path) -> None:
         st = path.stat()
         if st.st_mode & 0o077:
             if st.st_uid != os.geteuid():
-                print(f"warning: the Ray token {path} is readable by other users (mode {st.st_mode & 0o777:o}) and "
-                      f"not yours to change: whoever reads it can run code on the clusters that use it.",
-                      file=sys.stderr)
+                print(
+                    f"warning: the Ray token {path} is readable by other users (mode {st.st_mode & 0o777:o}) and "
+                    f"not yours to change: whoever reads it can run code on the clusters that use it.",
+                    file=sys.stderr,
+                )
                 return
             path.chmod(0o600)
-            print(f"warning: the Ray token {path} was readable by other users (mode {st.st_mode & 0o777:o}); "
-                  f"made it 0600: whoever reads it can run code on the clusters that use it.", file=sys.stderr)
+            print(
+                f"warning: the Ray token {path} was readable by other users (mode {st.st_mode & 0o777:o}); "
+                f"made it 0600: whoever reads it can run code on the clusters that use it.",
+                file=sys.stderr,
+            )
         return
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))  # as Ray's own generator: 256 random bits, hex
@@ -89,9 +97,10 @@ def warn_if_joining_without_token(address: str) -> None:
     if _warned_join or os.environ.get(MODE_VAR, "").lower() != "disabled":
         return
     _warned_join = True
-    print(f"warning: {MODE_VAR}=disabled: autotune joins the Ray cluster at {address} without a token. That "
-          f"works only if the cluster runs without authentication, and then anyone who can reach its address "
-          f"can run any code on its nodes as the user who started Ray there, and read what the trials read. "
-          f"Start the cluster with token authentication and join it with {MODE_VAR}=token (docs/security.md).",
-          file=sys.stderr)
-
+    print(
+        f"warning: {MODE_VAR}=disabled: autotune joins the Ray cluster at {address} without a token. That "
+        f"works only if the cluster runs without authentication, and then anyone who can reach its address "
+        f"can run any code on its nodes as the user who started Ray there, and read what the trials read. "
+        f"Start the cluster with token authentication and join it with {MODE_VAR}=token (docs/security.md).",
+        file=sys.stderr,
+    )

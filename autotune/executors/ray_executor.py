@@ -53,13 +53,21 @@ def _rendezvous() -> tuple[str, int]:
     return addr, launch.free_port(addr)
 
 
-def _node(req: TrialRequest, node_rank: int, num_nodes: int, master: tuple[str, int] | None,
-          threads: int) -> NodeOutcome:
+def _node(
+    req: TrialRequest, node_rank: int, num_nodes: int, master: tuple[str, int] | None, threads: int
+) -> NodeOutcome:
     """One node's ranks of one trial (run in a Ray worker); the per-node outcome, as a value."""
     t0 = time.time()
     addr, port = master or ("127.0.0.1", None)
-    outcome = launch.run_node([req], node_rank=node_rank, num_nodes=num_nodes, master_addr=addr,
-                              master_port=port, threads=threads, fresh=False)[0]
+    outcome = launch.run_node(
+        [req],
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        master_addr=addr,
+        master_port=port,
+        threads=threads,
+        fresh=False,
+    )[0]
     outcome.task_start, outcome.task_end = t0, time.time()
     outcome.node_id = ray.get_runtime_context().get_node_id()
     return outcome
@@ -83,8 +91,14 @@ class _Trial:
 class RayExecutor(Executor):
     """Runs real trials on Ray; as many at once as `slots()` says the cluster holds."""
 
-    def __init__(self, cluster: Cluster, *, ray_address: str | None = None, num_cpus: int | None = None,
-                 concurrent_trials: int = 1):
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        ray_address: str | None = None,
+        num_cpus: int | None = None,
+        concurrent_trials: int = 1,
+    ):
         self.cluster, self.concurrent_trials = cluster, concurrent_trials
         self._trials: dict[str, _Trial] = {}
         self._connected = False
@@ -103,8 +117,14 @@ class RayExecutor(Executor):
                 # (ray.init() alone would join it and then refuse num_cpus). It listens on every interface:
                 # the token is what keeps others out, so it is on and owner-only before Ray starts.
                 ray_auth.secure_local_cluster()
-                ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                         object_store_memory=OBJECT_STORE_BYTES, logging_level="warning", log_to_driver=False)
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus or os.cpu_count(),
+                    include_dashboard=False,
+                    object_store_memory=OBJECT_STORE_BYTES,
+                    logging_level="warning",
+                    log_to_driver=False,
+                )
             self._connected = True
             if threading.current_thread() is threading.main_thread() and on_sigterm is not None:
                 signal.signal(signal.SIGTERM, on_sigterm)
@@ -116,8 +136,7 @@ class RayExecutor(Executor):
         """Trials of `self.cluster`'s shape that fit the cluster at once (counting every node), at most
         `concurrent_trials`."""
         need = _resources(self.cluster, self.cpus_per_rank)
-        per_node = [min(int(n["Resources"].get(k, 0) // v) for k, v in need.items())
-                    for n in ray.nodes() if n["Alive"]]
+        per_node = [min(int(n["Resources"].get(k, 0) // v) for k, v in need.items()) for n in ray.nodes() if n["Alive"]]
         return min(self.concurrent_trials, sum(per_node) // self.cluster.num_nodes)
 
     def submit(self, request: TrialRequest) -> str:
@@ -125,8 +144,10 @@ class RayExecutor(Executor):
         need = _resources(c, self.cpus_per_rank)
         fits = [n for n in ray.nodes() if n["Alive"] and all(n["Resources"].get(k, 0) >= v for k, v in need.items())]
         if len(fits) < c.num_nodes:
-            raise SpecError(f"Ray cluster cannot place {c.describe()}: it needs {c.num_nodes} node(s) with "
-                            f"{need} each, and {len(fits)} node(s) have that much")
+            raise SpecError(
+                f"Ray cluster cannot place {c.describe()}: it needs {c.num_nodes} node(s) with "
+                f"{need} each, and {len(fits)} node(s) have that much"
+            )
         launch.prepare(request)
         pg = placement_group([need] * c.num_nodes, strategy="STRICT_SPREAD" if c.num_nodes > 1 else "PACK")
         on = lambda i: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)  # noqa: E731
@@ -136,8 +157,12 @@ class RayExecutor(Executor):
             master = None
         else:
             master = _rendezvous_task.options(num_cpus=0, max_retries=0, scheduling_strategy=on(0)).remote()
-        refs = [_node_task.options(num_cpus=need["CPU"], num_gpus=gpus, max_retries=0, scheduling_strategy=on(i))
-                .remote(request, i, c.num_nodes, master, threads) for i in range(c.num_nodes)]
+        refs = [
+            _node_task.options(num_cpus=need["CPU"], num_gpus=gpus, max_retries=0, scheduling_strategy=on(i)).remote(
+                request, i, c.num_nodes, master, threads
+            )
+            for i in range(c.num_nodes)
+        ]
         ticket = f"trial-{request.trial_id if request.trial_id is not None else ''}-{uuid.uuid4().hex[:8]}"
         self._trials[ticket] = _Trial(request=request, pg=pg, ready=pg.ready(), refs=refs)
         return ticket
@@ -155,8 +180,9 @@ class RayExecutor(Executor):
             # a node that has finished) makes ray.wait return at once, and the loop then spins at half a core
             # (measured on 2 cores: the driver at 46-48% CPU through every trial, its ranks at 60-80% each)
             pending = [tr.ready for tr in self._trials.values() if tr.placed is None]
-            pending += [r for tr in self._trials.values()
-                        for r in ray.wait(tr.refs, num_returns=len(tr.refs), timeout=0)[1]]
+            pending += [
+                r for tr in self._trials.values() for r in ray.wait(tr.refs, num_returns=len(tr.refs), timeout=0)[1]
+            ]
             if pending:
                 ray.wait(pending, num_returns=1, timeout=left)
             else:
@@ -200,7 +226,9 @@ class RayExecutor(Executor):
         merged = _merge(outcomes) if outcomes else NodeOutcome(log_tail=launch.log_tail(req))
         if tr.late:
             merged.status = "timeout"
-            merged.reason = f"no answer from the trial's Ray tasks {req.timeout_s + GRACE_S:g} s after placement; cancelled"
+            merged.reason = (
+                f"no answer from the trial's Ray tasks {req.timeout_s + GRACE_S:g} s after placement; cancelled"
+            )
         elif died:
             merged.status, merged.reason = "crashed", "Ray worker lost: " + "; ".join(died)
         if cancelled:
@@ -233,6 +261,11 @@ class RayExecutor(Executor):
 def _merge(outcomes: list[NodeOutcome]) -> NodeOutcome:
     """One trial outcome from its nodes' (global rank numbers are already distinct)."""
     bad = next((o for o in outcomes if o.status), outcomes[0])
-    return NodeOutcome(ranks={r: d for o in outcomes for r, d in o.ranks.items()}, status=bad.status,
-                       reason=bad.reason, log_tail=bad.log_tail or outcomes[0].log_tail,
-                       wall_s=max(o.wall_s for o in outcomes), timings_s=dict(outcomes[0].timings_s))
+    return NodeOutcome(
+        ranks={r: d for o in outcomes for r, d in o.ranks.items()},
+        status=bad.status,
+        reason=bad.reason,
+        log_tail=bad.log_tail or outcomes[0].log_tail,
+        wall_s=max(o.wall_s for o in outcomes),
+        timings_s=dict(outcomes[0].timings_s),
+    )

@@ -23,9 +23,11 @@ from autotune.units import fmt_bytes
 OOM_REASON = "simulated: estimate exceeds capacity"
 
 # The trial runner's test hook (TrialRequest.fault), answered the way a real trial ends with it.
-_FAULTS = {"nan": ("diverged", "simulated fault: non-finite loss"),
-           "hang": ("timeout", "simulated fault: hang, killed at the timeout"),
-           "crash": ("crashed", "simulated fault: a rank crashed")}
+_FAULTS = {
+    "nan": ("diverged", "simulated fault: non-finite loss"),
+    "hang": ("timeout", "simulated fault: hang, killed at the timeout"),
+    "crash": ("crashed", "simulated fault: a rank crashed"),
+}
 
 
 def simulated_result(request: TrialRequest) -> TrialResult:
@@ -47,21 +49,34 @@ def _simulated(request: TrialRequest) -> TrialResult:
         check_config(cfg, request.model, cluster)
         est = estimate(request.model, request.cluster, request.config)
         if not est.fits:
-            log = (f"simulated: memory model estimates {fmt_bytes(est.total_bytes)} per device, capacity "
-                   f"{fmt_bytes(est.capacity_bytes)}; no process was run")
-            return TrialResult(status="oom", reason=OOM_REASON, source="simulated",
-                               peak_bytes=est.tensor_peak_bytes, log_tail=log)
+            log = (
+                f"simulated: memory model estimates {fmt_bytes(est.total_bytes)} per device, capacity "
+                f"{fmt_bytes(est.capacity_bytes)}; no process was run"
+            )
+            return TrialResult(
+                status="oom", reason=OOM_REASON, source="simulated", peak_bytes=est.tensor_peak_bytes, log_tail=log
+            )
         step = simulate(request.model, cluster, cfg)
     except SpecError as e:
-        return TrialResult(status="crashed", reason=f"simulated: {e}", source="simulated",
-                           log_tail=f"simulated: {e}")
-    log = (f"simulated: cost model (autotune.costmodel), no process was run; step {step.step_time_s:.4g} s, "
-           f"{step.tokens_per_s_per_gpu:.4g} tokens/s per GPU, MFU {step.mfu:.1%}; memory estimate "
-           f"{fmt_bytes(est.total_bytes)} of {fmt_bytes(est.capacity_bytes)}")
-    return TrialResult(status="ok", reason="simulated (cost model)", source="simulated",
-                       samples_per_s=step.samples_per_s, tokens_per_s=step.samples_per_s * cfg.seq_len,
-                       step_time_s=step.step_time_s, step_time_spread_s=0.0, tflops=step.tflops_per_gpu,
-                       mfu=step.mfu, peak_bytes=est.tensor_peak_bytes, log_tail=log)
+        return TrialResult(status="crashed", reason=f"simulated: {e}", source="simulated", log_tail=f"simulated: {e}")
+    log = (
+        f"simulated: cost model (autotune.costmodel), no process was run; step {step.step_time_s:.4g} s, "
+        f"{step.tokens_per_s_per_gpu:.4g} tokens/s per GPU, MFU {step.mfu:.1%}; memory estimate "
+        f"{fmt_bytes(est.total_bytes)} of {fmt_bytes(est.capacity_bytes)}"
+    )
+    return TrialResult(
+        status="ok",
+        reason="simulated (cost model)",
+        source="simulated",
+        samples_per_s=step.samples_per_s,
+        tokens_per_s=step.samples_per_s * cfg.seq_len,
+        step_time_s=step.step_time_s,
+        step_time_spread_s=0.0,
+        tflops=step.tflops_per_gpu,
+        mfu=step.mfu,
+        peak_bytes=est.tensor_peak_bytes,
+        log_tail=log,
+    )
 
 
 class SimulatedExecutor(Executor):
@@ -103,6 +118,5 @@ class SimulatedExecutor(Executor):
 def _write_record(out_dir: Path, request: TrialRequest, result: TrialResult) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     step = simulate(request.model, request.cluster, request.config).to_json() if result.status == "ok" else None
-    record = {"source": "simulated", "config": request.config.to_dict(), "result": result.to_dict(),
-              "cost_model": step}
+    record = {"source": "simulated", "config": request.config.to_dict(), "result": result.to_dict(), "cost_model": step}
     (out_dir / "simulated.json").write_text(json.dumps(record, indent=2, default=str))

@@ -26,8 +26,7 @@ if TYPE_CHECKING:
 class ModelImpl(Protocol):
     name: str
 
-    def build(self, spec: ModelSpec, *, dtype: torch.dtype, attention: str,
-              num_layers: int | None = None) -> nn.Module:
+    def build(self, spec: ModelSpec, *, dtype: torch.dtype, attention: str, num_layers: int | None = None) -> nn.Module:
         """The model of `spec` (with `num_layers` decoder layers instead of spec.num_layers if
         given), parameters in `dtype`, allocated on the CURRENT default device / mode: the caller
         wraps the call in torch.device("meta"), FakeTensorMode or deepspeed.zero.Init (for `hf`
@@ -114,8 +113,10 @@ def load_factory(text: str):
     try:
         module = importlib.import_module(mod)
     except ImportError as e:
-        raise SpecError(f"--model-factory {text}: cannot import {mod!r} ({e}); it must be importable "
-                        f"from the current directory or PYTHONPATH") from None
+        raise SpecError(
+            f"--model-factory {text}: cannot import {mod!r} ({e}); it must be importable "
+            f"from the current directory or PYTHONPATH"
+        ) from None
     f = getattr(module, fn, None)
     if not callable(f):
         raise SpecError(f"--model-factory {text}: {mod} has no function {fn!r}")
@@ -149,8 +150,10 @@ class FactoryImpl:
                 obj = getattr(obj, part, None)
             if isinstance(obj, nn.ModuleList):
                 return list(obj)
-        raise SpecError(f"{type(model).__name__}: no decoder layers found; give it a decoder_layers() "
-                        f"method or an nn.ModuleList at .layers, .model.layers, .transformer.h or .blocks")
+        raise SpecError(
+            f"{type(model).__name__}: no decoder layers found; give it a decoder_layers() "
+            f"method or an nn.ModuleList at .layers, .model.layers, .transformer.h or .blocks"
+        )
 
     def loss(self, model, tokens):
         out = model(tokens[:, :-1])
@@ -178,8 +181,11 @@ def _set_checkpointed(layer, on: bool) -> None:
         layer.forward = functools.partial(checkpoint, plain, use_reentrant=False)
 
 
-IMPLS: dict[str, str] = {"hf": "autotune.impl.hf:HfImpl", "builtin": "autotune.impl:BuiltinImpl",
-                         "factory": "autotune.impl:FactoryImpl"}
+IMPLS: dict[str, str] = {
+    "hf": "autotune.impl.hf:HfImpl",
+    "builtin": "autotune.impl:BuiltinImpl",
+    "factory": "autotune.impl:FactoryImpl",
+}
 """Name -> "module:class"; imported on use, so transformers loads only when the hf code is asked for."""
 
 
@@ -187,8 +193,7 @@ def impl_for(spec: ModelSpec, cfg=None) -> ModelImpl:
     """The ModelImpl that `spec.implementation` names; with a TrainConfig `cfg` whose method is lora
     or qlora, that ModelImpl wrapped with peft's adapters (autotune/impl/lora.py `LoraImpl`)."""
     if spec.implementation not in IMPLS:
-        raise SpecError(f"model {spec.name}: unknown implementation {spec.implementation!r}; "
-                        f"known: {', '.join(IMPLS)}")
+        raise SpecError(f"model {spec.name}: unknown implementation {spec.implementation!r}; known: {', '.join(IMPLS)}")
     mod, _, cls = IMPLS[spec.implementation].partition(":")
     impl = getattr(importlib.import_module(mod), cls)()
     if cfg is not None and cfg.method != "full":

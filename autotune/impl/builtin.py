@@ -72,8 +72,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if self.attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               enable_gqa=s.num_kv_heads != s.num_heads)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.num_kv_heads != s.num_heads)
         else:
             rep = s.num_heads // s.num_kv_heads
             if rep > 1:

@@ -70,9 +70,11 @@ class HfImpl:
         built = len(decoder_layers(model)) if num_layers else 0  # (0: the blockless program of costops)
         if built != (num_layers or 0):
             # Nemotron-H: the depth is the length of its per-layer list, which num_hidden_layers does not set
-            raise SpecError(f"{type(model).__name__}: num_hidden_layers {num_layers} built "
-                            f"{built} decoder layers; autotune traces a model of fewer layers "
-                            "than it has by setting num_hidden_layers, which this config does not follow")
+            raise SpecError(
+                f"{type(model).__name__}: num_hidden_layers {num_layers} built "
+                f"{built} decoder layers; autotune traces a model of fewer layers "
+                "than it has by setting num_hidden_layers, which this config does not follow"
+            )
         if getattr(config, VOCAB_PARALLEL_LOSS, False):
             _vocab_parallel_loss(model, config.vocab_size)
         return model.train()  # from_config's model is in eval mode: the config's dropout is real here
@@ -87,4 +89,3 @@ class HfImpl:
 
     def checkpoint_first(self, model, k: int) -> None:
         checkpoint_first_layers(model, k)
-

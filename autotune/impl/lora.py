@@ -46,8 +46,10 @@ def attention_targets(layers) -> list[str]:
                     found += [n for n in names if n not in found]
                     break
     if not found:
-        raise SpecError(f"{type(layers[0]).__name__}: no attention block with linear layers found (a child named "
-                        f"*attn* or *attention*); use --lora-targets all-linear")
+        raise SpecError(
+            f"{type(layers[0]).__name__}: no attention block with linear layers found (a child named "
+            f"*attn* or *attention*); use --lora-targets all-linear"
+        )
     return found
 
 
@@ -58,8 +60,14 @@ def target_modules(cfg, layers) -> list[str] | str:
 
 def lora_config_dict(cfg, targets) -> dict:
     """The LoraConfig keyword arguments of `cfg` (what `autotune export` writes as JSON)."""
-    return {"r": cfg.lora_rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.lora_dropout,
-            "target_modules": targets, "bias": "none", "task_type": "CAUSAL_LM"}
+    return {
+        "r": cfg.lora_rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.lora_dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
 
 
 @contextlib.contextmanager
@@ -77,18 +85,20 @@ def _fake_moves():
     def to(self, *args, **kwargs):
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         tensors = [*self.parameters(), *self.buffers()]
-        if all((device is None or t.device == device)
-               and (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
+        if all(
+            (device is None or t.device == device) and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+            for t in tensors
+        ):
             return self
         if device is not None and any(t.device != device for t in tensors):
             return original(self, *args, **kwargs)
         for module in self.modules():
-            for name, p in module._parameters.items():  # noqa: SLF001 - what Module._apply replaces
+            for name, p in module._parameters.items():
                 if p is not None and p.is_floating_point():
-                    module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), p.requires_grad)  # noqa: SLF001
-            for name, b in module._buffers.items():  # noqa: SLF001
+                    module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), p.requires_grad)
+            for name, b in module._buffers.items():
                 if b is not None and b.is_floating_point():
-                    module._buffers[name] = b.to(dtype)  # noqa: SLF001
+                    module._buffers[name] = b.to(dtype)
         return self
 
     torch.nn.Module.to = to
@@ -113,8 +123,10 @@ class LoraImpl:
         model = self.base.build(spec, dtype=dtype, attention=attention, num_layers=num_layers)
         probe = next(model.parameters())
         if self.cfg.method == "qlora" and not (isinstance(probe, FakeTensor) or probe.device.type == "meta"):
-            raise SpecError("method qlora loads the frozen base in 4-bit NF4 through bitsandbytes (CUDA only); "
-                            "this build runs 16-bit LoRA code only: QLoRA is estimated and simulated")
+            raise SpecError(
+                "method qlora loads the frozen base in 4-bit NF4 through bitsandbytes (CUDA only); "
+                "this build runs 16-bit LoRA code only: QLoRA is estimated and simulated"
+            )
         config = LoraConfig(**lora_config_dict(self.cfg, target_modules(self.cfg, self.base.layers(model))))
         moves = _fake_moves() if isinstance(probe, FakeTensor) else contextlib.nullcontext()
         with moves:

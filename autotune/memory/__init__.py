@@ -21,13 +21,21 @@ Framework overhead (GPU only) is added on top, reported apart (memory/overhead.p
 from __future__ import annotations
 
 from autotune.hardware import Cluster
-from autotune.memory.analytic import MemoryEstimate, builtin, phases as _phases  # noqa: F401 - the public names
-from autotune.memory.host import host_bytes_per_node
+from autotune.memory.analytic import MemoryEstimate, builtin
+from autotune.memory.analytic import phases as _phases
 from autotune.memory.buffers import allgather_phase
-from autotune.memory.sequence_parallel import (all_to_all_terms, local_view as sp_local_view, trainable_params,
-                                               zero1_fp32_reduce_phase, zero3_fp32_head_phase)
-from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_world_gathered
+from autotune.memory.host import host_bytes_per_node
 from autotune.memory.overhead import overhead_terms
+from autotune.memory.sequence_parallel import (
+    all_to_all_terms,
+    trainable_params,
+    zero1_fp32_reduce_phase,
+    zero3_fp32_head_phase,
+)
+from autotune.memory.sequence_parallel import (
+    local_view as sp_local_view,
+)
+from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_world_gathered
 from autotune.memory.traced import trace
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
@@ -51,13 +59,15 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
         phases = trace(shard, dp, local).phases
     phases = sharded_head(model, cfg, phases)
     if held := zero3_world_gathered(model, cluster, cfg):
-        phases = {name: terms if name == "optimizer" else {**terms, "tp_replicated_gathered": held}
-                  for name, terms in phases.items()}
-    for name, extra in all_to_all_terms(model, cfg).items():   # Ulysses' all-to-alls (memory/sequence_parallel.py)
+        phases = {
+            name: terms if name == "optimizer" else {**terms, "tp_replicated_gathered": held}
+            for name, terms in phases.items()
+        }
+    for name, extra in all_to_all_terms(model, cfg).items():  # Ulysses' all-to-alls (memory/sequence_parallel.py)
         if name in phases:
             phases = {**phases, name: {**phases[name], **extra}}
     phases = zero3_fp32_head_phase(model, cfg, phases)
-    phases = zero1_fp32_reduce_phase(shard, dp, cfg, phases)   # ZeRO-1's fp32 reduction under Ulysses
+    phases = zero1_fp32_reduce_phase(shard, dp, cfg, phases)  # ZeRO-1's fp32 reduction under Ulysses
     # gloo's all-gather after stages 1-2's update (CPU ranks; memory/buffers.py gloo_allgather_bytes)
     phases = allgather_phase(shard, dp, local, trainable_params(shard, local), phases)
     totals = {name: sum(t.values()) for name, t in phases.items()}
@@ -65,7 +75,15 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
     peak = totals[peak_phase]
     over = overhead_terms(cluster, peak)
     host = host_bytes_per_node(shard, cluster, local)
-    return MemoryEstimate(num_params=model.num_params, tensor_peak_bytes=peak, overhead_bytes=sum(over.values()),
-                          capacity_bytes=cluster.capacity_bytes, phase=peak_phase, terms=phases[peak_phase],
-                          overhead=over, phases=totals, host_bytes=host,
-                          host_capacity_bytes=cluster.gpu.host_memory_bytes)
+    return MemoryEstimate(
+        num_params=model.num_params,
+        tensor_peak_bytes=peak,
+        overhead_bytes=sum(over.values()),
+        capacity_bytes=cluster.capacity_bytes,
+        phase=peak_phase,
+        terms=phases[peak_phase],
+        overhead=over,
+        phases=totals,
+        host_bytes=host,
+        host_capacity_bytes=cluster.gpu.host_memory_bytes,
+    )

@@ -76,21 +76,26 @@ def mlp_saved_per_token(spec: ModelSpec, e: int) -> int:
     return (4 if spec.mlp == "swiglu" else 2) * e * spec.ffn_hidden_size
 
 
-def layer_saved_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str,
-                      attention: str = "sdpa") -> int:
+def layer_saved_bytes(
+    spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str, attention: str = "sdpa"
+) -> int:
     """Bytes one un-checkpointed transformer block keeps from forward until its backward."""
     e = dtype_bytes(precision)
     tokens = micro_batch * seq_len
-    per_token = (2 * norm_saved_per_token(spec, e) + attention_saved_per_token(spec, e, seq_len, attention)
-                 + mlp_saved_per_token(spec, e))
+    per_token = (
+        2 * norm_saved_per_token(spec, e)
+        + attention_saved_per_token(spec, e, seq_len, attention)
+        + mlp_saved_per_token(spec, e)
+    )
     n = int(per_token * tokens)
     if attention == "eager":
         n += eager_mask_bytes(seq_len) + EAGER_SCALE_BYTES
     return n
 
 
-def checkpointed_layer_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str,
-                             attention: str = "sdpa") -> int:
+def checkpointed_layer_bytes(
+    spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str, attention: str = "sdpa"
+) -> int:
     """A block under torch.utils.checkpoint(use_reentrant=False) keeps only its input x, the RNG
     state it restores for the recomputation and (eager path, measured) the 0-dim 1/sqrt(d)."""
     n = dtype_bytes(precision) * spec.hidden_size * micro_batch * seq_len + CHECKPOINT_RNG_STATE_BYTES
@@ -128,8 +133,9 @@ def logits_backward_transient_bytes(spec: ModelSpec, *, micro_batch: int, seq_le
     return 8 * spec.vocab_size * micro_batch * seq_len
 
 
-def activation_bytes(spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str,
-                     ckpt_layers: int, attention: str = "sdpa") -> dict[str, int]:
+def activation_bytes(
+    spec: ModelSpec, *, micro_batch: int, seq_len: int, precision: str, ckpt_layers: int, attention: str = "sdpa"
+) -> dict[str, int]:
     """Everything saved at the end of forward, by term."""
     kw = dict(micro_batch=micro_batch, seq_len=seq_len, precision=precision)
     full = spec.num_layers - ckpt_layers

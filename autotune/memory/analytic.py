@@ -2,7 +2,7 @@
 cfg)` prices each point where memory peaks as a sum of terms (model_states.py, buffers.py,
 activations.py; LoRA's from lora.py), and `MemoryEstimate` is what `autotune.memory.estimate`
 returns. For code other than the builtin stand-in the activation terms here are placeholders that
-traced.py replaces with the traced ones; the layer order of memory/ is tests/test_import_layers.py's.
+traced.py replaces with the traced ones; the layer order of memory/ is pyproject.toml's import contract.
 """
 
 from __future__ import annotations
@@ -62,23 +62,36 @@ class MemoryEstimate:
 
     def to_json(self) -> dict:
         return {
-            "num_params": self.num_params, "total_bytes": self.total_bytes,
-            "tensor_peak_bytes": self.tensor_peak_bytes, "overhead_bytes": self.overhead_bytes,
-            "capacity_bytes": self.capacity_bytes, "fits": self.fits, "used_fraction": round(self.used_fraction, 4),
-            "phase": self.phase, "dominant_term": self.dominant_term, "terms": dict(self.terms),
-            "overhead": dict(self.overhead), "phases": dict(self.phases), "source": "estimated",
-            "host_bytes_per_node": self.host_bytes, "host_capacity_bytes": self.host_capacity_bytes,
+            "num_params": self.num_params,
+            "total_bytes": self.total_bytes,
+            "tensor_peak_bytes": self.tensor_peak_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "fits": self.fits,
+            "used_fraction": round(self.used_fraction, 4),
+            "phase": self.phase,
+            "dominant_term": self.dominant_term,
+            "terms": dict(self.terms),
+            "overhead": dict(self.overhead),
+            "phases": dict(self.phases),
+            "source": "estimated",
+            "host_bytes_per_node": self.host_bytes,
+            "host_capacity_bytes": self.host_capacity_bytes,
         }
 
     def verdict(self) -> str:
         if not self.host_fits:
-            return (f"does not fit host memory: the node needs {self.host_bytes / GiB:.1f} GiB of host RAM "
-                    f"(offloaded states), has {self.host_capacity_bytes / GiB:.1f} GiB")
+            return (
+                f"does not fit host memory: the node needs {self.host_bytes / GiB:.1f} GiB of host RAM "
+                f"(offloaded states), has {self.host_capacity_bytes / GiB:.1f} GiB"
+            )
         pct = 100 * self.used_fraction
         if self.fits:
             return f"fits: {self.total_bytes / GiB:.2f} of {self.capacity_bytes / GiB:.2f} GiB ({pct:.1f}% used)"
-        return (f"does not fit: needs {self.total_bytes / GiB:.2f} GiB, has {self.capacity_bytes / GiB:.2f} GiB "
-                f"({pct:.1f}%); largest term: {self.dominant_term}")
+        return (
+            f"does not fit: needs {self.total_bytes / GiB:.2f} GiB, has {self.capacity_bytes / GiB:.2f} GiB "
+            f"({pct:.1f}%); largest term: {self.dominant_term}"
+        )
 
 
 def builtin(model: ModelSpec) -> bool:
@@ -103,27 +116,52 @@ def phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, di
         keep = persistent_params(model, threshold)
     static = model_states.states(model, cluster, cfg, threshold, buckets["reduce_bucket_size"], keep)
     gathered = {"zero3_gathered_params": model_states.zero3_gathered(model, cluster, cfg, threshold, keep)}
-    carried = {"accumulated_gradients": buffers.accumulated_gradients(model, cluster, cfg),
-               "carried_reduce_bucket": buffers.carried_reduce_bucket(model, cfg)}
+    carried = {
+        "accumulated_gradients": buffers.accumulated_gradients(model, cluster, cfg),
+        "carried_reduce_bucket": buffers.carried_reduce_bucket(model, cfg),
+    }
     saved = act.activation_bytes(model, ckpt_layers=cfg.ckpt_layers, attention=cfg.attention, **kw)
     grads = {"gradients": buffers.backward_gradients(model, cluster, cfg)}
     out = {
-        "forward": {**static, **gathered, **carried, **saved,
-                    "logits_transient": act.logits_forward_transient_bytes(model, **kw)},
-        "backward (loss)": {**static, **gathered, **carried, **saved,
-                            "logits_transient": act.logits_backward_transient_bytes(model, **kw)},
-        "backward (head)": {**static, **gathered, **carried,
-                            **{k: v for k, v in saved.items() if k != "logits_and_loss"},
-                            **buffers.head_gradient_bytes(model, cluster, cfg)},
+        "forward": {
+            **static,
+            **gathered,
+            **carried,
+            **saved,
+            "logits_transient": act.logits_forward_transient_bytes(model, **kw),
+        },
+        "backward (loss)": {
+            **static,
+            **gathered,
+            **carried,
+            **saved,
+            "logits_transient": act.logits_backward_transient_bytes(model, **kw),
+        },
+        "backward (head)": {
+            **static,
+            **gathered,
+            **carried,
+            **{k: v for k, v in saved.items() if k != "logits_and_loss"},
+            **buffers.head_gradient_bytes(model, cluster, cfg),
+        },
         "backward (end)": {**static, **gathered, **grads, **buffers.backward_end_extra(model, cluster, cfg)},
-        "optimizer": {**static, **model_states.step_terms(model, cluster, cfg, fused),
-                      **model_states.zero3_step_parameters(model, cluster, cfg)},
+        "optimizer": {
+            **static,
+            **model_states.step_terms(model, cluster, cfg, fused),
+            **model_states.zero3_step_parameters(model, cluster, cfg),
+        },
     }
-    prefetch = model_states.zero3_prefetch(model, cluster, cfg, threshold, keep,
-                                           on_demand=model.vocab_size * model.hidden_size if builtin(model) else 0)
-    if prefetch:   # ZeRO-3 from the second step: the head's prefetched bucket, just before the head runs
-        before_head = {**static, **gathered, **carried, "prefetch_bucket": prefetch,
-                       **{k: v for k, v in saved.items() if k != "logits_and_loss"}}
+    prefetch = model_states.zero3_prefetch(
+        model, cluster, cfg, threshold, keep, on_demand=model.vocab_size * model.hidden_size if builtin(model) else 0
+    )
+    if prefetch:  # ZeRO-3 from the second step: the head's prefetched bucket, just before the head runs
+        before_head = {
+            **static,
+            **gathered,
+            **carried,
+            "prefetch_bucket": prefetch,
+            **{k: v for k, v in saved.items() if k != "logits_and_loss"},
+        }
         out = {"forward": out.pop("forward"), "forward (prefetch)": before_head, **out}
     if cfg.ckpt_layers:
         # Checkpointed blocks run backward last, from block k-1 down to 0: the first holds all k
@@ -134,9 +172,13 @@ def phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, di
         L, k = model.num_layers, cfg.ckpt_layers
         for name, inputs, done in (("first", k, L - k), ("last", 1, L)):
             out[f"backward (recompute {name})"] = {
-                **static, **gathered, **carried,
+                **static,
+                **gathered,
+                **carried,
                 "gradients": buffers.gradients_during_backward(model, cluster, cfg, done),
                 "comm_buffers": buffers.buckets_in_backward(model, cfg),
-                "checkpointed_inputs": inputs * one_input, "rotary_tables": saved["rotary_tables"],
-                "recomputed_layer": layer}
+                "checkpointed_inputs": inputs * one_input,
+                "rotary_tables": saved["rotary_tables"],
+                "recomputed_layer": layer,
+            }
     return {name: {k: v for k, v in terms.items() if v} for name, terms in out.items()}

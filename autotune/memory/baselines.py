@@ -45,11 +45,17 @@ def deepspeed_estimator_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
 
     if cfg.zero_stage == 3:
         _, gpu, _ = estimate_zero3_model_states_mem_needs(
-            spec.num_params, largest_param(spec), num_gpus_per_node=cluster.gpus_per_node,
-            num_nodes=cluster.num_nodes, cpu_offload=cfg.offload_optimizer, cpu_offload_params=False)
+            spec.num_params,
+            largest_param(spec),
+            num_gpus_per_node=cluster.gpus_per_node,
+            num_nodes=cluster.num_nodes,
+            cpu_offload=cfg.offload_optimizer,
+            cpu_offload_params=False,
+        )
         return gpu
     gpus = 1 if cfg.zero_stage == 0 else cluster.gpus_per_node
     nodes = 1 if cfg.zero_stage == 0 else cluster.num_nodes
-    _, gpu = estimate_zero2_model_states_mem_needs(spec.num_params, num_gpus_per_node=gpus, num_nodes=nodes,
-                                                   cpu_offload=cfg.offload_optimizer)
+    _, gpu = estimate_zero2_model_states_mem_needs(
+        spec.num_params, num_gpus_per_node=gpus, num_nodes=nodes, cpu_offload=cfg.offload_optimizer
+    )
     return gpu

@@ -23,8 +23,9 @@ def bf16_optimizer(cfg: TrainConfig) -> bool:
     of every parameter (bf16_optimizer.py, fp32_groups_gradients; measured 4 B/param live from the
     first step on) and has no reduce bucket (measured: the same peak with reduce_bucket_size 4e6 and
     overlap_comm)."""
-    return (cfg.zero_stage == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32"
-            and not cfg.offload_optimizer)
+    return (
+        cfg.zero_stage == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32" and not cfg.offload_optimizer
+    )
 
 
 def stage1_reduces_in_backward(spec: ModelSpec, cfg: TrainConfig) -> bool:
@@ -40,8 +41,13 @@ def stage1_reduces_in_backward(spec: ModelSpec, cfg: TrainConfig) -> bool:
     gradient (reduce_bucket_size >= P): it never fills, so nothing is reduced before the boundary's
     epilogue, and the whole gradients are priced as without overlap_comm (measured on the stand-in,
     tests/test_knobs.py: 3.9% and 5.0% under priced this way)."""
-    return (cfg.zero_stage == 1 and cfg.overlap_comm and not bf16_optimizer(cfg) and cfg.method == "full"
-            and bucket_sizes(spec, cfg)["reduce_bucket_size"] < spec.num_params)
+    return (
+        cfg.zero_stage == 1
+        and cfg.overlap_comm
+        and not bf16_optimizer(cfg)
+        and cfg.method == "full"
+        and bucket_sizes(spec, cfg)["reduce_bucket_size"] < spec.num_params
+    )
 
 
 def stage2_reduces_at_end(spec: ModelSpec, cfg: TrainConfig) -> bool:
@@ -55,8 +61,11 @@ def stage2_reduces_at_end(spec: ModelSpec, cfg: TrainConfig) -> bool:
     2e7, 2 CPU ranks: the peak is in the layers' backward, the two buckets (80,000,000 B) and the
     saved activations, no partition; priced with the partition from the head's gradient on it was
     +2.31%, without it -0.39%. Not with offload (its own buffers, `offload_fp32_partition`)."""
-    return (cfg.zero_stage == 2 and not cfg.offload_optimizer
-            and bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params)
+    return (
+        cfg.zero_stage == 2
+        and not cfg.offload_optimizer
+        and bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params
+    )
 
 
 def buckets_in_backward(spec: ModelSpec, cfg: TrainConfig) -> int:
@@ -84,8 +93,13 @@ def stage1_gradients_in_bucket(spec: ModelSpec, cfg: TrainConfig) -> bool:
     called at the accumulation boundary), so no whole gradient is held beside the buckets: the
     measured peak of the case in `buckets_in_backward` holds none (the AccumulateGrad rows
     are the two buckets only)."""
-    return (cfg.zero_stage == 1 and cfg.overlap_comm and cfg.grad_accum == 1 and not bf16_optimizer(cfg)
-            and not stage1_reduces_in_backward(spec, cfg))
+    return (
+        cfg.zero_stage == 1
+        and cfg.overlap_comm
+        and cfg.grad_accum == 1
+        and not bf16_optimizer(cfg)
+        and not stage1_reduces_in_backward(spec, cfg)
+    )
 
 
 def stage1_grad_bytes(cfg: TrainConfig) -> int:
@@ -96,8 +110,12 @@ def stage1_grad_bytes(cfg: TrainConfig) -> int:
     _fill_param_grad_accum_attribute), kept across micro steps. Measured: transformers' GPT-2, ZeRO-1
     bf16 offload with fp32 accumulation on 2 CPU ranks: the end of backward 4.2 MB above the estimate
     that held them in bf16 (P x 2 B = 2.24 MB of it)."""
-    if (cfg.zero_stage == 1 and cfg.grad_accum_dtype == "fp32" and dtype_bytes(cfg.precision) != 4
-            and not bf16_optimizer(cfg)):
+    if (
+        cfg.zero_stage == 1
+        and cfg.grad_accum_dtype == "fp32"
+        and dtype_bytes(cfg.precision) != 4
+        and not bf16_optimizer(cfg)
+    ):
         return 4
     return dtype_bytes(cfg.precision)
 
@@ -116,8 +134,14 @@ def offload_accumulates_on_host(cfg: TrainConfig) -> bool:
     ZeRO-1 (its estimate holds whole gradients between micro steps, +5.3% over with offload; +11.9%
     with these buffers added) and fp32 ZeRO-2 (-1.1% without, +8.1% with them); both open
     (docs/memory.md)."""
-    return (cfg.offload_optimizer and cfg.zero_stage == 2 and cfg.grad_accum > 1 and cfg.precision != "fp32"
-            and cfg.grad_accum_dtype != "fp32" and not cfg.bf16_master_weights_and_grads)
+    return (
+        cfg.offload_optimizer
+        and cfg.zero_stage == 2
+        and cfg.grad_accum > 1
+        and cfg.precision != "fp32"
+        and cfg.grad_accum_dtype != "fp32"
+        and not cfg.bf16_master_weights_and_grads
+    )
 
 
 def whole_gradient_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
@@ -164,8 +188,12 @@ def offload_fp32_partition(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) 
     estimate without it (560,512 fp32 elements: 2,242,048 B); the second micro step's forward holds
     it in place of the 16-bit partition; the end of backward holds it and the embedding gradient's
     fp32 reduction (4 V h; `backward_end_extra`)."""
-    if not (cfg.offload_optimizer and cfg.zero_stage == 2 and cfg.grad_accum_dtype == "fp32"
-            and dtype_bytes(cfg.precision) != 4):
+    if not (
+        cfg.offload_optimizer
+        and cfg.zero_stage == 2
+        and cfg.grad_accum_dtype == "fp32"
+        and dtype_bytes(cfg.precision) != 4
+    ):
         return 0
     if cfg.method != "full":
         return 4 * (spec.num_params // cluster.world_size)
@@ -183,13 +211,15 @@ def reduced_partition_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig)
     """Stage 2's reduced-gradient partition during and at the end of backward: the compact fp32 one
     under offload with fp32 accumulation (`offload_fp32_partition`), else the whole-parameter
     partition in the accumulation dtype."""
-    return offload_fp32_partition(spec, cluster, cfg) or partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+    return offload_fp32_partition(spec, cluster, cfg) or partition_grad_bytes(cfg) * partition_elements(
+        spec, cluster, cfg
+    )
 
 
 @cache
 def _whole_parameter_partition(spec: ModelSpec, ranks: int) -> int:
-    numels = param_numels(spec)   # the optimizer's order: the module's parameters, a tied one once
-    if sum(numels) != spec.num_params:   # not the module's own parameters (LoRA's adapter view)
+    numels = param_numels(spec)  # the optimizer's order: the module's parameters, a tied one once
+    if sum(numels) != spec.num_params:  # not the module's own parameters (LoRA's adapter view)
         return spec.num_params // ranks
     part = _padded_partition(sum(numels), ranks)
     most = 0
@@ -250,7 +280,7 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     if cfg.zero_stage == 1:
         if bf16_optimizer(cfg):
             return 0
-        if stage1_reduces_in_backward(spec, cfg):   # the partition is a gradient there (backward_gradients)
+        if stage1_reduces_in_backward(spec, cfg):  # the partition is a gradient there (backward_gradients)
             return reduce_bucket_bytes(spec, cfg)
         part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
         if bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params:
@@ -277,7 +307,7 @@ def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
     the reduction runs during backward and the two add up."""
     comm = backward_buffers(spec, cluster, cfg)
     emb = embedding_gradient_transient(spec, cluster, cfg)
-    if stage1_gradients_in_bucket(spec, cfg):   # the partition is not among `gradients` there
+    if stage1_gradients_in_bucket(spec, cfg):  # the partition is not among `gradients` there
         part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
         return {"gradient_partition": part, **stage2_end_of_one_bucket(spec, cluster, cfg)}
     if cfg.zero_stage <= 1 and not stage1_reduces_in_backward(spec, cfg):
@@ -333,7 +363,7 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     (measured: transformers' GPT-2 and the stand-in, ZeRO-1 fp32 micro batch 3 grad_accum 2 on 2
     CPU ranks, forward peak 2.1 MB, P/2 x 4 B, above the partition's pricing)."""
     if cfg.grad_accum == 1 or cfg.zero_stage == 3 or offload_accumulates_on_host(cfg):
-        return 0   # ZeRO-Offload's host buffers carry them (model_states.offload_buffers)
+        return 0  # ZeRO-Offload's host buffers carry them (model_states.offload_buffers)
     compact = offload_fp32_partition(spec, cluster, cfg)
     if compact:
         return compact
@@ -367,7 +397,7 @@ def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> i
     if stage1_reduces_in_backward(spec, cfg):
         return whole_gradient_bytes(spec, cfg) + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
     if stage1_gradients_in_bucket(spec, cfg):
-        return 0   # views of the bucket (comm_buffers)
+        return 0  # views of the bucket (comm_buffers)
     if cfg.zero_stage <= 1:
         return stage1_grad_bytes(cfg) * spec.num_params
     if cfg.zero_stage == 2:
@@ -386,7 +416,7 @@ def embedding_gradient_transient(spec: ModelSpec, cluster: Cluster, cfg: TrainCo
     pb = dtype_bytes(cfg.precision)
     vh = pb * spec.vocab_size * spec.hidden_size
     if cfg.zero_stage == 3:
-        return 2 * vh   # measured the same with tied and untied embeddings (benchmarks/memory_accuracy.py)
+        return 2 * vh  # measured the same with tied and untied embeddings (benchmarks/memory_accuracy.py)
     n = 2 * vh if spec.tied_embeddings else 0
     if cfg.zero_stage == 2:
         n += vh
@@ -402,12 +432,15 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
         done = stage1_grad_bytes(cfg) * (head + layers_done * spec.layer_params)
         if stage1_reduces_in_backward(spec, cfg):
-            buckets = reduce_bucket_bytes(spec, cfg) if cfg.grad_accum == 1 else 0   # else carried
-            return (min(done, whole_gradient_bytes(spec, cfg)) + buckets
-                    + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg))
-        return 0 if stage1_gradients_in_bucket(spec, cfg) else done   # the buckets: buckets_in_backward
+            buckets = reduce_bucket_bytes(spec, cfg) if cfg.grad_accum == 1 else 0  # else carried
+            return (
+                min(done, whole_gradient_bytes(spec, cfg))
+                + buckets
+                + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+            )
+        return 0 if stage1_gradients_in_bucket(spec, cfg) else done  # the buckets: buckets_in_backward
     if cfg.zero_stage == 2 and stage2_reduces_at_end(spec, cfg):
-        return 0   # views of the bucket (buckets_in_backward); the partition comes at the end
+        return 0  # views of the bucket (buckets_in_backward); the partition comes at the end
     if cfg.zero_stage == 2:
         return reduced_partition_bytes(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
     return 0
@@ -439,7 +472,7 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     elif stage2_reduces_at_end(spec, cfg):
-        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)   # the partition only at the end of backward
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)  # the partition only at the end of backward
     elif cfg.zero_stage == 2:
         part = partition_elements(spec, cluster, cfg)
         out["gradient_partition"] = partition_grad_bytes(cfg) * part
@@ -490,8 +523,9 @@ STEP_ONLY_TERMS = ("gradients", "optimizer_temporaries")
 """The optimizer phase's terms the all-gather after the update no longer holds (`gloo_allgather_bytes`)."""
 
 
-def allgather_phase(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, trainable: int,
-                    phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def allgather_phase(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, trainable: int, phases: dict[str, dict[str, int]]
+) -> dict[str, dict[str, int]]:
     """`phases` with "optimizer (all-gather)": the optimizer phase without the step's gradients and
     temporaries, with gloo's all-gather output (`gloo_allgather_bytes`); unchanged where that is 0."""
     held = gloo_allgather_bytes(spec, cluster, cfg, trainable)

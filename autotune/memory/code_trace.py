@@ -28,13 +28,13 @@ import dataclasses
 import functools
 import json
 
-from autotune.errors import SpecError
 from autotune import trace_cache
+from autotune.errors import SpecError
+from autotune.memory import seq_family
+from autotune.memory.segments import classify, segment_points
 from autotune.models import ModelSpec
 from autotune.models.hf_config import continued, default_attention, per_layer_lists
 from autotune.train_config import TrainConfig, torch_dtype
-from autotune.memory import seq_family
-from autotune.memory.segments import classify, segment_points
 
 _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
 """Segment peaks by category of each small program traced, by `_key`."""
@@ -140,9 +140,13 @@ def _hooks(impl, model, live, marks: dict) -> None:
                 if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
                     hidden.register_hook(on_grad("bwd.end"))
                 # what the model hands every layer: rotary cos/sin, position ids, the eager mask
-                shared = [t for t in tree_leaves((args[1:] if args else (), kwargs))
-                          if isinstance(t, torch.Tensor) and t is not hidden]
+                shared = [
+                    t
+                    for t in tree_leaves((args[1:] if args else (), kwargs))
+                    if isinstance(t, torch.Tensor) and t is not hidden
+                ]
                 marks["shared"] = {live.track(t) for t in shared}
+
         return hook
 
     def post(i):
@@ -155,6 +159,7 @@ def _hooks(impl, model, live, marks: dict) -> None:
             if i == last:
                 live.point("fwd.layers")  # what every layer left saved, before the head runs
                 live.enter("fwd.head")
+
         return hook
 
     for i, layer in enumerate(layers):
@@ -233,7 +238,9 @@ def zero3_linear_function(on: bool):
             if ctx.needs_input_grad[0]:
                 grad_input = grad_output.matmul(weight)
             if ctx.needs_input_grad[1]:
-                grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(input.reshape(-1, input.shape[-1]))
+                grad_weight = (
+                    grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(input.reshape(-1, input.shape[-1]))
+                )
             if bias is not None and ctx.needs_input_grad[2]:
                 grad_bias = grad_output.sum(list(range(grad_output.dim() - 1)))
             return grad_input, grad_weight, grad_bias
@@ -246,8 +253,16 @@ def zero3_linear_function(on: bool):
         torch.nn.functional.linear = original
 
 
-def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, host_rng: bool,
-         vary: tuple[str, tuple[int, ...]] | None = None):
+def _run(
+    spec: ModelSpec,
+    cfg: TrainConfig,
+    *,
+    ckpt: int,
+    full: int,
+    fused: bool,
+    host_rng: bool,
+    vary: tuple[str, tuple[int, ...]] | None = None,
+):
     """One program: its segment peaks by category. With `vary` = (field, values), one measured step at
     each value of `cfg`'s field ("seq_len" or "micro_batch") in one build, and each step's
     (peaks, seq_family.Record) returned: every step starts from the same steady state (optimizer
@@ -267,18 +282,44 @@ def _run(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step = dict(live=live, marks=marks, impl=impl, model=model, opt=opt, params=params, ckpt=ckpt, full=full,
-                    vocab=spec.vocab_size)
+        step = dict(
+            live=live,
+            marks=marks,
+            impl=impl,
+            model=model,
+            opt=opt,
+            params=params,
+            ckpt=ckpt,
+            full=full,
+            vocab=spec.vocab_size,
+        )
         if vary is None:
             return _measured_step(**step, shape=(cfg.micro_batch, cfg.seq_len))[0]
         name, values = vary
-        return [_measured_step(**step, shape=(v if name == "micro_batch" else cfg.micro_batch,
-                                              v if name == "seq_len" else cfg.seq_len), record=True)
-                for v in values]
+        return [
+            _measured_step(
+                **step,
+                shape=(v if name == "micro_batch" else cfg.micro_batch, v if name == "seq_len" else cfg.seq_len),
+                record=True,
+            )
+            for v in values
+        ]
 
 
-def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: int, vocab: int,
-                   shape: tuple[int, int], record: bool = False):
+def _measured_step(
+    *,
+    live,
+    marks,
+    impl,
+    model,
+    opt,
+    params,
+    ckpt: int,
+    full: int,
+    vocab: int,
+    shape: tuple[int, int],
+    record: bool = False,
+):
     """One training step of a (micro batch, seq) batch from the steady state, and back to it:
     (segment peaks by category, the step's seq_family.Record where `record`, else None)."""
     import torch
@@ -303,8 +344,11 @@ def _measured_step(*, live, marks, impl, model, opt, params, ckpt: int, full: in
     known = known_storages(live, model, opt, grads, batch, marks, shared=marks["shared"])
     points = segment_points(ckpt, full) + [("fwd.layers", "fwd.layers")]
     peaks = {name: classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
-    rec = seq_family.Record(baseline=baseline, log=live.log, samples=live.samples, known=known,
-                 points=points) if record else None
+    rec = (
+        seq_family.Record(baseline=baseline, log=live.log, samples=live.samples, known=known, points=points)
+        if record
+        else None
+    )
     marks["measure"] = False
     opt.zero_grad(set_to_none=True)
     live.log = live.samples = None
@@ -319,8 +363,9 @@ def kept_on_disk(spec: ModelSpec) -> bool:
     return spec.implementation in ("hf", "builtin")
 
 
-def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
-                  host_rng: bool, only_cached: bool = False) -> dict[str, dict[str, int]] | None:
+def trace_program(
+    spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, host_rng: bool, only_cached: bool = False
+) -> dict[str, dict[str, int]] | None:
     """Segment peaks by category of a (ckpt + full)-layer `spec` in its own code, its first `ckpt`
     layers checkpointed (tracer.py's `builtin_program` contract), cached. Only the fields that change
     the program are in the key: not the ZeRO stage, cluster size or grad_accum. Inside `families`,
@@ -336,24 +381,29 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
         raise SpecError(_PROGRAMS[key]["refused"])
     if key not in _PROGRAMS and _VARY is not None and _VARY[1][0] <= getattr(cfg, _VARY[0]) <= _VARY[1][-1]:
         family = _family(spec, cfg, ckpt, full, fused, host_rng, kept, only_cached)
-        if family is not None:   # exact: kept in memory; on disk the family is
+        if family is not None:  # exact: kept in memory; on disk the family is
             _PROGRAMS[key] = family.program(getattr(cfg, _VARY[0]))
     if key not in _PROGRAMS and only_cached:
         return None
     if key not in _PROGRAMS:
         try:
             program = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
-        except Exception as e:  # noqa: BLE001 - the model's code may raise anything (KeyError, ImportError, ...)
+        except Exception as e:
             # The model's own code refused the step (measured: a sequence past MPT's ALiBi table; a
             # module converting its own dtype in __init__ cannot on fake tensors, torch's "Couldn't
             # swap"). What it says is the user's answer, not a traceback of the tracer.
-            refused = (f"model {spec.name}: its code cannot run a training step (traced on CPU fake "
-                       f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
-                       f"{cfg.micro_batch}, seq {cfg.seq_len} "
-                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                       + (f"; the sequence is longer than the config's max_seq_len {spec.max_seq_len}"
-                          if cfg.seq_len > spec.max_seq_len else ""))
-            _PROGRAMS[key] = {"refused": refused}   # as deterministic as a trace: kept, so not tried again
+            refused = (
+                f"model {spec.name}: its code cannot run a training step (traced on CPU fake "
+                f"tensors) at {cfg.precision}, attention {cfg.attention}, micro batch "
+                f"{cfg.micro_batch}, seq {cfg.seq_len} "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                + (
+                    f"; the sequence is longer than the config's max_seq_len {spec.max_seq_len}"
+                    if cfg.seq_len > spec.max_seq_len
+                    else ""
+                )
+            )
+            _PROGRAMS[key] = {"refused": refused}  # as deterministic as a trace: kept, so not tried again
             if kept:
                 trace_cache.store(key, _PROGRAMS[key])
             raise SpecError(refused) from e
@@ -364,8 +414,21 @@ def trace_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fu
 
 
 def _key(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool) -> tuple:
-    return (spec_key(spec), cfg.precision, cfg.attention, cfg.seq_len, cfg.micro_batch, ckpt, full, fused, host_rng,
-            cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout) + (("zero3 linear",) if zero3_linear(cfg) else ())
+    return (
+        spec_key(spec),
+        cfg.precision,
+        cfg.attention,
+        cfg.seq_len,
+        cfg.micro_batch,
+        ckpt,
+        full,
+        fused,
+        host_rng,
+        cfg.method,
+        cfg.lora_rank,
+        cfg.lora_targets,
+        cfg.lora_dropout,
+    ) + (("zero3 linear",) if zero3_linear(cfg) else ())
 
 
 _VARY: tuple[str, tuple[int, int, int]] | None = None
@@ -387,8 +450,16 @@ def families(name: str, values: tuple[int, int, int]):
         _VARY = previous
 
 
-def _family(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool, kept: bool,
-            only_cached: bool = False):
+def _family(
+    spec: ModelSpec,
+    cfg: TrainConfig,
+    ckpt: int,
+    full: int,
+    fused: bool,
+    host_rng: bool,
+    kept: bool,
+    only_cached: bool = False,
+):
     """The program's seq_family.Family over `families`' values, or None where it is not exact: read
     from the disk cache or traced (one build, three steps, each also kept as its own value's program).
     `only_cached`: None where it would have to be traced."""
@@ -407,9 +478,9 @@ def _family(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool
         try:
             steps = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng, vary=(name, values))
         except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError):
-            steps = []           # the code refuses one of the values: each is traced on its own, and says so
+            steps = []  # the code refuses one of the values: each is traced on its own, and says so
         family = seq_family.fit(values, [r for _, r in steps], [p for p, _ in steps]) if steps else None
-        for v, (program, _) in zip(values, steps):   # each step is a trace of its own value
+        for v, (program, _) in zip(values, steps):  # each step is a trace of its own value
             key = _key(spec, dataclasses.replace(cfg, **{name: v}), ckpt, full, fused, host_rng)
             if key not in _PROGRAMS:
                 _PROGRAMS[key] = program
@@ -433,8 +504,9 @@ def _numels(spec: ModelSpec, layers: int = 2) -> tuple[tuple[int, ...], tuple[tu
     key = spec_key(spec)
     if key not in _NUMELS:
         depth = layers if spec.uniform_blocks else spec.num_layers
-        pre, per, post = trace_cache.remembered(("numels", key, depth), lambda: _count_numels(spec, depth),
-                                                keep=kept_on_disk(spec))
+        pre, per, post = trace_cache.remembered(
+            ("numels", key, depth), lambda: _count_numels(spec, depth), keep=kept_on_disk(spec)
+        )
         per = per[:1] if spec.uniform_blocks else per
         _NUMELS[key] = (tuple(pre), tuple(map(tuple, per)), tuple(post))
     return _NUMELS[key]
@@ -448,7 +520,7 @@ def _count_numels(spec: ModelSpec, layers: int) -> list:
     where: dict[int, int] = {}
     for i, layer in enumerate(impl.layers(model)):
         for p in layer.parameters():
-            where.setdefault(id(p), i)   # a block shared by layers (Zamba2's) is its first layer's
+            where.setdefault(id(p), i)  # a block shared by layers (Zamba2's) is its first layer's
     named = [(where.get(id(p)), p.numel()) for p in model.parameters()]
     first = next(i for i, (layer, _) in enumerate(named) if layer is not None)
     end = max(i for i, (layer, _) in enumerate(named) if layer is not None) + 1
@@ -472,7 +544,7 @@ def layer_numels(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(x for layer in _numels(spec)[1] for x in layer)
 
 
-@functools.cache   # asked per estimate at ZeRO-3, of a handful of (model, threshold) pairs
+@functools.cache  # asked per estimate at ZeRO-3, of a handful of (model, threshold) pairs
 def persistent_params(spec: ModelSpec, threshold: int) -> int:
     """Parameters ZeRO-3 keeps whole on every rank: those with fewer than `threshold` elements
     (DeepSpeed stage3.py, persistence_threshold), counted on the module itself."""
@@ -499,11 +571,22 @@ def released_after_forward(spec: ModelSpec, cfg: TrainConfig) -> list[int]:
     where the model's programs are, and for this process (a user's module too: a search asks once
     per candidate)."""
     depth = min(spec.num_layers, 2) if spec.uniform_blocks else spec.num_layers
-    key = ("released after forward", spec_key(spec), cfg.precision, TRACED_AS.get(cfg.attention, cfg.attention),
-           cfg.method, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout, bool(cfg.ckpt_layers), depth)
+    key = (
+        "released after forward",
+        spec_key(spec),
+        cfg.precision,
+        TRACED_AS.get(cfg.attention, cfg.attention),
+        cfg.method,
+        cfg.lora_rank,
+        cfg.lora_targets,
+        cfg.lora_dropout,
+        bool(cfg.ckpt_layers),
+        depth,
+    )
     if key not in _RELEASED:
-        _RELEASED[key] = trace_cache.remembered(key, lambda: _released_after_forward(spec, cfg, depth),
-                                                keep=kept_on_disk(spec))
+        _RELEASED[key] = trace_cache.remembered(
+            key, lambda: _released_after_forward(spec, cfg, depth), keep=kept_on_disk(spec)
+        )
     pre, per, post = _RELEASED[key]
     layers = per if len(per) == spec.num_layers else per[:1] + per[-1:] * (spec.num_layers - 1)
     return [*pre, *(x for layer in layers for x in layer), *post]
@@ -525,7 +608,7 @@ def _released_after_forward(spec: ModelSpec, cfg: TrainConfig, depth: int) -> li
     with tracing(False), unpacked_sequences(), zero3_linear_function(zero3_linear(cfg)):
         impl, model = build(spec, cfg.precision, cfg.attention, depth, cfg)
         impl.checkpoint_first(model, min(cfg.ckpt_layers, depth))
-        for m in model.modules():   # after checkpoint_first's: they see the output as DeepSpeed's hook does
+        for m in model.modules():  # after checkpoint_first's: they see the output as DeepSpeed's hook does
             m.register_forward_hook(hook)
         impl.loss(model, torch.randint(0, spec.vocab_size, (1, min(cfg.seq_len, RELEASED_SEQ) + 1)))
         owners: dict[int, list[int]] = {}
@@ -536,8 +619,15 @@ def _released_after_forward(spec: ModelSpec, cfg: TrainConfig, depth: int) -> li
         for i, layer in enumerate(impl.layers(model)):
             for p in layer.parameters():
                 where.setdefault(id(p), i)
-        named = [(where.get(id(p)), p.numel() if not p.requires_grad and all(
-            m in needs_grad and not needs_grad[m] for m in owners[id(p)]) else 0) for p in model.parameters()]
+        named = [
+            (
+                where.get(id(p)),
+                p.numel()
+                if not p.requires_grad and all(m in needs_grad and not needs_grad[m] for m in owners[id(p)])
+                else 0,
+            )
+            for p in model.parameters()
+        ]
     first = next(i for i, (layer, _) in enumerate(named) if layer is not None)
     end = max(i for i, (layer, _) in enumerate(named) if layer is not None) + 1
     per = [[n for layer, n in named[first:end] if layer == i and n] for i in range(depth)]

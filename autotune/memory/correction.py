@@ -45,15 +45,23 @@ class Correction:
     def observe_measured(self, est: MemoryEstimate, measured_peak_bytes: int, label: str = "") -> None:
         """A measured trial: record its ratio and tighten if the model under-priced it."""
         ratio = measured_peak_bytes / est.tensor_peak_bytes
-        self.observations.append({"label": label, "kind": "measured", "estimated": est.tensor_peak_bytes,
-                                  "measured": measured_peak_bytes, "ratio": ratio})
+        self.observations.append(
+            {
+                "label": label,
+                "kind": "measured",
+                "estimated": est.tensor_peak_bytes,
+                "measured": measured_peak_bytes,
+                "ratio": ratio,
+            }
+        )
         if ratio > 1.0:
             self.factor = max(self.factor, ratio * (1 + MARGIN))
 
     def observe_oom(self, est: MemoryEstimate, label: str = "") -> None:
         """A trial that ran out of memory: its true total exceeded capacity."""
-        self.observations.append({"label": label, "kind": "oom", "estimated": est.tensor_peak_bytes,
-                                  "measured": None, "ratio": None})
+        self.observations.append(
+            {"label": label, "kind": "oom", "estimated": est.tensor_peak_bytes, "measured": None, "ratio": None}
+        )
         if est.fits:
             needed = (est.capacity_bytes - est.overhead_bytes) / est.tensor_peak_bytes
             self.factor = max(self.factor, needed * (1 + MARGIN))
@@ -71,10 +79,13 @@ class Correction:
         before = [abs(o["ratio"] - 1) for o in measured]
         after = [abs(o["ratio"] / self.factor - 1) for o in measured]
         return {
-            "factor": self.factor, "measured_trials": len(measured),
+            "factor": self.factor,
+            "measured_trials": len(measured),
             "oom_trials": sum(o["kind"] == "oom" for o in self.observations),
-            "median_abs_error_before": _median(before), "max_abs_error_before": max(before, default=None),
-            "median_abs_error_after": _median(after), "max_abs_error_after": max(after, default=None),
+            "median_abs_error_before": _median(before),
+            "max_abs_error_before": max(before, default=None),
+            "median_abs_error_after": _median(after),
+            "max_abs_error_after": max(after, default=None),
         }
 
 

@@ -30,8 +30,9 @@ from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 
 
-def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,
-                     micro_batches: np.ndarray, ckpt_layers: np.ndarray) -> np.ndarray:
+def grid_total_bytes(
+    model: ModelSpec, cluster: Cluster, base: TrainConfig, micro_batches: np.ndarray, ckpt_layers: np.ndarray
+) -> np.ndarray:
     """total_bytes (tensor peak + overhead) for every (micro_batch, ckpt_layers) pair:
     an array of shape (len(micro_batches), len(ckpt_layers))."""
     layers = model.num_layers
@@ -39,15 +40,20 @@ def grid_total_bytes(model: ModelSpec, cluster: Cluster, base: TrainConfig,
         b = np.asarray(micro_batches, dtype=np.float64)
         peak = np.zeros((b.shape[0], len(ckpt_layers)))
         for j, kv in enumerate(np.asarray(ckpt_layers).tolist()):
-            f = [estimate(model, cluster, dataclasses.replace(base, micro_batch=m, ckpt_layers=int(kv))).phases
-                 for m in (1, 2)]
+            f = [
+                estimate(model, cluster, dataclasses.replace(base, micro_batch=m, ckpt_layers=int(kv))).phases
+                for m in (1, 2)
+            ]
             for name in set(f[0]) | set(f[1]):
                 one, two = f[0].get(name, 0), f[1].get(name, 0)
                 peak[:, j] = np.maximum(peak[:, j], one + (two - one) * (b - 1))
         return _with_overhead(peak, cluster)
     ks = sorted({0, min(1, layers), min(2, layers)})
-    pts = {(b, k): estimate(model, cluster, dataclasses.replace(base, micro_batch=b, ckpt_layers=k)).phases
-           for b in (1, 2) for k in ks}
+    pts = {
+        (b, k): estimate(model, cluster, dataclasses.replace(base, micro_batch=b, ckpt_layers=k)).phases
+        for b in (1, 2)
+        for k in ks
+    }
     b = np.asarray(micro_batches, dtype=np.float64)[:, None]
     k = np.asarray(ckpt_layers, dtype=np.float64)[None, :]
     peak = np.zeros((b.shape[0], k.shape[1]))

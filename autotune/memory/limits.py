@@ -54,7 +54,7 @@ refuses (measured: transformers' Llama, eager attention, 2 checkpointed layers).
 
 def _top(model: ModelSpec, name: str) -> int:
     if name == "seq_len" and model.position == "learned":
-        return model.max_seq_len     # learned positions stop there (check_config)
+        return model.max_seq_len  # learned positions stop there (check_config)
     return UNBOUNDED
 
 
@@ -108,7 +108,7 @@ def _largest(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, name: str) ->
 
     if builtin(model) or PROBES[name][-1] > top:
         return _search(fits, 1, None, top) if fits(1) else 0
-    if not fits(PROBES[name][0]) and not fits(1):   # a probe that fits implies 1 fits: no trace for it
+    if not fits(PROBES[name][0]) and not fits(1):  # a probe that fits implies 1 fits: no trace for it
         return 0
     guess = None
     for _ in range(3):
@@ -116,7 +116,7 @@ def _largest(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, name: str) ->
         for v in near:
             fits(v)
         if refused.intersection(near):
-            break                    # no fit through a value the code refuses
+            break  # no fit through a value the code refuses
         guess = _predicted(cluster, est, tuple(sorted(near)), top)
         if guess is None:
             break
@@ -150,7 +150,7 @@ def _predicted(cluster: Cluster, est, probes: tuple[int, int, int], top: int) ->
     xs = probes
     ys = [est(x).phases for x in xs]
     if any(set(y) != set(ys[0]) for y in ys):
-        return None                  # a phase appears at some values only: no common fit
+        return None  # a phase appears at some values only: no common fit
 
     def total(v: int) -> float:
         peak = 0.0

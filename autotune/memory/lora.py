@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import cache
 
+from autotune import trace_cache
 from autotune.deepspeed_config import bucket_sizes
 from autotune.errors import SpecError
-from autotune import trace_cache
 from autotune.hardware import Cluster
 from autotune.memory import code_trace
 from autotune.models import ModelSpec
@@ -55,7 +55,9 @@ def qlora_bytes_per_weight(double_quant: bool = DOUBLE_QUANT) -> float:
 
 
 @cache
-def _layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...], tuple[tuple[int, ...], ...]]:
+def _layout(
+    spec: ModelSpec, method: str, rank: int, targets: str
+) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...], tuple[tuple[int, ...], ...]]:
     """From the model on the meta device, built through the seam: (the adapter parameter sizes of
     each decoder layer in the optimizer's order, the adapted layers' names, the sizes of each decoder
     layer's linear weights). Adapters live only in decoder layers: peft's all-linear leaves the
@@ -66,8 +68,9 @@ def _layout(spec: ModelSpec, method: str, rank: int, targets: str) -> tuple[tupl
     attention ones) 1.5 times its all-linear adapters. Kept in the trace cache where the model's programs are
     (code_trace.kept_on_disk): a later run reads it without importing torch or peft."""
     key = ("lora layout", code_trace.spec_key(spec), spec.uniform_blocks, method, rank, targets)
-    layout = trace_cache.remembered(key, lambda: _read_layout(spec, method, rank, targets),
-                                    keep=code_trace.kept_on_disk(spec))
+    layout = trace_cache.remembered(
+        key, lambda: _read_layout(spec, method, rank, targets), keep=code_trace.kept_on_disk(spec)
+    )
     sizes, names, linear = layout
     return tuple(map(tuple, sizes)), tuple(names), tuple(map(tuple, linear))
 
@@ -82,18 +85,26 @@ def _read_layout(spec: ModelSpec, method: str, rank: int, targets: str):
     cfg = TrainConfig(method=method, lora_rank=rank, lora_targets=targets, lora_dropout=0.0)
     impl = impl_for(spec, cfg)
     with torch.device("meta"):
-        model = impl.build(spec, dtype=torch.bfloat16, attention=default_attention(spec),
-                           num_layers=1 if spec.uniform_blocks else None)
+        model = impl.build(
+            spec, dtype=torch.bfloat16, attention=default_attention(spec), num_layers=1 if spec.uniform_blocks else None
+        )
     layers = impl.layers(model)
     sizes = [[p.numel() for p in layer.parameters() if p.requires_grad] for layer in layers]
     names = sorted({n.split(".lora_")[0] for layer in layers for n, p in layer.named_parameters() if p.requires_grad})
     # the base layers' weights: peft's wrappers hold them as base_layer (its adapters are excluded)
-    linear = [[m.weight.numel() for n, m in layer.named_modules()
-               if type(m).__name__ in LINEAR_TYPES and ".lora_" not in f".{n}" and not hasattr(m, "base_layer")]
-              for layer in layers]
+    linear = [
+        [
+            m.weight.numel()
+            for n, m in layer.named_modules()
+            if type(m).__name__ in LINEAR_TYPES and ".lora_" not in f".{n}" and not hasattr(m, "base_layer")
+        ]
+        for layer in layers
+    ]
     if sum(map(len, sizes)) != len([p for p in model.parameters() if p.requires_grad]):
-        raise SpecError(f"model {spec.name}: {method} adapters outside the decoder layers; autotune prices "
-                        "adapters of the decoder layers only")
+        raise SpecError(
+            f"model {spec.name}: {method} adapters outside the decoder layers; autotune prices "
+            "adapters of the decoder layers only"
+        )
     return sizes, names, linear
 
 
@@ -187,8 +198,11 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         # and the embedding, not the head (+6.32% over with it; docs/memory.md, Issue 30).
         head = spec.vocab_size * spec.hidden_size
         after = head if n > 1 and not spec.tied_embeddings and head >= threshold else 0
-        out["_gathered_after_head"] = int(max(0, gathered - pb * after) * min(1.0, reuse / max(1, elements - after))) \
-            if n > 1 and elements > after else 0
+        out["_gathered_after_head"] = (
+            int(max(0, gathered - pb * after) * min(1.0, reuse / max(1, elements - after)))
+            if n > 1 and elements > after
+            else 0
+        )
     else:
         out["frozen_parameters"] = int(base)
         out["adapter_parameters"] = pb * adapters
@@ -197,11 +211,12 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
 
 def input_embedding_params(spec: ModelSpec) -> int:
     """The input embeddings' parameters: tokens, and learned positions where the model has them."""
-    return spec.vocab_size * spec.hidden_size + (spec.max_seq_len * spec.hidden_size if spec.position == "learned" else 0)
+    return spec.vocab_size * spec.hidden_size + (
+        spec.max_seq_len * spec.hidden_size if spec.position == "learned" else 0
+    )
 
 
-AFTER_HEAD_BACKWARD = ("backward (layers)", "backward (recompute first)", "backward (recompute last)",
-                       "backward (end)")
+AFTER_HEAD_BACKWARD = ("backward (layers)", "backward (recompute first)", "backward (recompute last)", "backward (end)")
 """The phases after the LM head's backward (segments.PHASE_POINTS; the analytic tier's ZeRO-3 has
 no 'backward (layers)'), where ZeRO-3 has released an untied frozen head (`held_parameters`)."""
 
@@ -220,7 +235,9 @@ def lora_phases(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, full_phases
     held = held_parameters(spec, cluster, cfg)
     gathered = held.pop("_gathered", 0)
     after_head = held.pop("_gathered_after_head", gathered)
-    stepping = {k: v for k, v in held_parameters(spec, cluster, cfg, stepping=True).items() if not k.startswith("_gathered")}
+    stepping = {
+        k: v for k, v in held_parameters(spec, cluster, cfg, stepping=True).items() if not k.startswith("_gathered")
+    }
     dequant = dtype_bytes(cfg.precision) * quantized_weights(spec, cfg)[1] if cfg.method == "qlora" else 0
     out = {}
     for name, terms in phases.items():

@@ -27,8 +27,11 @@ persistent gradient buffer.
 from __future__ import annotations
 
 from autotune.hardware import Cluster
-from autotune.memory.buffers import (  # noqa: F401 - offload_accumulates_on_host re-exported
-    offload_accumulates_on_host, offload_fp32_partition, partition_elements)
+from autotune.memory.buffers import (
+    offload_accumulates_on_host,
+    offload_fp32_partition,
+    partition_elements,
+)
 from autotune.memory.tensor_parallel import ZERO3_LARGEST_GROUP
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, dtype_bytes
@@ -103,8 +106,11 @@ def single_tensor_adam_peak(numels: list[int]) -> int:
 
 def largest_param(spec: ModelSpec) -> int:
     """Elements of the largest single parameter tensor (embedding, LM head, fused qkv, MLP)."""
-    return max(spec.vocab_size * spec.hidden_size, spec.hidden_size * (spec.q_dim + 2 * spec.kv_dim),
-               spec.hidden_size * spec.ffn_hidden_size)
+    return max(
+        spec.vocab_size * spec.hidden_size,
+        spec.hidden_size * (spec.q_dim + 2 * spec.kv_dim),
+        spec.hidden_size * spec.ffn_hidden_size,
+    )
 
 
 def zero3_step_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
@@ -118,12 +124,18 @@ def zero3_step_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     if cfg.zero_stage != 3:
         return {}
     if cfg.offload_param != "none" and not cluster.gpu.is_cpu:
-        return {"parameters": 0}   # the partition lives in host memory (memory/host.py)
+        return {"parameters": 0}  # the partition lives in host memory (memory/host.py)
     return {"parameters": int(dtype_bytes(cfg.precision) * spec.num_params / cluster.world_size)}
 
 
-def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
-           reduce_bucket_elements: int = 0, persistent: int | None = None) -> dict[str, int]:
+def states(
+    spec: ModelSpec,
+    cluster: Cluster,
+    cfg: TrainConfig,
+    persistence_threshold: int,
+    reduce_bucket_elements: int = 0,
+    persistent: int | None = None,
+) -> dict[str, int]:
     """Bytes held for the whole run (present at the start of every forward), by term. `persistent`:
     ZeRO-3's whole-kept parameter elements counted on the module (code_trace.persistent_params),
     else from the shape."""
@@ -138,12 +150,14 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
         keep = persistent_params(spec, persistence_threshold) if persistent is None else persistent
         out["parameters"] = int(pb * (p / n + keep))
         if cfg.offload_param != "none" and not cluster.gpu.is_cpu:
-            out["parameters"] = int(pb * keep)   # the partition lives in host memory (memory/host.py)
-        out["gradient_partition"] = int((4 if cfg.grad_accum_dtype == "fp32" else pb) * p / n)  # stage3.py grad_partitions_flat_buffer
+            out["parameters"] = int(pb * keep)  # the partition lives in host memory (memory/host.py)
+        out["gradient_partition"] = int(
+            (4 if cfg.grad_accum_dtype == "fp32" else pb) * p / n
+        )  # stage3.py grad_partitions_flat_buffer
         # the reduce bucket is allocated at the first backward and kept (measured on CPU:
         # reduce_bucket_size elements in the model dtype live at the start of every later step)
         out["reduce_bucket"] = pb * reduce_bucket_elements
-        if cfg.zero_hpz_partition_size > 1:   # ZeRO++ hpZ's secondary partition (arXiv:2306.10209, sec. 3.2)
+        if cfg.zero_hpz_partition_size > 1:  # ZeRO++ hpZ's secondary partition (arXiv:2306.10209, sec. 3.2)
             out["hpz_secondary_partition"] = int(pb * p / cfg.zero_hpz_partition_size)
     else:
         out["parameters"] = pb * p
@@ -166,7 +180,7 @@ def states(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_thre
         out["optimizer_states"] = int(state_b * shard)
     device, host = offload_buffers(spec, cluster, cfg)
     out.update(device)
-    if cluster.gpu.is_cpu:   # the host is the device
+    if cluster.gpu.is_cpu:  # the host is the device
         out.update(host)
     return out
 
@@ -184,8 +198,10 @@ def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tupl
     if not cfg.offload_optimizer or cfg.zero_stage not in (1, 2):
         return {}, {}
     pb, largest = dtype_bytes(cfg.precision), min(largest_param(spec), spec.num_params)
-    host = {"offload_bit16_partition": int(pb * spec.num_params / cluster.world_size),
-            "offload_cpu_grad_buffer": pb * largest}
+    host = {
+        "offload_bit16_partition": int(pb * spec.num_params / cluster.world_size),
+        "offload_cpu_grad_buffer": pb * largest,
+    }
     if offload_accumulates_on_host(cfg):
         host["offload_accumulated_gradients"] = pb * partition_elements(spec, cluster, cfg)
     return {"offload_grad_buffer": pb * largest}, host
@@ -208,7 +224,7 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     """
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
     pb = dtype_bytes(cfg.precision)
-    compact = offload_fp32_partition(spec, cluster, cfg)   # offload + fp32 accumulation: on the device
+    compact = offload_fp32_partition(spec, cluster, cfg)  # offload + fp32 accumulation: on the device
     if cfg.offload_optimizer and not cluster.gpu.is_cpu:
         # gradients are copied partition by partition to pinned CPU memory, the step runs there
         # (on CPU ranks the step is the same torch AdamW as without offload, on the same memory:
@@ -218,8 +234,10 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
         # BF16_Optimizer (memory/buffers.py bf16_optimizer): its fp32 gradients are a state. At the
         # step, 2 x 4P/N for the update's temporaries and 4P/N more were measured in two runs of three
         # on tiny-llama, 2P (the bf16 gradients) beyond that in the third: both are priced, as held.
-        return {"gradients": pb * p + int(4 * p / n),
-                "optimizer_temporaries": int(2 * 4 * p / n) if not fused_optimizer else 0}
+        return {
+            "gradients": pb * p + int(4 * p / n),
+            "optimizer_temporaries": int(2 * 4 * p / n) if not fused_optimizer else 0,
+        }
     stepped = largest_param(spec) if z == 0 else p / n
     if z == 3:
         # an AutoTP shard's larger group (memory/tensor_parallel.py ZERO3_LARGEST_GROUP), else the partition
@@ -229,12 +247,12 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     elif z == 0:
         temps = single_tensor_adam_peak(param_numels(spec))
     else:
-        temps = int(2 * master_bytes(cfg) * stepped)   # one flat partition (or sub-group) tensor
+        temps = int(2 * master_bytes(cfg) * stepped)  # one flat partition (or sub-group) tensor
     if z == 0:
         grads = pb * p + (4 * p if pb != 4 else 0)
         return {"gradients": grads, "optimizer_temporaries": temps}
     fp32_partition = int(master_bytes(cfg) * stepped)
-    if cfg.offload_optimizer:   # CPU ranks: the fp32 gradient partition is a state (`states`), not made here
+    if cfg.offload_optimizer:  # CPU ranks: the fp32 gradient partition is a state (`states`), not made here
         fp32_partition = 0
     if z in (1, 2) and pb != 4 and temps < pb * p / n:
         # the 16-bit partition and its fp32 copy coexist before the update; that is the peak
@@ -255,8 +273,9 @@ def zero3_held(spec: ModelSpec, cfg: TrainConfig, persistence_threshold: int, pe
     return min(p, bucket_sizes(spec, cfg)["stage3_max_reuse_distance"])
 
 
-def zero3_gathered(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
-                   persistent: int | None = None) -> int:
+def zero3_gathered(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int, persistent: int | None = None
+) -> int:
     """Stage 3 parameters gathered for forward/backward and kept live (`zero3_held`; measured: with
     the default reuse distance 1e9 a small model keeps every gathered parameter from forward
     through backward)."""
@@ -265,8 +284,14 @@ def zero3_gathered(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persiste
     return int(dtype_bytes(cfg.precision) * zero3_held(spec, cfg, persistence_threshold, persistent))
 
 
-def zero3_prefetch(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int,
-                   persistent: int | None = None, on_demand: int = 0) -> int:
+def zero3_prefetch(
+    spec: ModelSpec,
+    cluster: Cluster,
+    cfg: TrainConfig,
+    persistence_threshold: int,
+    persistent: int | None = None,
+    on_demand: int = 0,
+) -> int:
     """The flat buffer of the prefetch that holds the LM head, live until the head runs: the
     forward's last prefetched parameters, gathered ahead while every layer's activations are saved.
 

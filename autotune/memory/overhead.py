@@ -31,8 +31,11 @@ def overhead_terms(cluster: Cluster, tensor_peak_bytes: int) -> dict[str, int]:
     """The allowance by term; empty on CPU ranks, whose cap applies to tensor bytes only."""
     if cluster.gpu.is_cpu:
         return {}
-    out = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES,
-           "allocator_fragmentation": int(FRAGMENTATION_FRACTION * tensor_peak_bytes)}
+    out = {
+        "cuda_context": CUDA_CONTEXT_BYTES,
+        "cublas_workspace": CUBLAS_WORKSPACE_BYTES,
+        "allocator_fragmentation": int(FRAGMENTATION_FRACTION * tensor_peak_bytes),
+    }
     if cluster.world_size > 1:
         out["nccl_buffers"] = NCCL_BYTES
     return out

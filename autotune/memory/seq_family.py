@@ -33,23 +33,25 @@ from autotune.memory.segments import CATEGORIES
 @dataclass
 class Record:
     """One measured step as tracer.LiveBytes logged it (code_trace._measured_step)."""
-    baseline: list[tuple[int, int]]         # (serial, bytes) live when the log started
-    log: list[tuple[int, int]]              # (serial, +bytes / -bytes)
-    samples: list[tuple[int, str, int]]     # (log position, segment, kind)
-    known: dict[str, set[int]]              # serials by category
-    points: list[tuple[str, str]]           # (segment, point name) kept
+
+    baseline: list[tuple[int, int]]  # (serial, bytes) live when the log started
+    log: list[tuple[int, int]]  # (serial, +bytes / -bytes)
+    samples: list[tuple[int, str, int]]  # (log position, segment, kind)
+    known: dict[str, set[int]]  # serials by category
+    points: list[tuple[str, str]]  # (segment, point name) kept
 
 
 @dataclass
 class Family:
     """A program's replay for any value from values[0] to values[-1] (see the module docstring)."""
+
     values: tuple[int, int, int]
-    coef: np.ndarray          # (storages, 3) int64: bytes = c0 + c1 v + c2 v^2
-    category: np.ndarray      # (storages,) index into segments.CATEGORIES
-    base: np.ndarray          # storages live at the start
-    events: np.ndarray        # storage index per event
-    signs: np.ndarray         # +1 counted, -1 freed
-    stints: dict[str, np.ndarray]   # point name -> event counts at which its peak is compared, in order
+    coef: np.ndarray  # (storages, 3) int64: bytes = c0 + c1 v + c2 v^2
+    category: np.ndarray  # (storages,) index into segments.CATEGORIES
+    base: np.ndarray  # storages live at the start
+    events: np.ndarray  # storage index per event
+    signs: np.ndarray  # +1 counted, -1 freed
+    stints: dict[str, np.ndarray]  # point name -> event counts at which its peak is compared, in order
 
     def program(self, v: int) -> dict[str, dict[str, int]]:
         """What code_trace.trace_program returns at value v (values[0] <= v <= values[-1])."""
@@ -64,21 +66,32 @@ class Family:
         totals = live.sum(axis=1)
         out = {}
         for name, at in self.stints.items():
-            row = live[at[int(np.argmax(totals[at]))]]   # the first moment at the maximum, as LiveBytes keeps it
+            row = live[at[int(np.argmax(totals[at]))]]  # the first moment at the maximum, as LiveBytes keeps it
             out[name] = {c: int(row[i]) for i, c in enumerate(CATEGORIES)}
         return out
 
     def to_json(self) -> dict:
-        return {"values": list(self.values), "coef": self.coef.tolist(), "category": self.category.tolist(),
-                "base": self.base.tolist(), "events": self.events.tolist(), "signs": self.signs.tolist(),
-                "stints": {k: v.tolist() for k, v in self.stints.items()}}
+        return {
+            "values": list(self.values),
+            "coef": self.coef.tolist(),
+            "category": self.category.tolist(),
+            "base": self.base.tolist(),
+            "events": self.events.tolist(),
+            "signs": self.signs.tolist(),
+            "stints": {k: v.tolist() for k, v in self.stints.items()},
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> Family:
-        return cls(values=tuple(d["values"]), coef=np.array(d["coef"], dtype=np.int64).reshape(-1, 3),
-                   category=np.array(d["category"], dtype=np.int64), base=np.array(d["base"], dtype=np.int64),
-                   events=np.array(d["events"], dtype=np.int64), signs=np.array(d["signs"], dtype=np.int64),
-                   stints={k: np.array(v, dtype=np.int64) for k, v in d["stints"].items()})
+        return cls(
+            values=tuple(d["values"]),
+            coef=np.array(d["coef"], dtype=np.int64).reshape(-1, 3),
+            category=np.array(d["category"], dtype=np.int64),
+            base=np.array(d["base"], dtype=np.int64),
+            events=np.array(d["events"], dtype=np.int64),
+            signs=np.array(d["signs"], dtype=np.int64),
+            stints={k: np.array(v, dtype=np.int64) for k, v in d["stints"].items()},
+        )
 
 
 def _structure(rec: Record):
@@ -93,14 +106,16 @@ def _structure(rec: Record):
     events = []
     for serial, n in rec.log:
         if serial not in index:
-            if n < 0:               # freed without having been counted in the log: not a storage of this step
+            if n < 0:  # freed without having been counted in the log: not a storage of this step
                 return None
             index[serial] = len(sizes)
             sizes.append(n)
         events.append((index[serial], 1 if n > 0 else -1))
-    temporaries = CATEGORIES.index("temporaries")   # in no known set (traced._classify)
-    category = [next((CATEGORIES.index(c) for c, serials in rec.known.items() if serial in serials), temporaries)
-                for serial in index]                 # in index order: the dict keeps insertion order
+    temporaries = CATEGORIES.index("temporaries")  # in no known set (traced._classify)
+    category = [
+        next((CATEGORIES.index(c) for c, serials in rec.known.items() if serial in serials), temporaries)
+        for serial in index
+    ]  # in index order: the dict keeps insertion order
     runs: dict[str, list[int]] = {}
     current = None
     for pos, segment, kind in rec.samples:
@@ -125,9 +140,15 @@ def fit(values: tuple[int, int, int], records: list[Record], programs: list[dict
     if None in coef:
         return None
     ev = np.array(events, dtype=np.int64).reshape(-1, 2)
-    family = Family(values=tuple(values), coef=np.array(coef, dtype=np.int64).reshape(-1, 3),
-                    category=np.array(category, dtype=np.int64), base=np.arange(nbase, dtype=np.int64),
-                    events=ev[:, 0], signs=ev[:, 1], stints={k: np.array(v, dtype=np.int64) for k, v in stints.items()})
+    family = Family(
+        values=tuple(values),
+        coef=np.array(coef, dtype=np.int64).reshape(-1, 3),
+        category=np.array(category, dtype=np.int64),
+        base=np.arange(nbase, dtype=np.int64),
+        events=ev[:, 0],
+        signs=ev[:, 1],
+        stints={k: np.array(v, dtype=np.int64) for k, v in stints.items()},
+    )
     if any(family.program(v) != p for v, p in zip(values, programs)):
         return None
     return family

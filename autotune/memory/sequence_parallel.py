@@ -108,8 +108,9 @@ def all_to_all_terms(model: ModelSpec, cfg: TrainConfig) -> dict[str, dict[str, 
 LOGITS_TERMS = ("logits_and_loss", "logits_transient")
 
 
-def zero3_fp32_head_phase(model: ModelSpec, cfg: TrainConfig,
-                          phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def zero3_fp32_head_phase(
+    model: ModelSpec, cfg: TrainConfig, phases: dict[str, dict[str, int]]
+) -> dict[str, dict[str, int]]:
     """`phases` with ZeRO-3's reduction of the LM head's gradient in fp32 under Ulysses: stage 3 casts a bucket's
     gradients to the communication dtype before reduce-scattering them (runtime/zero/stage3.py __avg_scatter_grads:
     `g.to(communication_data_type)`, fp32 by default with sp, COMM_DTYPE_BYTES), and reduce_scatter_coalesced copies
@@ -122,8 +123,12 @@ def zero3_fp32_head_phase(model: ModelSpec, cfg: TrainConfig,
     same shape, -0.29% without this phase, +4.9% with it)."""
     from autotune.train_config import dtype_bytes
 
-    if (cfg.sequence_parallel_size == 1 or cfg.zero_stage != 3 or model.tied_embeddings
-            or dtype_bytes(cfg.precision) >= COMM_DTYPE_BYTES):
+    if (
+        cfg.sequence_parallel_size == 1
+        or cfg.zero_stage != 3
+        or model.tied_embeddings
+        or dtype_bytes(cfg.precision) >= COMM_DTYPE_BYTES
+    ):
         return phases
     base = phases.get("backward (loss)")
     if base is None:
@@ -145,8 +150,9 @@ BACKWARD_END_GRADIENT_TERMS = ("gradients", "comm_buffers", "embedding_gradient"
 """The end of backward's gradient terms, which `zero1_fp32_reduce_phase` replaces by its own."""
 
 
-def zero1_fp32_reduce_phase(model: ModelSpec, cluster: Cluster, cfg: TrainConfig,
-                            phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def zero1_fp32_reduce_phase(
+    model: ModelSpec, cluster: Cluster, cfg: TrainConfig, phases: dict[str, dict[str, int]]
+) -> dict[str, dict[str, int]]:
     """`phases` with "backward (end, fp32 reduce)": ZeRO-1's reduction at the end of backward under Ulysses,
     where each bucket of gradient slices is all-reduced in fp32. Stage 1 reduces at the accumulation boundary
     (stage_1_and_2.py reduce_gradients -> reduce_ready_partitions_and_remove_grads ->
@@ -178,10 +184,17 @@ def zero1_fp32_reduce_phase(model: ModelSpec, cluster: Cluster, cfg: TrainConfig
     from autotune.memory import buffers
     from autotune.train_config import dtype_bytes
 
-    if (cfg.sequence_parallel_size == 1 or cfg.zero_stage != 1 or cfg.method != "full" or cfg.overlap_comm
-            or dtype_bytes(cfg.precision) >= COMM_DTYPE_BYTES or buffers.bf16_optimizer(cfg)
-            or cluster.world_size == 1 or "backward (end)" not in phases
-            or bucket_sizes(model, cfg)["reduce_bucket_size"] >= model.num_params):
+    if (
+        cfg.sequence_parallel_size == 1
+        or cfg.zero_stage != 1
+        or cfg.method != "full"
+        or cfg.overlap_comm
+        or dtype_bytes(cfg.precision) >= COMM_DTYPE_BYTES
+        or buffers.bf16_optimizer(cfg)
+        or cluster.world_size == 1
+        or "backward (end)" not in phases
+        or bucket_sizes(model, cfg)["reduce_bucket_size"] >= model.num_params
+    ):
         return phases
     held = _stage1_reduction(model, cluster, cfg)
     rest = {k: v for k, v in phases["backward (end)"].items() if k not in BACKWARD_END_GRADIENT_TERMS}
@@ -206,8 +219,11 @@ def _stage1_reduction(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
     def owners(i: int) -> list[tuple[int, int]]:
         """(rank, elements) of parameter i's slices, in flat order."""
         at, n = starts[i], numels[i]
-        return [(r, min(at + n, (r + 1) * part) - max(at, r * part)) for r in range(ranks)
-                if at < (r + 1) * part and r * part < at + n]
+        return [
+            (r, min(at + n, (r + 1) * part) - max(at, r * part))
+            for r in range(ranks)
+            if at < (r + 1) * part and r * part < at + n
+        ]
 
     best: dict[str, int] = {}
     for rank in range(ranks):
@@ -219,7 +235,7 @@ def _stage1_reduction(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
             nonlocal whole, allocated
             if not pending:
                 return
-            entries: list[list[int]] = []   # [rank, elements]: consecutive slices to one rank merge
+            entries: list[list[int]] = []  # [rank, elements]: consecutive slices to one rank merge
             for i in pending:
                 for r, n in owners(i):
                     if entries and entries[-1][0] == r:
@@ -235,9 +251,13 @@ def _stage1_reduction(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
             if count:
                 groups.append((size, count))
             for size, count in groups:
-                point = {"gradients": whole, "gradient_partition": partition if allocated else 0,
-                         "comm_buffers": fixed, "reduce_flatten": pb * size if count > 1 else 0,
-                         "sp_fp32_reduce": COMM_DTYPE_BYTES * size}
+                point = {
+                    "gradients": whole,
+                    "gradient_partition": partition if allocated else 0,
+                    "comm_buffers": fixed,
+                    "reduce_flatten": pb * size if count > 1 else 0,
+                    "sp_fp32_reduce": COMM_DTYPE_BYTES * size,
+                }
                 if sum(point.values()) > sum(best.values()):
                     best.clear()
                     best.update(point)
@@ -245,7 +265,7 @@ def _stage1_reduction(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
                 if i in mine:
                     allocated = True
                     if numels[i] > bucket:
-                        whole -= grad_b * numels[i]   # its .grad becomes a view of the partition
+                        whole -= grad_b * numels[i]  # its .grad becomes a view of the partition
             pending.clear()
 
         for i, n in enumerate(numels):
@@ -253,7 +273,7 @@ def _stage1_reduction(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
                 flush()
                 elements = 0
             if n <= bucket:
-                whole -= grad_b * n   # copied into the bucket, its .grad a view of it
+                whole -= grad_b * n  # copied into the bucket, its .grad a view of it
             pending.append(i)
             elements += n
         flush()

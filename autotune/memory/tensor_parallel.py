@@ -83,8 +83,10 @@ def sharded_head(model: ModelSpec, cfg: TrainConfig, phases: dict[str, dict[str,
     tp = cfg.autotp_size
     if tp == 1 or model.tied_embeddings:
         return phases
-    return {name: {k: (-(-v // tp) if k == "head_gradient" else v) for k, v in terms.items()}
-            for name, terms in phases.items()}
+    return {
+        name: {k: (-(-v // tp) if k == "head_gradient" else v) for k, v in terms.items()}
+        for name, terms in phases.items()
+    }
 
 
 def replicated_params(model: ModelSpec, local: ModelSpec, tp: int) -> int:
@@ -114,7 +116,7 @@ def dp_cluster(cluster: Cluster, tp: int) -> Cluster:
     return dataclasses.replace(cluster, num_nodes=cluster.world_size // tp, gpus_per_node=1)
 
 
-@cache   # a ModelSpec is hashable (hf_config is left out of its hash); one meta build per (model, tp)
+@cache  # a ModelSpec is hashable (hf_config is left out of its hash); one meta build per (model, tp)
 def local_model(model: ModelSpec, tp: int) -> ModelSpec:
     """The model one tp rank holds, as a ModelSpec of the narrower Hugging Face config with its exact
     parameter count (the meta-device build of autotune.models.hf_config.spec_from_config)."""
@@ -125,18 +127,21 @@ def local_model(model: ModelSpec, tp: int) -> ModelSpec:
     d = dict(config_dict(model))
     missing = [k for k in SHARDED_KEYS if k not in d]
     if missing:
-        raise SpecError(f"model {model.name}: autotune prices AutoTP from the config keys {', '.join(SHARDED_KEYS)}; "
-                        f"its {d.get('model_type')} config lacks {', '.join(missing)}")
-    d["head_dim"] = model.head_dim   # kept whole: the heads are split, not narrowed
+        raise SpecError(
+            f"model {model.name}: autotune prices AutoTP from the config keys {', '.join(SHARDED_KEYS)}; "
+            f"its {d.get('model_type')} config lacks {', '.join(missing)}"
+        )
+    d["head_dim"] = model.head_dim  # kept whole: the heads are split, not narrowed
     d["num_attention_heads"] = model.num_heads // tp
     d["num_key_value_heads"] = model.num_kv_heads // tp
-    d["intermediate_size"] = -(-d["intermediate_size"] // tp)   # an uneven split: the largest shard
+    d["intermediate_size"] = -(-d["intermediate_size"] // tp)  # an uneven split: the largest shard
     if model.tied_embeddings:
         d["vocab_size"] = -(-model.vocab_size // tp)
-        d[VOCAB_PARALLEL_LOSS] = True   # the trace runs DeepSpeed's vocabulary-parallel loss (autotune/impl/hf.py)
+        d[VOCAB_PARALLEL_LOSS] = True  # the trace runs DeepSpeed's vocabulary-parallel loss (autotune/impl/hf.py)
     mtype = d.pop("model_type")
-    local = spec_from_config(AutoConfig.for_model(mtype, **_without_derived(d)), name=f"{model.name} (tp {tp} shard)",
-                             source=model.source)
+    local = spec_from_config(
+        AutoConfig.for_model(mtype, **_without_derived(d)), name=f"{model.name} (tp {tp} shard)", source=model.source
+    )
     if not model.tied_embeddings:
         # the built local model has the whole V x h head; AutoTP's is V / tp x h (colwise_rep)
         head = model.vocab_size * model.hidden_size

@@ -22,15 +22,24 @@ from typing import Callable, NamedTuple
 
 from autotune.hardware import Cluster
 from autotune.memory import buffers, code_trace, model_states
-from autotune.memory.analytic import MemoryEstimate, builtin, phases as _phases
+from autotune.memory.analytic import MemoryEstimate, builtin
+from autotune.memory.analytic import phases as _phases
 from autotune.memory.lora import adapter_numels
 from autotune.memory.segments import CATEGORIES, PHASE_POINTS, classify, segment_points  # noqa: F401 - re-exported
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 from autotune.units import fmt_bytes
 
-TRACED_TERMS = {"activations", "checkpointed_inputs", "rotary_tables", "logits_and_loss", "logits_transient",
-                "recomputed_layer", "optimizer_temporaries", "module_buffers"}
+TRACED_TERMS = {
+    "activations",
+    "checkpointed_inputs",
+    "rotary_tables",
+    "logits_and_loss",
+    "logits_transient",
+    "recomputed_layer",
+    "optimizer_temporaries",
+    "module_buffers",
+}
 """Analytic terms the trace replaces; every other term of a phase (model states, gradients, buffers
 for the ZeRO stage) is taken from autotune.memory as it stands."""
 
@@ -57,6 +66,7 @@ def _plan(ckpt: int, full: int, uniform: bool = True) -> list[tuple[int, int]]:
 
     def counts(n):
         return [0] if n == 0 else [n, n + 1] if n <= 3 or whole else [2, 3]
+
     ks, ms = counts(ckpt), counts(full)
     return sorted({(ks[0], ms[0]), (ks[-1], ms[0]), (ks[0], ms[-1])})
 
@@ -71,8 +81,9 @@ so a search's tens of thousands of candidates fit a few dozen sets); each entry 
 is reused. The dicts are shared between estimates and never modified."""
 
 
-def _fit(traces: dict[tuple[int, int], dict[str, dict[str, int]]], ckpt: int,
-         full: int) -> tuple[dict[str, dict[str, Affine]], dict[str, dict[str, int]]]:
+def _fit(
+    traces: dict[tuple[int, int], dict[str, dict[str, int]]], ckpt: int, full: int
+) -> tuple[dict[str, dict[str, Affine]], dict[str, dict[str, int]]]:
     """The programs' affine fits, and each point's bytes by category at `ckpt` checkpointed and `full` layers."""
     key = (tuple((km, id(v)) for km, v in traces.items()), ckpt, full)
     if key not in _FITS:
@@ -101,9 +112,9 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     fp32 they were twice the bf16 update's, +21.5% to +25% over the measured peak); None where torch
     cannot run that optimizer (offload: CPUAdam; 8-bit: bitsandbytes)."""
     if (cfg.offload_optimizer and not cluster.gpu.is_cpu) or cfg.optimizer == "adamw8bit":
-        return None   # on CPU ranks an offloaded step is torch AdamW on the same memory (step_terms)
+        return None  # on CPU ranks an offloaded step is torch AdamW on the same memory (step_terms)
     fused = not cluster.gpu.is_cpu
-    master = "bf16" if cfg.bf16_master_weights_and_grads else "fp32"   # the states follow (TrainConfig's check)
+    master = "bf16" if cfg.bf16_master_weights_and_grads else "fp32"  # the states follow (TrainConfig's check)
     trained = spec.num_params
     if cfg.method != "full":  # only the adapters are stepped
         trained = sum(adapter_numels(spec, cfg))
@@ -112,13 +123,19 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
         sizes = adapter_numels(spec, cfg, layers=2)  # two layers hold every pair of neighbours
         what = f"each {master} adapter, in the module's order"
     elif cfg.zero_stage == 0 and not builtin(spec):
-        sizes, what = code_trace.param_numels(spec, min(2, spec.num_layers)), f"each {master} parameter, in the module's order"
+        sizes, what = (
+            code_trace.param_numels(spec, min(2, spec.num_layers)),
+            f"each {master} parameter, in the module's order",
+        )
     elif cfg.zero_stage == 0:
         # in the model's order: single-tensor AdamW's `denom` of one parameter lives on while the
         # next one's is made; two layers hold every pair of neighbours
         from autotune.memory.tracer import builtin_param_numels
 
-        sizes, what = builtin_param_numels(spec, min(2, spec.num_layers)), f"each {master} parameter, in the model's order"
+        sizes, what = (
+            builtin_param_numels(spec, min(2, spec.num_layers)),
+            f"each {master} parameter, in the model's order",
+        )
     elif cfg.zero_stage in (1, 2):
         sizes, what = [part], f"the flat {master} partition ({part:,} elements)"
     else:
@@ -186,19 +203,40 @@ class TracedEstimate:
         """Peak of the single-process program's forward, backward and optimizer step, as a profiler
         around `model(...)`, `loss.backward()` and `opt.step()` measures them."""
         tot = {name: sum(c.values()) for name, c in self.raw_phases.items()}
-        return {"forward": tot["forward"], "optimizer": tot["optimizer"],
-                "backward": max(v for n, v in tot.items() if n.startswith("backward"))}
+        return {
+            "forward": tot["forward"],
+            "optimizer": tot["optimizer"],
+            "backward": max(v for n, v in tot.items() if n.startswith("backward")),
+        }
 
     def to_json(self) -> dict:
-        return {"tensor_peak_bytes": self.tensor_peak_bytes, "phase": self.phase, "terms": self.phases[self.phase],
-                "phases": self.totals, "layer_bytes": self.layer_bytes, "optimizer_step": self.optimizer_step,
-                "traced_layers": self.traced_layers, "trace_s": round(self.trace_s, 3), "source": "traced"}
+        return {
+            "tensor_peak_bytes": self.tensor_peak_bytes,
+            "phase": self.phase,
+            "terms": self.phases[self.phase],
+            "phases": self.totals,
+            "layer_bytes": self.layer_bytes,
+            "optimizer_step": self.optimizer_step,
+            "traced_layers": self.traced_layers,
+            "trace_s": round(self.trace_s, 3),
+            "source": "traced",
+        }
 
 
-def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit: dict[str, Affine],
-                 analytic: dict[str, dict[str, int]], cfg: TrainConfig, full: int, held: int,
-                 reduces: bool, uniform: bool = True, buckets: int = 0,
-                 fixed: tuple[int, int] = (0, 0)) -> dict[str, int]:
+def _stage_terms(
+    phase: str,
+    point: str,
+    points: dict[str, dict[str, int]],
+    fit: dict[str, Affine],
+    analytic: dict[str, dict[str, int]],
+    cfg: TrainConfig,
+    full: int,
+    held: int,
+    reduces: bool,
+    uniform: bool = True,
+    buckets: int = 0,
+    fixed: tuple[int, int] = (0, 0),
+) -> dict[str, int]:
     """One phase at one segment peak: traced terms (estimate()'s names where one fits) + the analytic
     model's states, gradients and buffers for the stage.
 
@@ -223,33 +261,40 @@ def _stage_terms(phase: str, point: str, points: dict[str, dict[str, int]], fit:
     layers = phase == "backward (layers)"  # the end of backward's states, in the middle of it
     source = analytic["backward (end)" if layers else phase]
     # at stages 0-1 the layers' backward is before the reduction; stage 2 (`reduces`) during it
-    dropped = TRACED_TERMS | ({"embedding_gradient"} if in_grad or layers else set()) | (
-        {"comm_buffers"} if layers and not reduces else set())
+    dropped = (
+        TRACED_TERMS
+        | ({"embedding_gradient"} if in_grad or layers else set())
+        | ({"comm_buffers"} if layers and not reduces else set())
+    )
     out = {k: v for k, v in source.items() if k not in dropped}
     if layers:
         out["unreduced_gradient"] = held
-        if not reduces:   # the buckets exist from the first gradient on (buffers.buckets_in_backward) ...
+        if not reduces:  # the buckets exist from the first gradient on (buffers.buckets_in_backward) ...
             out["comm_buffers"] = buckets
             for end_only in ("gradient_partition", "epilogue_partition", "reduced_fp32_head"):
-                if cfg.zero_stage in (1, 2):   # the epilogue's (buffers.stage2_end_of_one_bucket); stage 3's is a state
+                if cfg.zero_stage in (1, 2):  # the epilogue's (buffers.stage2_end_of_one_bucket); stage 3's is a state
                     out.pop(end_only, None)
-            if cfg.zero_stage == 2:   # ... and hold every gradient; the partition comes at the end
+            if cfg.zero_stage == 2:  # ... and hold every gradient; the partition comes at the end
                 out.pop("gradients", None)
     if in_grad and cfg.grad_accum == 1 and phase.startswith("backward"):
         full_grads = analytic["backward (end)"].get("gradients", 0)
-        part, bucket_bytes = fixed if cats["gradients"] else (0, 0)   # from the first reduction on
+        part, bucket_bytes = fixed if cats["gradients"] else (0, 0)  # from the first reduction on
         out["gradients"] = round((full_grads - part) * cats["gradients"] / points["opt"]["gradients"]) + part
         if bucket_bytes and "comm_buffers" not in out:
             out["comm_buffers"] = bucket_bytes
     # the module's registered buffers (a causal-mask table, sinusoidal positions): whole on every rank
     # at every stage, as ZeRO partitions parameters only (DeepSpeed stage3.py)
-    out.update(batch_and_loss=cats["batch_and_loss"], rotary_tables=cats["rotary_tables"],
-               module_buffers=cats.get("module_buffers", 0))
+    out.update(
+        batch_and_loss=cats["batch_and_loss"],
+        rotary_tables=cats["rotary_tables"],
+        module_buffers=cats.get("module_buffers", 0),
+    )
     transient = cats["temporaries"]
     if phase in ("forward", "backward (loss)"):
         _, a, b = fit["activations"]
-        saved, inputs = (b * full, a * ckpt) if uniform or "fwd.layers" not in points else (
-            points["fwd.layers"]["activations"], 0)
+        saved, inputs = (
+            (b * full, a * ckpt) if uniform or "fwd.layers" not in points else (points["fwd.layers"]["activations"], 0)
+        )
         out.update(activations=saved, checkpointed_inputs=inputs, logits_and_loss=cats["activations"] - saved - inputs)
         out["logits_transient" if point in ("fwd.head", "bwd.head") else "layer_transient"] = transient
         if point == "bwd.head" and not in_grad:
@@ -281,8 +326,16 @@ def _end_of_backward(out: dict[str, int], transient: int) -> dict[str, int]:
     return extras if sum(extras.values()) >= transient else {"temporaries": transient}
 
 
-def _with_head_phase(phases: dict, head: dict[str, int], end: dict[str, int], fit: dict[str, Affine], ckpt: int,
-                     full: int, layers: dict[str, int] | None, uniform: bool) -> dict:
+def _with_head_phase(
+    phases: dict,
+    head: dict[str, int],
+    end: dict[str, int],
+    fit: dict[str, Affine],
+    ckpt: int,
+    full: int,
+    layers: dict[str, int] | None,
+    uniform: bool,
+) -> dict:
     """`phases` with 'backward (head)' after 'backward (loss)', at ZeRO-2: the moment the LM head's
     weight gradient exists and every layer's activations are still saved, where stage 2's first
     reduction allocates the gradient partition and the reduce bucket, a second partition where one
@@ -299,10 +352,15 @@ def _with_head_phase(phases: dict, head: dict[str, int], end: dict[str, int], fi
     moment 2.7 times too high, 58% over its measured ZeRO-2 peak."""
     _, a, b = fit["activations"]
     saved = layers["activations"] if layers is not None else a * ckpt + b * full
-    ckpt_part = a * ckpt if uniform else 0   # a mixed stack's whole program has no per-layer split
+    ckpt_part = a * ckpt if uniform else 0  # a mixed stack's whole program has no per-layer split
     terms = {k: v for k, v in head.items() if k not in TRACED_TERMS}
-    terms.update(activations=saved - ckpt_part, checkpointed_inputs=ckpt_part, rotary_tables=end["rotary_tables"],
-                 batch_and_loss=end["batch_and_loss"], module_buffers=end.get("module_buffers", 0))
+    terms.update(
+        activations=saved - ckpt_part,
+        checkpointed_inputs=ckpt_part,
+        rotary_tables=end["rotary_tables"],
+        batch_and_loss=end["batch_and_loss"],
+        module_buffers=end.get("module_buffers", 0),
+    )
     out = {}
     for name, t in phases.items():
         out[name] = t
@@ -320,17 +378,21 @@ def _programs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[tupl
         from autotune.memory.tracer import builtin_program as program
     else:
         program = code_trace.trace_program
-    return {km: functools.partial(program, model, cfg, ckpt=km[0], full=km[1], **opts)
-            for km in _plan(ckpt, full, model.uniform_blocks)}
+    return {
+        km: functools.partial(program, model, cfg, ckpt=km[0], full=km[1], **opts)
+        for km in _plan(ckpt, full, model.uniform_blocks)
+    }
 
 
 def mixed_blocks_note(model: ModelSpec) -> str:
     """A warning for a stack of mixed layer kinds too deep to trace whole, else ''."""
     if model.uniform_blocks or model.num_layers <= MIXED_TRACED_LAYERS:
         return ""
-    return (f"{model.name}'s layers are not all the same module (dense and MoE, attention and recurrent) and "
-            f"its {model.num_layers} layers are more than the {MIXED_TRACED_LAYERS} the memory model traces whole: "
-            f"its activations are extrapolated from its first layers, approximate")
+    return (
+        f"{model.name}'s layers are not all the same module (dense and MoE, attention and recurrent) and "
+        f"its {model.num_layers} layers are more than the {MIXED_TRACED_LAYERS} the memory model traces whole: "
+        f"its activations are extrapolated from its first layers, approximate"
+    )
 
 
 def trace_jobs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> list[Callable[[], object]]:
@@ -351,13 +413,30 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
     analytic = _phases(model, cluster, cfg)
     held = buffers.held_extra_large_gradient(model, cfg)
     at_end = buffers.stage2_reduces_at_end(model, cfg)
-    reduces = (cfg.zero_stage == 2 and not at_end) or buffers.stage1_reduces_in_backward(model, cfg)   # in backward
+    reduces = (cfg.zero_stage == 2 and not at_end) or buffers.stage1_reduces_in_backward(model, cfg)  # in backward
     buckets = buffers.buckets_in_backward(model, cfg)
-    fixed = ((buffers.partition_grad_bytes(cfg) * buffers.partition_elements(model, cluster, cfg),
-              buffers.reduce_bucket_bytes(model, cfg)) if buffers.stage1_reduces_in_backward(model, cfg) else (0, 0))
-    step_key = (code_trace.spec_key(model), model.num_layers, model.num_params, cluster.world_size,
-                cluster.gpu.is_cpu, cfg.zero_stage, cfg.offload_optimizer, cfg.optimizer, cfg.method,
-                cfg.lora_rank, cfg.lora_targets, cfg.bf16_master_weights_and_grads)
+    fixed = (
+        (
+            buffers.partition_grad_bytes(cfg) * buffers.partition_elements(model, cluster, cfg),
+            buffers.reduce_bucket_bytes(model, cfg),
+        )
+        if buffers.stage1_reduces_in_backward(model, cfg)
+        else (0, 0)
+    )
+    step_key = (
+        code_trace.spec_key(model),
+        model.num_layers,
+        model.num_params,
+        cluster.world_size,
+        cluster.gpu.is_cpu,
+        cfg.zero_stage,
+        cfg.offload_optimizer,
+        cfg.optimizer,
+        cfg.method,
+        cfg.lora_rank,
+        cfg.lora_targets,
+        cfg.bf16_master_weights_and_grads,
+    )
     if step_key not in _STEPS:  # the update depends on none of the activation inputs
         _STEPS[step_key] = _trace_step(model, cluster, cfg)
     step = _STEPS[step_key]
@@ -368,30 +447,52 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
             continue
         raw[phase] = max((points[p] for p in present), key=lambda c: sum(c.values()))
         # the stage changes which point is highest (stage 3 holds no growing gradients): chosen after
-        options = [_stage_terms(phase, p, points, fits[p], analytic, cfg, full, held, reduces, model.uniform_blocks,
-                                buckets, fixed)
-                   for p in present]
+        options = [
+            _stage_terms(
+                phase, p, points, fits[p], analytic, cfg, full, held, reduces, model.uniform_blocks, buckets, fixed
+            )
+            for p in present
+        ]
         phases[phase] = max(options, key=lambda t: sum(t.values()))
     layer_points = [p for p in PHASE_POINTS["forward"] if p in points and p != "fwd.head"]
     if "forward (prefetch)" in analytic and layer_points:
         # ZeRO-3's head bucket is live through the layers before the head: their highest point + the bucket
-        before_head = max((_stage_terms("forward", p, points, fits[p], analytic, cfg, full, held, reduces,
-                                        model.uniform_blocks)
-                           for p in layer_points), key=lambda t: sum(t.values()))
+        before_head = max(
+            (
+                _stage_terms("forward", p, points, fits[p], analytic, cfg, full, held, reduces, model.uniform_blocks)
+                for p in layer_points
+            ),
+            key=lambda t: sum(t.values()),
+        )
         before_head = {**before_head, "prefetch_bucket": analytic["forward (prefetch)"]["prefetch_bucket"]}
         phases = {"forward": phases.pop("forward"), "forward (prefetch)": before_head, **phases}
     if (reduces or at_end) and "backward (head)" in analytic:
-        phases = _with_head_phase(phases, analytic["backward (head)"], points["fwd.end"], fits["fwd.end"], ckpt, full,
-                                  points.get("fwd.layers"), model.uniform_blocks)
+        phases = _with_head_phase(
+            phases,
+            analytic["backward (head)"],
+            points["fwd.end"],
+            fits["fwd.end"],
+            ckpt,
+            full,
+            points.get("fwd.layers"),
+            model.uniform_blocks,
+        )
     step_bytes = step[0] if step else analytic["optimizer"].get("optimizer_temporaries", 0)
     phases["optimizer"] = {**phases["optimizer"], "optimizer_temporaries": step_bytes}
     phases["optimizer"] = {k: v for k, v in phases["optimizer"].items() if v}
     c, a, b = fits["fwd.end"]["activations"]
     return TracedEstimate(
-        model=model.name, config=cfg, phases=phases, raw_phases=raw, analytic_phases=analytic, points=points,
+        model=model.name,
+        config=cfg,
+        phases=phases,
+        raw_phases=raw,
+        analytic_phases=analytic,
+        points=points,
         layer_bytes={"full_layer": b, "checkpointed_layer": a, "head": c},
         optimizer_step=step[1] if step else "not traced (CPU Adam / bitsandbytes): the analytic term",
-        traced_layers=tuple(traces), trace_s=time.perf_counter() - t0)
+        traced_layers=tuple(traces),
+        trace_s=time.perf_counter() - t0,
+    )
 
 
 class Row(NamedTuple):
@@ -417,6 +518,7 @@ class Comparison:
     def __str__(self) -> str:
         def cell(v):
             return "-" if v is None else fmt_bytes(v)
+
         lines = [f"{'phase':<21} {'term':<24} {'analytic':>12} {'traced':>12} {'diff %':>8}"]
         for r in self.rows:
             pct = "" if r.diff_pct is None else f"{r.diff_pct:+.2f}"

@@ -57,7 +57,7 @@ class LiveBytes(TorchDispatchMode):
         self.log: list[tuple[int, int]] | None = None
         self.samples: list[tuple[int, str, int]] | None = None
         self.accumulating = False
-        self._held: tuple | None = None   # (first gradient's storage id, out-of-place and in-place samples)
+        self._held: tuple | None = None  # (first gradient's storage id, out-of-place and in-place samples)
 
     def track(self, t: torch.Tensor) -> int:
         st = t.untyped_storage()
@@ -120,9 +120,14 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._settle()
-        held = (self.accumulating and func is torch.ops.aten.add.Tensor and self.segment is not None
-                and isinstance(args[0], torch.Tensor) and args[0]._base is None
-                and is_non_overlapping_and_dense_or_false(args[0]))
+        held = (
+            self.accumulating
+            and func is torch.ops.aten.add.Tensor
+            and self.segment is not None
+            and isinstance(args[0], torch.Tensor)
+            and args[0]._base is None
+            and is_non_overlapping_and_dense_or_false(args[0])
+        )
         if held:  # the moment an in-place add would have: both gradients, no sum
             in_place = self._moment()
         out = func(*args, **(kwargs or {}))
@@ -149,8 +154,7 @@ class _GroupedMmAnyDtype(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func._overloadpacket is torch.ops.aten._grouped_mm and args[0].dtype != torch.bfloat16:
-            cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                    for a in args]
+            cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
             return func(*cast, **kwargs).to(args[0].dtype)
         return func(*args, **kwargs)
 
@@ -177,10 +181,12 @@ def tracing(host_rng: bool):
     dispatcher that torch.utils.checkpoint keeps per checkpointed call."""
     original = torch.get_rng_state
     with fake_mode(), LiveBytes() as live:
+
         def get_rng_state() -> torch.Tensor:
             state = original()
             live.track(state)
             return state
+
         torch.get_rng_state = get_rng_state if host_rng else original
         try:
             yield live
@@ -198,6 +204,7 @@ def adamw(params, fused: bool) -> torch.optim.Optimizer:
 
 def _hooks(model: Transformer, live: LiveBytes, marks: dict) -> None:
     """Segment boundaries: module hooks in forward, gradient hooks on block outputs in backward."""
+
     def on_grad(segment):
         return lambda grad: live.enter(segment)
 
@@ -211,12 +218,14 @@ def _hooks(model: Transformer, live: LiveBytes, marks: dict) -> None:
                 if i == 0:
                     args[0].register_hook(on_grad("bwd.end"))
                     marks["rope"] = {live.track(t) for t in tree_leaves(args[1:]) if isinstance(t, torch.Tensor)}
+
         return hook
 
     def block_post(i):
         def hook(_, args, out):
             if measuring_forward():
                 out.register_hook(on_grad(f"bwd.block{i}"))
+
         return hook
 
     def model_post(_, args, loss):
@@ -233,8 +242,9 @@ def _hooks(model: Transformer, live: LiveBytes, marks: dict) -> None:
         block.register_forward_hook(block_post(i))
 
 
-def builtin_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool,
-                   host_rng: bool) -> dict[str, dict[str, int]]:
+def builtin_program(
+    spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, host_rng: bool
+) -> dict[str, dict[str, int]]:
     """Segment peaks by category of a (ckpt + full)-layer `spec`, its first `ckpt` blocks checkpointed."""
     marks = {"measure": False, "backward": False}  # measure: the module hooks are set before the warm-up
     with tracing(host_rng) as live:
@@ -261,8 +271,9 @@ def builtin_program(spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, 
     return {name: classify(live.peaks[segment][1], known) for segment, name in segment_points(ckpt, full)}
 
 
-def known_storages(live: LiveBytes, model, opt, grads: set[int], batch, marks: dict,
-           shared: set[int]) -> dict[str, set[int]]:
+def known_storages(
+    live: LiveBytes, model, opt, grads: set[int], batch, marks: dict, shared: set[int]
+) -> dict[str, set[int]]:
     """Serials of a measured step's storages by category, in the order `segments.classify` tries them (the
     stand-in registers no buffers, so its `module_buffers` is empty); activations: what the forward
     left saved (marks["saved"]) that is none of the others."""
@@ -270,8 +281,9 @@ def known_storages(live: LiveBytes, model, opt, grads: set[int], batch, marks: d
         "parameters": {live.track(p) for p in model.parameters()},
         "module_buffers": {live.track(b) for b in model.buffers()},
         "gradients": grads,
-        "optimizer_states": {live.track(t) for s in opt.state.values() for t in s.values()
-                             if isinstance(t, torch.Tensor)},
+        "optimizer_states": {
+            live.track(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        },
         "batch_and_loss": {live.track(batch), marks["loss"]},
         "rotary_tables": shared,
     }
@@ -283,6 +295,7 @@ def accumulation_hooks(live: LiveBytes, root) -> list:
     """Hooks on every node of the graph below `root` that tell `live` when the engine is handing a
     node's gradients on (after the node, before the next one): where it accumulates them. Leaves'
     AccumulateGrad nodes are left alone (they add into .grad in place themselves)."""
+
     def before(grad_outputs):
         live.accumulating = False
 

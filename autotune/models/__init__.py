@@ -16,11 +16,14 @@ from typing import Any
 
 import yaml
 
-from autotune.errors import SpecError  # noqa: F401 - re-exported: models raise it
-
+from autotune.errors import SpecError
 from autotune.models.spec import (  # noqa: F401 - the package's names
-    FAMILY_DEFAULTS, IMPLEMENTATIONS, Family, Implementation, ModelSpec)
-
+    FAMILY_DEFAULTS,
+    IMPLEMENTATIONS,
+    Family,
+    Implementation,
+    ModelSpec,
+)
 
 DEFAULT_SEQ_LEN = 2048
 
@@ -102,8 +105,9 @@ def resolve_model(text: str, *, implementation: Implementation = "hf", factory: 
         if implementation == "hf":
             from autotune.models import hf_config as hf
 
-            return replace(spec, implementation="hf",
-                           hf_config=hf.preset_config(spec, _raw()[name].get("model_type", spec.family)))
+            return replace(
+                spec, implementation="hf", hf_config=hf.preset_config(spec, _raw()[name].get("model_type", spec.family))
+            )
         return replace(spec, implementation=implementation, factory=factory or "")
     path = Path(text).expanduser()
     if path.suffix == ".json" or path.exists():
@@ -123,9 +127,11 @@ def resolve_model(text: str, *, implementation: Implementation = "hf", factory: 
     names = sorted(set(table) | set(aliases()))
     close = difflib.get_close_matches(key, names, n=4, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    raise SpecError(f"unknown model {text!r}.{hint} Run `autotune models` for the presets, "
-                    f"or pass a Hugging Face config.json, a directory holding one, or a hub id in "
-                    f"the local Hugging Face cache.")
+    raise SpecError(
+        f"unknown model {text!r}.{hint} Run `autotune models` for the presets, "
+        f"or pass a Hugging Face config.json, a directory holding one, or a hub id in "
+        f"the local Hugging Face cache."
+    )
 
 
 # ---- Hugging Face config.json ---------------------------------------------------------------
@@ -133,27 +139,57 @@ def resolve_model(text: str, *, implementation: Implementation = "hf", factory: 
 # transformers configuration classes (configuration_<family>.py).
 REQUIRED = object()
 _HF_FIELDS: dict[str, tuple[str, dict[str, tuple[str, Any]]]] = {
-    "llama": ("llama", {
-        "num_layers": ("num_hidden_layers", REQUIRED), "hidden_size": ("hidden_size", REQUIRED),
-        "num_heads": ("num_attention_heads", REQUIRED), "num_kv_heads": ("num_key_value_heads", None),
-        "ffn_hidden_size": ("intermediate_size", REQUIRED), "vocab_size": ("vocab_size", REQUIRED),
-        "max_seq_len": ("max_position_embeddings", 2048), "tied_embeddings": ("tie_word_embeddings", False),
-        "linear_bias": ("attention_bias", False), "head_dim": ("head_dim", 0)}),
-    "gpt2": ("gpt2", {
-        "num_layers": ("n_layer", REQUIRED), "hidden_size": ("n_embd", REQUIRED),
-        "num_heads": ("n_head", REQUIRED), "ffn_hidden_size": ("n_inner", None),
-        "vocab_size": ("vocab_size", REQUIRED), "max_seq_len": ("n_positions", 1024),
-        "tied_embeddings": ("tie_word_embeddings", True)}),
-    "gpt_neox": ("gpt_neox", {
-        "num_layers": ("num_hidden_layers", REQUIRED), "hidden_size": ("hidden_size", REQUIRED),
-        "num_heads": ("num_attention_heads", REQUIRED), "ffn_hidden_size": ("intermediate_size", REQUIRED),
-        "vocab_size": ("vocab_size", REQUIRED), "max_seq_len": ("max_position_embeddings", 2048),
-        "tied_embeddings": ("tie_word_embeddings", False)}),
-    "mpt": ("mpt", {
-        "num_layers": ("n_layers", REQUIRED), "hidden_size": ("d_model", REQUIRED),
-        "num_heads": ("n_heads", REQUIRED), "ffn_hidden_size": ("expansion_ratio", 4),
-        "vocab_size": ("vocab_size", REQUIRED), "max_seq_len": ("max_seq_len", 2048),
-        "linear_bias": ("no_bias", True)}),
+    "llama": (
+        "llama",
+        {
+            "num_layers": ("num_hidden_layers", REQUIRED),
+            "hidden_size": ("hidden_size", REQUIRED),
+            "num_heads": ("num_attention_heads", REQUIRED),
+            "num_kv_heads": ("num_key_value_heads", None),
+            "ffn_hidden_size": ("intermediate_size", REQUIRED),
+            "vocab_size": ("vocab_size", REQUIRED),
+            "max_seq_len": ("max_position_embeddings", 2048),
+            "tied_embeddings": ("tie_word_embeddings", False),
+            "linear_bias": ("attention_bias", False),
+            "head_dim": ("head_dim", 0),
+        },
+    ),
+    "gpt2": (
+        "gpt2",
+        {
+            "num_layers": ("n_layer", REQUIRED),
+            "hidden_size": ("n_embd", REQUIRED),
+            "num_heads": ("n_head", REQUIRED),
+            "ffn_hidden_size": ("n_inner", None),
+            "vocab_size": ("vocab_size", REQUIRED),
+            "max_seq_len": ("n_positions", 1024),
+            "tied_embeddings": ("tie_word_embeddings", True),
+        },
+    ),
+    "gpt_neox": (
+        "gpt_neox",
+        {
+            "num_layers": ("num_hidden_layers", REQUIRED),
+            "hidden_size": ("hidden_size", REQUIRED),
+            "num_heads": ("num_attention_heads", REQUIRED),
+            "ffn_hidden_size": ("intermediate_size", REQUIRED),
+            "vocab_size": ("vocab_size", REQUIRED),
+            "max_seq_len": ("max_position_embeddings", 2048),
+            "tied_embeddings": ("tie_word_embeddings", False),
+        },
+    ),
+    "mpt": (
+        "mpt",
+        {
+            "num_layers": ("n_layers", REQUIRED),
+            "hidden_size": ("d_model", REQUIRED),
+            "num_heads": ("n_heads", REQUIRED),
+            "ffn_hidden_size": ("expansion_ratio", 4),
+            "vocab_size": ("vocab_size", REQUIRED),
+            "max_seq_len": ("max_seq_len", 2048),
+            "linear_bias": ("no_bias", True),
+        },
+    ),
 }
 _HF_FIELDS["mistral"] = _HF_FIELDS["llama"]
 
@@ -170,21 +206,20 @@ def from_hf_config(path: Path) -> ModelSpec:
         raise SpecError(f"model config {path} must hold a JSON object")
     mtype = cfg.get("model_type")
     if mtype not in _HF_FIELDS:
-        raise SpecError(f"model config {path}: model_type {mtype!r} is not supported; "
-                        f"supported: {', '.join(sorted(_HF_FIELDS))}")
+        raise SpecError(
+            f"model config {path}: model_type {mtype!r} is not supported; supported: {', '.join(sorted(_HF_FIELDS))}"
+        )
     family, fields = _HF_FIELDS[mtype]
     shape: dict[str, Any] = {}
     for ours, (theirs, default) in fields.items():
         if theirs in cfg and cfg[theirs] is not None:
             shape[ours] = cfg[theirs]
         elif default is REQUIRED:
-            raise SpecError(f"model config {path}: missing field {theirs!r} (needed for {ours}, "
-                            f"model_type {mtype})")
+            raise SpecError(f"model config {path}: missing field {theirs!r} (needed for {ours}, model_type {mtype})")
         elif default is not None:
             shape[ours] = default
     if family == "llama" and bool(cfg.get("mlp_bias", False)) != bool(shape.get("linear_bias")):
-        raise SpecError(f"model config {path}: attention_bias and mlp_bias differ; only both or "
-                        f"neither is modelled")
+        raise SpecError(f"model config {path}: attention_bias and mlp_bias differ; only both or neither is modelled")
     if family == "gpt2" and "ffn_hidden_size" not in shape:
         shape["ffn_hidden_size"] = 4 * shape["hidden_size"]  # GPT2MLP: inner_dim = n_inner or 4*n_embd
     if family == "mpt":

@@ -29,34 +29,58 @@ def preset_config(spec: ModelSpec, model_type: str) -> dict[str, Any]:
     common = {"vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tied_embeddings}
     if model_type in ("llama", "mistral", "qwen2"):
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        d = {"hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
-             "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
-             "num_key_value_heads": spec.num_kv_heads, "max_position_embeddings": spec.max_seq_len,
-             "head_dim": spec.head_dim}
+        d = {
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.ffn_hidden_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "max_position_embeddings": spec.max_seq_len,
+            "head_dim": spec.head_dim,
+        }
         if model_type == "llama":
             d |= {"attention_bias": spec.linear_bias, "mlp_bias": spec.linear_bias}
     elif model_type == "gpt2":
         arch = {"gpt2": "GPT2LMHeadModel"}
-        d = {"n_layer": spec.num_layers, "n_embd": spec.hidden_size, "n_head": spec.num_heads,
-             "n_inner": spec.ffn_hidden_size, "n_positions": spec.max_seq_len,
-             # GPT2Config's default 50256 is outside a smaller vocabulary (transformers warns)
-             "bos_token_id": min(50256, spec.vocab_size - 1), "eos_token_id": min(50256, spec.vocab_size - 1)}
+        d = {
+            "n_layer": spec.num_layers,
+            "n_embd": spec.hidden_size,
+            "n_head": spec.num_heads,
+            "n_inner": spec.ffn_hidden_size,
+            "n_positions": spec.max_seq_len,
+            # GPT2Config's default 50256 is outside a smaller vocabulary (transformers warns)
+            "bos_token_id": min(50256, spec.vocab_size - 1),
+            "eos_token_id": min(50256, spec.vocab_size - 1),
+        }
     elif model_type == "gpt_neox":
         arch = {"gpt_neox": "GPTNeoXForCausalLM"}
-        d = {"hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
-             "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
-             "max_position_embeddings": spec.max_seq_len}
+        d = {
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.ffn_hidden_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "max_position_embeddings": spec.max_seq_len,
+        }
     elif model_type == "mpt":
         arch = {"mpt": "MptForCausalLM"}
         if spec.ffn_hidden_size % spec.hidden_size:
-            raise SpecError(f"model {spec.name}: MPT's ffn width is expansion_ratio x d_model; "
-                            f"{spec.ffn_hidden_size} is not a multiple of {spec.hidden_size}")
-        d = {"d_model": spec.hidden_size, "n_heads": spec.num_heads, "n_layers": spec.num_layers,
-             "expansion_ratio": spec.ffn_hidden_size // spec.hidden_size, "max_seq_len": spec.max_seq_len,
-             "no_bias": not spec.linear_bias}
+            raise SpecError(
+                f"model {spec.name}: MPT's ffn width is expansion_ratio x d_model; "
+                f"{spec.ffn_hidden_size} is not a multiple of {spec.hidden_size}"
+            )
+        d = {
+            "d_model": spec.hidden_size,
+            "n_heads": spec.num_heads,
+            "n_layers": spec.num_layers,
+            "expansion_ratio": spec.ffn_hidden_size // spec.hidden_size,
+            "max_seq_len": spec.max_seq_len,
+            "no_bias": not spec.linear_bias,
+        }
     else:
-        raise SpecError(f"model {spec.name}: no Hugging Face config for model_type {model_type!r}; "
-                        f"known: llama, mistral, qwen2, gpt2, gpt_neox, mpt")
+        raise SpecError(
+            f"model {spec.name}: no Hugging Face config for model_type {model_type!r}; "
+            f"known: llama, mistral, qwen2, gpt2, gpt_neox, mpt"
+        )
     return {"model_type": model_type, "architectures": [arch[model_type]], **common, **d}
 
 
@@ -92,9 +116,12 @@ def _class_attentions(model_type: str) -> tuple[str, ...]:
 def _read_attentions(model_type: str) -> tuple[str, ...]:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    cls = AutoModelForCausalLM._model_mapping[CONFIG_MAPPING[model_type]]  # noqa: SLF001
-    flags = (("sdpa", getattr(cls, "_supports_sdpa", False)), ("eager", True),
-             ("flash_attention_2", getattr(cls, "_supports_flash_attn", False)))
+    cls = AutoModelForCausalLM._model_mapping[CONFIG_MAPPING[model_type]]
+    flags = (
+        ("sdpa", getattr(cls, "_supports_sdpa", False)),
+        ("eager", True),
+        ("flash_attention_2", getattr(cls, "_supports_flash_attn", False)),
+    )
     return tuple(name for name, ok in flags if ok)
 
 
@@ -130,8 +157,9 @@ def continued(values: list, n: int) -> list:
     """A per-layer list taken to `n` entries as a deeper model of the same config has it: repeating
     its shortest period where it has one (Gemma 2's full, sliding, full, ...), else its last entry
     (dense first layers, then sparse ones to the end: DeepSeek's `first_k_dense_replace`)."""
-    period = next((p for p in range(1, len(values)) if all(values[i] == values[i - p] for i in range(p, len(values)))),
-                  None)
+    period = next(
+        (p for p in range(1, len(values)) if all(values[i] == values[i - p] for i in range(p, len(values)))), None
+    )
     if period is None:
         return values[:n] + [values[-1]] * (n - len(values))
     return [values[i % period] for i in range(n)]
@@ -155,25 +183,34 @@ def load_config(text: str):
             raise SpecError(f"model config {file} does not exist")
         try:
             return AutoConfig.from_pretrained(str(file))
-        except Exception as e:  # noqa: BLE001 - whatever the config class's own validation raises
+        except Exception as e:
             # (ValueError, KeyError, huggingface_hub's StrictDataclassClassValidationError, ...)
-            raise SpecError(f"model config {file}: transformers {_version()} cannot read it: "
-                            f"{' '.join(str(e).split())}") from None
+            raise SpecError(
+                f"model config {file}: transformers {_version()} cannot read it: {' '.join(str(e).split())}"
+            ) from None
     from huggingface_hub import constants
     from transformers.utils import cached_file
 
     try:  # local_files_only: the cache or nothing; autotune never downloads
         file = cached_file(text, "config.json", local_files_only=True)
     except (OSError, ValueError) as e:
-        raise SpecError(f"model {text!r} is not a preset, not a path, and not in the local Hugging Face "
-                        f"cache (looked in {constants.HF_HUB_CACHE}; autotune never downloads). Put its "
-                        f"config.json in a directory and pass that directory. ({type(e).__name__})") from None
+        raise SpecError(
+            f"model {text!r} is not a preset, not a path, and not in the local Hugging Face "
+            f"cache (looked in {constants.HF_HUB_CACHE}; autotune never downloads). Put its "
+            f"config.json in a directory and pass that directory. ({type(e).__name__})"
+        ) from None
     return load_config(file)
 
 
 # ---- shape and parameter count ----------------------------------------------------------------
-_FAMILY_OF = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2",
-              "gpt_neox": "gpt_neox", "mpt": "mpt"}
+_FAMILY_OF = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "gpt2": "gpt2",
+    "gpt_neox": "gpt_neox",
+    "mpt": "mpt",
+}
 
 
 def meta_model(config):
@@ -192,12 +229,17 @@ def decoder_layers(model) -> list:
 
     best: list = []
     for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > len(best) \
-                and all(isinstance(c, GradientCheckpointingLayer) for c in m):
+        if (
+            isinstance(m, nn.ModuleList)
+            and len(m) > len(best)
+            and all(isinstance(c, GradientCheckpointingLayer) for c in m)
+        ):
             best = list(m)
     if not best:
-        raise SpecError(f"{type(model).__name__}: no ModuleList of GradientCheckpointingLayer found; "
-                        f"transformers cannot checkpoint its layers one by one")
+        raise SpecError(
+            f"{type(model).__name__}: no ModuleList of GradientCheckpointingLayer found; "
+            f"transformers cannot checkpoint its layers one by one"
+        )
     return best
 
 
@@ -218,41 +260,54 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
     """ModelSpec of an AutoModelForCausalLM config; `param_count` from the meta-device model."""
     from transformers import AutoModelForCausalLM
 
-    if type(config) not in AutoModelForCausalLM._model_mapping:  # noqa: SLF001
-        names = sorted(c.model_type for c in AutoModelForCausalLM._model_mapping.keys())  # noqa: SLF001
-        raise SpecError(f"model {name}: AutoModelForCausalLM cannot build model_type "
-                        f"{config.model_type!r}; known: {', '.join(names)}")
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        names = sorted(c.model_type for c in AutoModelForCausalLM._model_mapping.keys())
+        raise SpecError(
+            f"model {name}: AutoModelForCausalLM cannot build model_type "
+            f"{config.model_type!r}; known: {', '.join(names)}"
+        )
     try:
         text = config.get_text_config()
     except ValueError as e:  # several text parts (MusicGen's text encoder and decoder): which is ambiguous
-        raise SpecError(f"model {name}: model_type {config.model_type!r} has several text parts and transformers "
-                        f"cannot say which is its language model ({' '.join(str(e).split())[:160]}); autotune "
-                        "prices a language model's own code: give that part's config") from None
+        raise SpecError(
+            f"model {name}: model_type {config.model_type!r} has several text parts and transformers "
+            f"cannot say which is its language model ({' '.join(str(e).split())[:160]}); autotune "
+            "prices a language model's own code: give that part's config"
+        ) from None
     if text is not config:  # a multimodal model: the language model's config is one of its parts
-        raise SpecError(f"model {name}: model_type {config.model_type!r} is a multimodal model whose language "
-                        f"model is its {text.model_type!r} part; autotune prices a language model's own code: "
-                        f"give that part's config (its text_config, model_type {text.model_type!r})")
+        raise SpecError(
+            f"model {name}: model_type {config.model_type!r} is a multimodal model whose language "
+            f"model is its {text.model_type!r} part; autotune prices a language model's own code: "
+            f"give that part's config (its text_config, model_type {text.model_type!r})"
+        )
     try:
         model = meta_model(config)
-    except Exception as e:  # noqa: BLE001 - the class's own constructor refusing this config, whatever it raises
+    except Exception as e:
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        raise SpecError(f"model {name}: transformers {_version()} cannot build model_type {config.model_type!r} "
-                        f"from this config ({type(e).__name__}: {first})") from None
+        raise SpecError(
+            f"model {name}: transformers {_version()} cannot build model_type {config.model_type!r} "
+            f"from this config ({type(e).__name__}: {first})"
+        ) from None
     count = sum(p.numel() for p in model.parameters())  # parameters() counts a tied matrix once
     blocks = _blocks(model)
     uniform = len({_block_kind(b) for b in blocks}) <= 1
     if blocks and len(blocks) != getattr(config, "num_hidden_layers", len(blocks)):
         # BART's causal LM: its decoder, while num_hidden_layers is the encoder's depth
-        raise SpecError(f"model {name}: its config's num_hidden_layers {config.num_hidden_layers} is not the "
-                        f"{len(blocks)} decoder layers its causal LM ({type(model).__name__}) builds; autotune "
-                        "sizes and traces a model by num_hidden_layers")
+        raise SpecError(
+            f"model {name}: its config's num_hidden_layers {config.num_hidden_layers} is not the "
+            f"{len(blocks)} decoder layers its causal LM ({type(model).__name__}) builds; autotune "
+            "sizes and traces a model by num_hidden_layers"
+        )
     g = lambda *keys, default=None: next(  # noqa: E731
-        (getattr(config, k) for k in keys if getattr(config, k, None) is not None), default)
+        (getattr(config, k) for k in keys if getattr(config, k, None) is not None), default
+    )
     h, heads = g("hidden_size"), g("num_attention_heads")
     if h is None or heads is None:  # a state-space or recurrent model (Mamba, RWKV): not a transformer's shape
-        raise SpecError(f"model {name}: its config ({config.model_type}) names no "
-                        f"{'hidden_size' if h is None else 'num_attention_heads'}; autotune prices transformers "
-                        "whose config gives hidden_size, num_attention_heads and num_hidden_layers")
+        raise SpecError(
+            f"model {name}: its config ({config.model_type}) names no "
+            f"{'hidden_size' if h is None else 'num_attention_heads'}; autotune prices transformers "
+            "whose config gives hidden_size, num_attention_heads and num_hidden_layers"
+        )
     family = _FAMILY_OF.get(config.model_type)
     if family is None:  # nearest family for the analytic formulas; the count above is exact anyway
         family = "llama" if g("hidden_act", "activation_function", default="") in ("silu", "swish") else "gpt_neox"
@@ -262,11 +317,18 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
         ffn = int(ratio * h) if ratio is not None else 4 * h  # GPT2MLP: n_inner or 4 * n_embd
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
-    shape = {**FAMILY_DEFAULTS[family], "num_layers": g("num_hidden_layers"), "hidden_size": h,
-             "num_heads": heads, "num_kv_heads": g("num_key_value_heads", default=heads),
-             "ffn_hidden_size": ffn, "vocab_size": g("vocab_size"),
-             "max_seq_len": g("max_position_embeddings", "n_positions", "max_seq_len", default=2048),
-             "head_dim": g("head_dim", default=0), "tied_embeddings": tied}
+    shape = {
+        **FAMILY_DEFAULTS[family],
+        "num_layers": g("num_hidden_layers"),
+        "hidden_size": h,
+        "num_heads": heads,
+        "num_kv_heads": g("num_key_value_heads", default=heads),
+        "ffn_hidden_size": ffn,
+        "vocab_size": g("vocab_size"),
+        "max_seq_len": g("max_position_embeddings", "n_positions", "max_seq_len", default=2048),
+        "head_dim": g("head_dim", default=0),
+        "tied_embeddings": tied,
+    }
     if family == "llama":
         shape["linear_bias"] = bool(g("attention_bias", default=False))
     if family == "mpt":
@@ -279,9 +341,15 @@ def spec_from_config(config, *, name: str, source: str) -> ModelSpec:
     # As the study will store it (JSON): tuples become lists, so a resumed spec compares equal.
     d = json.loads(json.dumps(d, default=str))
     try:
-        return ModelSpec(name=name, family=family, source=source, implementation="hf", hf_config=d,
-                         param_count=count, uniform_blocks=uniform, **shape)
+        return ModelSpec(
+            name=name,
+            family=family,
+            source=source,
+            implementation="hf",
+            hf_config=d,
+            param_count=count,
+            uniform_blocks=uniform,
+            **shape,
+        )
     except TypeError as e:
         raise SpecError(f"model {name}: {e}") from None
-
-

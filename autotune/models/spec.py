@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 from autotune.errors import SpecError
 
-
 Family = Literal["llama", "gpt2", "gpt_neox", "mpt"]
 Implementation = Literal["hf", "builtin", "factory"]
 IMPLEMENTATIONS = ("hf", "builtin", "factory")
@@ -70,23 +69,37 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
-            raise SpecError(f"model {self.name}: implementation must be one of "
-                            f"{', '.join(IMPLEMENTATIONS)}, got {self.implementation!r}")
+            raise SpecError(
+                f"model {self.name}: implementation must be one of "
+                f"{', '.join(IMPLEMENTATIONS)}, got {self.implementation!r}"
+            )
         if self.implementation == "factory" and ":" not in self.factory:
-            raise SpecError(f"model {self.name}: implementation factory needs factory="
-                            f"'package.module:function', got {self.factory!r}")
-        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                  "vocab_size", "max_seq_len"):
+            raise SpecError(
+                f"model {self.name}: implementation factory needs factory="
+                f"'package.module:function', got {self.factory!r}"
+            )
+        for f in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "max_seq_len",
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise SpecError(f"model {self.name}: {f} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
-            raise SpecError(f"model {self.name}: num_heads ({self.num_heads}) must be a multiple of "
-                            f"num_kv_heads ({self.num_kv_heads})")
+            raise SpecError(
+                f"model {self.name}: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
-                raise SpecError(f"model {self.name}: hidden_size {self.hidden_size} is not divisible "
-                                f"by num_heads {self.num_heads}")
+                raise SpecError(
+                    f"model {self.name}: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -158,9 +171,11 @@ class ModelSpec:
         from autotune.units import fmt_count
 
         kv = f", {self.num_kv_heads} kv heads" if self.num_kv_heads != self.num_heads else ""
-        return (f"{self.name}: {fmt_count(self.num_params)} params, {self.num_layers} layers, hidden "
-                f"{self.hidden_size}, {self.num_heads} heads{kv}, ffn {self.ffn_hidden_size}, "
-                f"vocab {self.vocab_size} ({self.family}; code: {self.code_name})")
+        return (
+            f"{self.name}: {fmt_count(self.num_params)} params, {self.num_layers} layers, hidden "
+            f"{self.hidden_size}, {self.num_heads} heads{kv}, ffn {self.ffn_hidden_size}, "
+            f"vocab {self.vocab_size} ({self.family}; code: {self.code_name})"
+        )
 
     @property
     def code_name(self) -> str:
@@ -187,12 +202,16 @@ class ModelSpec:
 #   gpt_neox:      modeling_gpt_neox.py - LayerNorm with bias, Linear with bias, rotary, untied embed_out.
 #   mpt:           modeling_mpt.py    - LayerNorm bias=False when no_bias (default True), ALiBi, tied.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(mlp="swiglu", norm="rmsnorm", norm_bias=False, linear_bias=False,
-                  position="rotary", tied_embeddings=False),
-    "gpt2": dict(mlp="gelu", norm="layernorm", norm_bias=True, linear_bias=True,
-                 position="learned", tied_embeddings=True),
-    "gpt_neox": dict(mlp="gelu", norm="layernorm", norm_bias=True, linear_bias=True,
-                     position="rotary", tied_embeddings=False),
-    "mpt": dict(mlp="gelu", norm="layernorm", norm_bias=False, linear_bias=False,
-                position="alibi", tied_embeddings=True),
+    "llama": dict(
+        mlp="swiglu", norm="rmsnorm", norm_bias=False, linear_bias=False, position="rotary", tied_embeddings=False
+    ),
+    "gpt2": dict(
+        mlp="gelu", norm="layernorm", norm_bias=True, linear_bias=True, position="learned", tied_embeddings=True
+    ),
+    "gpt_neox": dict(
+        mlp="gelu", norm="layernorm", norm_bias=True, linear_bias=True, position="rotary", tied_embeddings=False
+    ),
+    "mpt": dict(
+        mlp="gelu", norm="layernorm", norm_bias=False, linear_bias=False, position="alibi", tied_embeddings=True
+    ),
 }

@@ -59,10 +59,19 @@ class Option:
         return self.tokens_per_s * self.hours * 3600 / 1e6
 
     def to_json(self) -> dict:
-        return {"gpus": self.gpus, "tokens_per_s": self.tokens_per_s, "hours": self.hours,
-                "usd": self.usd, "usd_per_m_tokens": self.usd_per_m_tokens,
-                "usd_per_gpu_hour": self.price.usd_per_gpu_hour, "price_source": self.price.describe(),
-                "config": self.config.to_dict(), "simulated": True, "source": self.source, "pareto": self.pareto}
+        return {
+            "gpus": self.gpus,
+            "tokens_per_s": self.tokens_per_s,
+            "hours": self.hours,
+            "usd": self.usd,
+            "usd_per_m_tokens": self.usd_per_m_tokens,
+            "usd_per_gpu_hour": self.price.usd_per_gpu_hour,
+            "price_source": self.price.describe(),
+            "config": self.config.to_dict(),
+            "simulated": True,
+            "source": self.source,
+            "pareto": self.pareto,
+        }
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,9 @@ def plan_space(method: str | None, space: SearchSpace | None) -> SearchSpace:
     return SearchSpace(values={**base.values, "method": (method,)}, trial=base.trial, path=base.path, text=base.text)
 
 
-def best_config(model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len: int) -> tuple[TrainConfig, float] | str:
+def best_config(
+    model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len: int
+) -> tuple[TrainConfig, float] | str:
     """(the fastest fitting config, its simulated tokens/s over the cluster), or why there is none.
     The candidates, estimate, grouping and prior are the search's (module docstring)."""
     from autotune.memory import estimate
@@ -115,20 +126,37 @@ def best_config(model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len:
     heads = Plan(cands, lambda c: c.est.fits, speed_order(model)).available(set())
     if not heads:
         smallest = min(cands, key=lambda c: c.est.total_bytes)
-        return (f"nothing of {len(cands)} candidates fits: the smallest needs {smallest.est.total_bytes / 2**30:.1f} "
-                f"GiB per device of {smallest.est.capacity_bytes / 2**30:.1f}")
+        return (
+            f"nothing of {len(cands)} candidates fits: the smallest needs {smallest.est.total_bytes / 2**30:.1f} "
+            f"GiB per device of {smallest.est.capacity_bytes / 2**30:.1f}"
+        )
     prior = default_prior(model, cluster)
     best = max(heads, key=lambda c: prior(c.cfg))
     return best.cfg, prior(best.cfg) * best.cfg.seq_len
 
 
-def price_option(gpus: str, cluster: Cluster, cfg: TrainConfig, tokens_per_s: float, tokens: float,
-                 price: Price, source: str = "simulated") -> Option:
+def price_option(
+    gpus: str,
+    cluster: Cluster,
+    cfg: TrainConfig,
+    tokens_per_s: float,
+    tokens: float,
+    price: Price,
+    source: str = "simulated",
+) -> Option:
     """hours = tokens / tokens/s; usd = hours x GPUs x $/GPU-hour."""
     hours = tokens / tokens_per_s / 3600.0
-    return Option(gpus=gpus, gpu_type=cluster.gpu.name, num_gpus=cluster.world_size, config=cfg,
-                  tokens_per_s=tokens_per_s, hours=hours, usd=hours * cluster.world_size * price.usd_per_gpu_hour,
-                  price=price, source=source)
+    return Option(
+        gpus=gpus,
+        gpu_type=cluster.gpu.name,
+        num_gpus=cluster.world_size,
+        config=cfg,
+        tokens_per_s=tokens_per_s,
+        hours=hours,
+        usd=hours * cluster.world_size * price.usd_per_gpu_hour,
+        price=price,
+        source=source,
+    )
 
 
 def pareto_front(options: list[Option]) -> set[int]:
@@ -136,17 +164,31 @@ def pareto_front(options: list[Option]) -> set[int]:
     pair keeps the first)."""
     front = set()
     for i, a in enumerate(options):
-        dominated = any((b.hours <= a.hours and b.usd <= a.usd) and (b.hours < a.hours or b.usd < a.usd or j < i)
-                        for j, b in enumerate(options) if j != i)
+        dominated = any(
+            (b.hours <= a.hours and b.usd <= a.usd) and (b.hours < a.hours or b.usd < a.usd or j < i)
+            for j, b in enumerate(options)
+            if j != i
+        )
         if not dominated:
             front.add(i)
     return front
 
 
-def make_plan(model: ModelSpec, tokens: float, gpus: list[str], *, seq_len: int, method: str | None = None,
-              space: SearchSpace | None = None, prices: dict[str, Price], max_hours: float | None = None,
-              max_usd: float | None = None, by: str = "usd", calibration: dict[str, tuple[float, str]] | None = None,
-              progress=None) -> PlanResult:
+def make_plan(
+    model: ModelSpec,
+    tokens: float,
+    gpus: list[str],
+    *,
+    seq_len: int,
+    method: str | None = None,
+    space: SearchSpace | None = None,
+    prices: dict[str, Price],
+    max_hours: float | None = None,
+    max_usd: float | None = None,
+    by: str = "usd",
+    calibration: dict[str, tuple[float, str]] | None = None,
+    progress=None,
+) -> PlanResult:
     """Price every option of `gpus`, mark the hours-vs-dollars front, rank by `by`, apply the budgets.
     `calibration`: GPU type -> (factor, what it came from), multiplying that type's simulated tokens/s."""
     if not (tokens > 0 and math.isfinite(tokens)):
@@ -156,7 +198,7 @@ def make_plan(model: ModelSpec, tokens: float, gpus: list[str], *, seq_len: int,
     sp = plan_space(method, space)
     priced, unfit = [], []
     for text in gpus:
-        cluster = parse_gpus(text)           # an unknown type is a SpecError: exit 2 with the reason
+        cluster = parse_gpus(text)  # an unknown type is a SpecError: exit 2 with the reason
         if cluster.gpu.is_cpu:
             raise SpecError(f"--gpus {text}: CPU ranks have no cost model and no rental price; plan GPU types")
         price = prices.get(cluster.gpu.name)
@@ -186,20 +228,37 @@ def _with_front(o: Option, on: bool) -> Option:
     return replace(o, pareto=on)
 
 
-def _budgeted(priced: list[Option], unfit: list[Unfit], sp: SearchSpace, by: str, tokens: float,
-              max_hours: float | None, max_usd: float | None) -> PlanResult:
+def _budgeted(
+    priced: list[Option],
+    unfit: list[Unfit],
+    sp: SearchSpace,
+    by: str,
+    tokens: float,
+    max_hours: float | None,
+    max_usd: float | None,
+) -> PlanResult:
     """Rank and apply the budgets; a budget nothing meets is a SpecError naming the closest option."""
     if not priced:
         why = "; ".join(f"{u.gpus}: {u.reason}" for u in unfit) or "no options"
         raise SpecError(f"no GPU option can train this: {why}")
-    within = [o for o in priced if (max_hours is None or o.hours <= max_hours) and (max_usd is None or o.usd <= max_usd)]
+    within = [
+        o for o in priced if (max_hours is None or o.hours <= max_hours) and (max_usd is None or o.usd <= max_usd)
+    ]
     if not within:
         fastest, cheapest = min(priced, key=lambda o: o.hours), min(priced, key=lambda o: o.usd)
-        budget = " and ".join(b for b in (f"--max-hours {max_hours:g}" if max_hours is not None else "",
-                                          f"--max-usd {max_usd:g}" if max_usd is not None else "") if b)
-        raise SpecError(f"no option meets {budget}: the fastest, {fastest.gpus}, takes {fastest.hours:.3g} h "
-                        f"(${fastest.usd:,.0f}); the cheapest, {cheapest.gpus}, costs ${cheapest.usd:,.0f} "
-                        f"({cheapest.hours:.3g} h) (simulated)")
+        budget = " and ".join(
+            b
+            for b in (
+                f"--max-hours {max_hours:g}" if max_hours is not None else "",
+                f"--max-usd {max_usd:g}" if max_usd is not None else "",
+            )
+            if b
+        )
+        raise SpecError(
+            f"no option meets {budget}: the fastest, {fastest.gpus}, takes {fastest.hours:.3g} h "
+            f"(${fastest.usd:,.0f}); the cheapest, {cheapest.gpus}, costs ${cheapest.usd:,.0f} "
+            f"({cheapest.hours:.3g} h) (simulated)"
+        )
     over = [Unfit(o.gpus, f"over budget: {o.hours:.3g} h, ${o.usd:,.0f}") for o in priced if o not in within]
     key = (lambda o: (o.usd, o.hours)) if by == "usd" else (lambda o: (o.hours, o.usd))
     return PlanResult(sorted(within, key=key), unfit + over, sp.path, by, tokens)

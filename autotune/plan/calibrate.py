@@ -13,14 +13,16 @@ from autotune.errors import SpecError
 
 def study_factor(name: str) -> tuple[str, float, int]:
     """(GPU type, median measured / simulated tokens/s, runs used) of a measured study."""
-    from autotune.search import study as st
     from autotune.costmodel import simulate
+    from autotune.search import study as st
 
-    study = st.load_study(name)                  # an unknown study is a SpecError naming the known ones
+    study = st.load_study(name)  # an unknown study is a SpecError naming the known ones
     model, cluster, attrs = st.specs_of(study)
     if cluster.gpu.is_cpu:
-        raise SpecError(f"--calibrate {name}: its runs are on CPU ranks, which the cost model does not price; "
-                        f"calibrate from a study on a GPU type")
+        raise SpecError(
+            f"--calibrate {name}: its runs are on CPU ranks, which the cost model does not price; "
+            f"calibrate from a study on a GPU type"
+        )
     ratios = []
     for r in st.records(study):
         if r.status != "ok" or r.result is None or r.result.source != "measured" or not r.result.tokens_per_s:
@@ -28,8 +30,10 @@ def study_factor(name: str) -> tuple[str, float, int]:
         sim = simulate(model, cluster, r.config).samples_per_s * r.config.seq_len
         ratios.append(r.result.tokens_per_s / sim)
     if not ratios:
-        raise SpecError(f"--calibrate {name}: no measured run in it (source {attrs.get('source', '?')}): "
-                        f"a simulated study would only calibrate the cost model against itself")
+        raise SpecError(
+            f"--calibrate {name}: no measured run in it (source {attrs.get('source', '?')}): "
+            f"a simulated study would only calibrate the cost model against itself"
+        )
     return cluster.gpu.name, statistics.median(ratios), len(ratios)
 
 

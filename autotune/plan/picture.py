@@ -39,11 +39,23 @@ def draw_plan(points: list[PlanPoint], path: Path, model: str, tokens: float) ->
     if rest:
         ax.scatter([p.hours for p in rest], [p.usd for p in rest], color="C7", label=f"option (simulated): {len(rest)}")
     line = front(points)
-    ax.plot([p.hours for p in line], [p.usd for p in line], "-o", color="C0", zorder=3,
-            label=f"Pareto front, hours vs dollars (simulated): {len(line)}")
+    ax.plot(
+        [p.hours for p in line],
+        [p.usd for p in line],
+        "-o",
+        color="C0",
+        zorder=3,
+        label=f"Pareto front, hours vs dollars (simulated): {len(line)}",
+    )
     for p in points:
-        ax.annotate(p.gpus, (p.hours, p.usd), textcoords="offset points", xytext=(6, 6), fontsize=8,
-                    color="k" if p.pareto else "C7")
+        ax.annotate(
+            p.gpus,
+            (p.hours, p.usd),
+            textcoords="offset points",
+            xytext=(6, 6),
+            fontsize=8,
+            color="k" if p.pareto else "C7",
+        )
     # options 1-64 GPUs apart span decades: log axes; a few close ones: linear
     if max(p.hours for p in points) > 20 * min(p.hours for p in points):
         ax.set_xscale("log")

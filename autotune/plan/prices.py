@@ -12,8 +12,10 @@ import yaml
 
 from autotune.errors import SpecError
 
-NOTE = ("prices are inputs, not truths: on-demand list prices move every few weeks and differ by region and "
-        "commitment; override them with --price TYPE=USD or --prices FILE")
+NOTE = (
+    "prices are inputs, not truths: on-demand list prices move every few weeks and differ by region and "
+    "commitment; override them with --price TYPE=USD or --prices FILE"
+)
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,10 @@ def _table() -> dict:
 
 def offers(gpu_type: str) -> list[Price]:
     """Every listed offer for a GPU preset name, cheapest first."""
-    rows = [Price(float(r["usd_per_gpu_hour"]), f"{r['provider']} {r['offer']}", r["source"], str(r["read"]))
-            for r in _table().get(gpu_type, [])]
+    rows = [
+        Price(float(r["usd_per_gpu_hour"]), f"{r['provider']} {r['offer']}", r["source"], str(r["read"]))
+        for r in _table().get(gpu_type, [])
+    ]
     return sorted(rows, key=lambda p: p.usd_per_gpu_hour)
 
 
@@ -48,7 +52,7 @@ def default_prices() -> dict[str, Price]:
 def _type_name(text: str) -> str:
     from autotune.hardware import _lookup
 
-    return _lookup(text.strip())[0]       # an unknown type: SpecError naming the known ones
+    return _lookup(text.strip())[0]  # an unknown type: SpecError naming the known ones
 
 
 def _usd(text, where: str) -> float:
@@ -80,8 +84,10 @@ def load_prices_file(path: str) -> dict[str, Price]:
         raise SpecError(f"--prices {path}: not valid YAML ({e})") from None
     if not isinstance(doc, dict) or not doc:
         raise SpecError(f"--prices {path}: expected a mapping TYPE: USD per GPU-hour, e.g. 'H100: 2.49'")
-    return {_type_name(str(k)): Price(_usd(v, f"--prices {path}, {k}"), "--prices", f"{p.resolve()}: {k}: {v}")
-            for k, v in doc.items()}
+    return {
+        _type_name(str(k)): Price(_usd(v, f"--prices {path}, {k}"), "--prices", f"{p.resolve()}: {k}: {v}")
+        for k, v in doc.items()
+    }
 
 
 def prices_for(price_args: list[str] | None = None, prices_file: str | None = None) -> dict[str, Price]:

@@ -20,10 +20,18 @@ from autotune.train_config import STABILITY_RISKS, searched_fields
 from autotune.units import GiB
 
 # (column label, trials_frame column): numbers that come from the run, labelled with its source
-_MEASURED = (("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"), ("TFLOPS", "tflops"),
-             ("MFU %", "mfu_pct"))
-_RESULT = ("samples_per_s", "tokens_per_s", "tflops", "mfu", "step_time_s", "peak_bytes", "wall_s", "log_tail",
-           "implementation")
+_MEASURED = (("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"), ("TFLOPS", "tflops"), ("MFU %", "mfu_pct"))
+_RESULT = (
+    "samples_per_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "step_time_s",
+    "peak_bytes",
+    "wall_s",
+    "log_tail",
+    "implementation",
+)
 
 
 def _label(f) -> str:
@@ -37,13 +45,22 @@ def trials_frame(study: optuna.Study, recs: list[st.TrialRecord] | None = None) 
     rows = []
     for r in st.records(study) if recs is None else recs:
         res, est = r.result, r.estimate
-        rows.append({
-            "trial": r.number, "state": r.state.name, "status": r.status, "pruned_by": r.pruned_by,
-            "reason": r.reason, "source": r.source, **(r.config.to_dict() if r.config else {}),
-            **{k: getattr(res, k) if res else None for k in _RESULT},
-            "est_tensor_bytes": est.get("tensor_bytes"), "est_total_bytes": est.get("total_bytes"),
-            "capacity_bytes": est.get("capacity_bytes"), "dominant_term": est.get("dominant_term"),
-        })
+        rows.append(
+            {
+                "trial": r.number,
+                "state": r.state.name,
+                "status": r.status,
+                "pruned_by": r.pruned_by,
+                "reason": r.reason,
+                "source": r.source,
+                **(r.config.to_dict() if r.config else {}),
+                **{k: getattr(res, k) if res else None for k in _RESULT},
+                "est_tensor_bytes": est.get("tensor_bytes"),
+                "est_total_bytes": est.get("total_bytes"),
+                "capacity_bytes": est.get("capacity_bytes"),
+                "dominant_term": est.get("dominant_term"),
+            }
+        )
     df = pd.DataFrame(rows)
     if len(df):
         df["log_tail"] = df["log_tail"].fillna("")
@@ -61,9 +78,11 @@ def ranked(df: pd.DataFrame, top: int | None = None, objective: str = "samples")
     src = source_label(df) if len(df) else "measured"
     key = "tokens_per_s" if objective == "tokens" else "samples_per_s"
     ok = df[df["status"] == "ok"].sort_values(key, ascending=False, kind="stable") if len(df) else df
-    ok = ok.assign(mfu_pct=[None if pd.isna(v) else 100 * v for v in ok.get("mfu", [])],
-                   est_gib=[_gib(v) for v in ok.get("est_tensor_bytes", [])],
-                   peak_gib=[_gib(v) for v in ok.get("peak_bytes", [])])
+    ok = ok.assign(
+        mfu_pct=[None if pd.isna(v) else 100 * v for v in ok.get("mfu", [])],
+        est_gib=[_gib(v) for v in ok.get("est_tensor_bytes", [])],
+        peak_gib=[_gib(v) for v in ok.get("peak_bytes", [])],
+    )
     out = pd.DataFrame({"rank": range(1, len(ok) + 1), "trial": ok.get("trial", pd.Series(dtype=int)).to_numpy()})
 
     def number(col):  # None -> NaN, so every format prints a missing value the same way
@@ -97,10 +116,14 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {"pruned": {}, "failed": {}, "interrupted": {}}
     # plain tuples, not iterrows: a large space prunes tens of thousands of candidates
     for by, term, why in zip(pruned["pruned_by"], pruned["dominant_term"], pruned["reason"]):
-        key = (f"memory model: does not fit (largest term {term})" if by == "memory"
-               else {"dominated": "dominated: more checkpointing, offload or smaller buckets than needed to fit",
-                     "oom-implied": "implied out of memory: a smaller micro batch already ran out"}
-               .get(by, f"{by}: {why}"))
+        key = (
+            f"memory model: does not fit (largest term {term})"
+            if by == "memory"
+            else {
+                "dominated": "dominated: more checkpointing, offload or smaller buckets than needed to fit",
+                "oom-implied": "implied out of memory: a smaller micro batch already ran out",
+            }.get(by, f"{by}: {why}")
+        )
         out["pruned"][key] = out["pruned"].get(key, 0) + 1
     for status, why in zip(failed["status"], failed["reason"]):
         reason = (why or "").strip().splitlines()[0][:120] if why else ""
@@ -119,11 +142,17 @@ def header(study: optuna.Study) -> list[str]:
     model, cluster, a = st.specs_of(study)
     gb = a.get("global_batch")
     seqs = parse_space(a["space_text"], a["space_path"]).values["seq_len"] if a.get("space_text") else ("auto",)
-    seq = f"seq len {a['seq_len']}" if seqs == ("auto",) else \
-        "seq len searched: " + ", ".join(str(a["seq_len"] if s == "auto" else s) for s in seqs)
-    return [f"study {study.study_name}: {model.describe()}",
-            f"on {cluster.describe()}, {seq}" + (f", global batch {gb}" if gb else "")
-            + f"; results {a.get('source', 'measured')}; ranked by {objective(study)}/s"]
+    seq = (
+        f"seq len {a['seq_len']}"
+        if seqs == ("auto",)
+        else "seq len searched: " + ", ".join(str(a["seq_len"] if s == "auto" else s) for s in seqs)
+    )
+    return [
+        f"study {study.study_name}: {model.describe()}",
+        f"on {cluster.describe()}, {seq}"
+        + (f", global batch {gb}" if gb else "")
+        + f"; results {a.get('source', 'measured')}; ranked by {objective(study)}/s",
+    ]
 
 
 def _fmt(v) -> str:
@@ -141,8 +170,13 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def render(study: optuna.Study, fmt: str = "table", top: int | None = None, title: bool = True,
-           recs: list[st.TrialRecord] | None = None) -> str:
+def render(
+    study: optuna.Study,
+    fmt: str = "table",
+    top: int | None = None,
+    title: bool = True,
+    recs: list[st.TrialRecord] | None = None,
+) -> str:
     df = trials_frame(study, recs)
     table = ranked(df, top, objective(study))
     counts = outcome_counts(df) if len(df) else {"pruned": {}, "failed": {}, "interrupted": {}}
@@ -150,23 +184,34 @@ def render(study: optuna.Study, fmt: str = "table", top: int | None = None, titl
         return table.to_csv(index=False)
     if fmt == "json":
         ranked_rows = json.loads(table.to_json(orient="records", double_precision=15))
-        return json.dumps({"study": study.study_name, "source": source_label(df) if len(df) else None,
-                           "implementation": st.specs_of(study)[0].code_name,
-                           "ranked": ranked_rows, **counts,
-                           "memory_correction": study.user_attrs.get("memory_correction"),
-                           "stopping": study.user_attrs.get("stopping")}, indent=1) + "\n"
+        return (
+            json.dumps(
+                {
+                    "study": study.study_name,
+                    "source": source_label(df) if len(df) else None,
+                    "implementation": st.specs_of(study)[0].code_name,
+                    "ranked": ranked_rows,
+                    **counts,
+                    "memory_correction": study.user_attrs.get("memory_correction"),
+                    "stopping": study.user_attrs.get("stopping"),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     lines = header(study)
     if fmt == "markdown":
         # title=False: report_page writes the title and the winner above the table
         lines = ([f"# {lines[0]}", "", lines[1], ""] if title else []) + [
-            markdown_table(table) if len(table) else "_no successful run_"]
+            markdown_table(table) if len(table) else "_no successful run_"
+        ]
     else:
         lines += ["", table.map(_fmt).to_string(index=False) if len(table) else "no successful run yet"]
     corr = correction_line(study)
     if corr:
         lines += ["", corr]
     stop = (study.user_attrs.get("stopping") or {}).get("line")
-    if stop:   # the stopping rule's verdict when it ended the search (autotune/search/stopping.py)
+    if stop:  # the stopping rule's verdict when it ended the search (autotune/search/stopping.py)
         lines += ["", f"stopped: {stop}"]
     lines += risk_lines(df, table, fmt)
     for kind in ("pruned", "failed", "interrupted"):
@@ -201,15 +246,18 @@ def correction_line(study: optuna.Study) -> str:
     def pct(x):
         return "-" if x is None else f"{100 * x:.2f}%"
 
-    return (f"memory model correction: x{c['factor']:.3f} on the estimated tensor peak, from "
-            f"{c['measured_trials']} measured and {c['oom_trials']} out-of-memory trials; "
-            f"|estimated/measured - 1| median {pct(c['median_abs_error_before'])} -> "
-            f"{pct(c['median_abs_error_after'])}, max {pct(c['max_abs_error_before'])} -> "
-            f"{pct(c['max_abs_error_after'])}")
+    return (
+        f"memory model correction: x{c['factor']:.3f} on the estimated tensor peak, from "
+        f"{c['measured_trials']} measured and {c['oom_trials']} out-of-memory trials; "
+        f"|estimated/measured - 1| median {pct(c['median_abs_error_before'])} -> "
+        f"{pct(c['median_abs_error_after'])}, max {pct(c['max_abs_error_before'])} -> "
+        f"{pct(c['max_abs_error_after'])}"
+    )
 
 
-def write_outputs(study: optuna.Study, out_dir: Path | None = None,
-                  recs: list[st.TrialRecord] | None = None) -> list[Path]:
+def write_outputs(
+    study: optuna.Study, out_dir: Path | None = None, recs: list[st.TrialRecord] | None = None
+) -> list[Path]:
     """trials/<study>/report.md, report.html, trials.csv, the three pictures of report_pictures,
     throughput.png, memory.png. The study's records are read once (`recs`, or here) for all of them."""
     from autotune.report import page as report_page
@@ -222,8 +270,15 @@ def write_outputs(study: optuna.Study, out_dir: Path | None = None,
     csv = out_dir / "trials.csv"
     csv.write_text(df.drop(columns=["log_tail"], errors="ignore").to_csv(index=False))
     pics, drawn = report_pictures.write_pictures(study, out_dir, recs)
-    plots = [p for p in (report_pictures.plot_throughput(df, out_dir / "throughput.png"),
-                         report_pictures.plot_memory(df, out_dir / "memory.png")) if p is not None]
-    pages = report_page.write_page(study, out_dir, pics, drawn + plots, header(study),
-                                   render(study, "markdown", title=False, recs=recs), recs)
+    plots = [
+        p
+        for p in (
+            report_pictures.plot_throughput(df, out_dir / "throughput.png"),
+            report_pictures.plot_memory(df, out_dir / "memory.png"),
+        )
+        if p is not None
+    ]
+    pages = report_page.write_page(
+        study, out_dir, pics, drawn + plots, header(study), render(study, "markdown", title=False, recs=recs), recs
+    )
     return pages[:1] + [csv] + pages[1:] + drawn + plots

@@ -12,13 +12,12 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.search import study as st
-from autotune.deepspeed_config import ADAMW
-from autotune.deepspeed_config import deepspeed_config
-from autotune.hardware import Cluster
+from autotune.deepspeed_config import ADAMW, deepspeed_config
 from autotune.errors import SpecError
+from autotune.hardware import Cluster
 from autotune.models import ModelSpec
 from autotune.models.hf_config import default_attention
+from autotune.search import study as st
 from autotune.train_config import TrainConfig
 
 
@@ -27,8 +26,10 @@ def pick_trial(study: optuna.Study, number: int | None = None) -> FrozenTrial:
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     if number is None:
         if not done:
-            raise SpecError(f"study {study.study_name!r} has no successful run to export yet "
-                            f"(`autotune report --study {study.study_name}` shows why)")
+            raise SpecError(
+                f"study {study.study_name!r} has no successful run to export yet "
+                f"(`autotune report --study {study.study_name}` shows why)"
+            )
         return max(done, key=lambda t: (t.value, -t.number))
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     if number not in trials:
@@ -38,13 +39,16 @@ def pick_trial(study: optuna.Study, number: int | None = None) -> FrozenTrial:
         r = st.record_of(t)
         why = r.reason or r.status
         ok = ", ".join(str(d.number) for d in sorted(done, key=lambda d: -d.value)[:5])
-        raise SpecError(f"trial {number} did not run successfully ({t.state.name.lower()}: {why}); "
-                        f"export a completed one{' (fastest: ' + ok + ')' if ok else ''}")
+        raise SpecError(
+            f"trial {number} did not run successfully ({t.state.name.lower()}: {why}); "
+            f"export a completed one{' (fastest: ' + ok + ')' if ok else ''}"
+        )
     return t
 
 
-def export(study: optuna.Study, out: Path, number: int | None = None,
-           accelerate_config: Path | None = None) -> tuple[FrozenTrial, TrainConfig, str]:
+def export(
+    study: optuna.Study, out: Path, number: int | None = None, accelerate_config: Path | None = None
+) -> tuple[FrozenTrial, TrainConfig, str]:
     """Write the DeepSpeed JSON of the chosen trial to `out` (and, given `accelerate_config`, an
     `accelerate launch` config file that points at it); return the trial, its config, and usage text."""
     trial = pick_trial(study, number)
@@ -56,8 +60,10 @@ def export(study: optuna.Study, out: Path, number: int | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(ds, indent=2) + "\n")
     source = record.source or "measured"
-    head = (f"wrote {out}: trial {trial.number} of study {study.study_name} ({cfg.short()}), "
-            f"{trial.value:.4g} samples/s ({source}, model code {model.code_name})")
+    head = (
+        f"wrote {out}: trial {trial.number} of study {study.study_name} ({cfg.short()}), "
+        f"{trial.value:.4g} samples/s ({source}, model code {model.code_name})"
+    )
     if cfg.method != "full":
         lora_path = lora_config_path(out)
         lora_path.write_text(lora_config_json(model, cfg))
@@ -84,9 +90,11 @@ def lora_config_json(model: ModelSpec, cfg: TrainConfig) -> str:
     from autotune.impl.lora import lora_config_dict, target_modules
 
     base = impl_for(model)
-    depth = 1 if model.uniform_blocks else None   # a stack of mixed layers: all of them
+    depth = 1 if model.uniform_blocks else None  # a stack of mixed layers: all of them
     with torch.device("meta"):
-        layers = base.layers(base.build(model, dtype=torch.bfloat16, attention=default_attention(model), num_layers=depth))
+        layers = base.layers(
+            base.build(model, dtype=torch.bfloat16, attention=default_attention(model), num_layers=depth)
+        )
     return json.dumps(lora_config_dict(cfg, target_modules(cfg, layers)), indent=2) + "\n"
 
 
@@ -94,19 +102,27 @@ def _lora_lines(cfg: TrainConfig, path: Path) -> list[str]:
     """How the trials applied the adapters, for the Trainer + peft."""
     if cfg.method == "full":
         return []
-    lines = [f"LoRA ({cfg.method}, rank {cfg.lora_rank}, targets {cfg.lora_targets}): the trials ran peft on the "
-             "model before the Trainer:",
-             "  import json; from peft import LoraConfig, get_peft_model"]
+    lines = [
+        f"LoRA ({cfg.method}, rank {cfg.lora_rank}, targets {cfg.lora_targets}): the trials ran peft on the "
+        "model before the Trainer:",
+        "  import json; from peft import LoraConfig, get_peft_model",
+    ]
     if cfg.method == "qlora":
-        lines += ["  from transformers import BitsAndBytesConfig",
-                  "  bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\", "
-                  f"bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.{'float16' if cfg.precision == 'fp16' else 'bfloat16'})",
-                  "  model = AutoModelForCausalLM.from_pretrained(NAME, quantization_config=bnb)",
-                  "  (estimated and simulated only: autotune runs no 4-bit trial without a GPU)"]
-    lines += [f"  model = get_peft_model(model, LoraConfig(**json.load(open(\"{lora_config_path(path)}\"))), "
-              "autocast_adapter_dtype=False)"]
+        lines += [
+            "  from transformers import BitsAndBytesConfig",
+            '  bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
+            f"bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.{'float16' if cfg.precision == 'fp16' else 'bfloat16'})",
+            "  model = AutoModelForCausalLM.from_pretrained(NAME, quantization_config=bnb)",
+            "  (estimated and simulated only: autotune runs no 4-bit trial without a GPU)",
+        ]
+    lines += [
+        f'  model = get_peft_model(model, LoraConfig(**json.load(open("{lora_config_path(path)}"))), '
+        "autocast_adapter_dtype=False)"
+    ]
     if cfg.ckpt_layers:
-        lines.append("  model.enable_input_require_grads()  # with checkpointing: the frozen embedding's output needs grad")
+        lines.append(
+            "  model.enable_input_require_grads()  # with checkpointing: the frozen embedding's output needs grad"
+        )
     lines.append("  Trainer(model=model, args=TrainingArguments(deepspeed=..., as above), train_dataset=...).train()")
     return lines
 
@@ -131,26 +147,45 @@ def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) ->
     import yaml
 
     ds: dict = {"deepspeed_config_file": str(Path(ds_path).resolve()), "zero3_init_flag": cfg.zero_stage == 3}
-    conf: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "deepspeed_config": ds,
-                  "num_machines": cluster.num_nodes, "num_processes": cluster.world_size, "machine_rank": 0,
-                  "rdzv_backend": "static", "same_network": True, "main_training_function": "main",
-                  "use_cpu": cluster.gpu.is_cpu, "debug": False}
+    conf: dict = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": ds,
+        "num_machines": cluster.num_nodes,
+        "num_processes": cluster.world_size,
+        "machine_rank": 0,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "main_training_function": "main",
+        "use_cpu": cluster.gpu.is_cpu,
+        "debug": False,
+    }
     if cluster.num_nodes > 1:
         ds["deepspeed_multinode_launcher"] = "standard"
         conf.update(main_process_ip="MAIN_NODE_IP", main_process_port=29500)
     if cfg.sequence_parallel_size > 1:
         conf["parallelism_config"] = parallelism_config_yaml(cfg, cluster)
     prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[cfg.precision]
-    head = (f"# autotune export: {cfg.short()} on {cluster.world_size} ranks"
-            + (f", tensor parallel {cfg.autotp_size}" if cfg.autotp_size > 1 else "")
-            + (f", sequence parallel {cfg.sequence_parallel_size}" if cfg.sequence_parallel_size > 1 else "") + "\n"
-            f"# precision ({prec}) comes from the DeepSpeed JSON: accelerate refuses mixed_precision here\n"
-            + ("# on every node: set main_process_ip to the first node's address and machine_rank to the "
-               "node's index\n" if cluster.num_nodes > 1 else "")
-            + ("# deepcompile: this file cannot turn it on (accelerate launch exports no dynamo setting for "
-               "DeepSpeed); the script must: TrainingArguments(torch_compile=True), "
-               "Accelerator(dynamo_backend=\"inductor\") or engine.compile()\n" if cfg.deepcompile else "")
-            + "# accelerate launch --config_file THIS_FILE train.py\n")
+    head = (
+        f"# autotune export: {cfg.short()} on {cluster.world_size} ranks"
+        + (f", tensor parallel {cfg.autotp_size}" if cfg.autotp_size > 1 else "")
+        + (f", sequence parallel {cfg.sequence_parallel_size}" if cfg.sequence_parallel_size > 1 else "")
+        + "\n"
+        f"# precision ({prec}) comes from the DeepSpeed JSON: accelerate refuses mixed_precision here\n"
+        + (
+            "# on every node: set main_process_ip to the first node's address and machine_rank to the node's index\n"
+            if cluster.num_nodes > 1
+            else ""
+        )
+        + (
+            "# deepcompile: this file cannot turn it on (accelerate launch exports no dynamo setting for "
+            "DeepSpeed); the script must: TrainingArguments(torch_compile=True), "
+            'Accelerator(dynamo_backend="inductor") or engine.compile()\n'
+            if cfg.deepcompile
+            else ""
+        )
+        + "# accelerate launch --config_file THIS_FILE train.py\n"
+    )
     return head + yaml.safe_dump(conf, sort_keys=False)
 
 
@@ -168,10 +203,13 @@ def parallelism_config_yaml(cfg: TrainConfig, cluster: Cluster) -> dict:
     refused without FSDP2; the file's section is not (the check runs before the file is read)."""
     sp = cfg.sequence_parallel_size
     p = "parallelism_config_"
-    return {p + "sp_backend": "deepspeed", p + "sp_size": sp,
-            p + "dp_shard_size": cluster.world_size // (cfg.autotp_size * sp),
-            p + "sp_seq_length_is_variable": True,
-            p + "sp_attn_implementation": cfg.attention}
+    return {
+        p + "sp_backend": "deepspeed",
+        p + "sp_size": sp,
+        p + "dp_shard_size": cluster.world_size // (cfg.autotp_size * sp),
+        p + "sp_seq_length_is_variable": True,
+        p + "sp_attn_implementation": cfg.attention,
+    }
 
 
 def parallelism_config_code(cfg: TrainConfig, cluster: Cluster) -> list[str]:
@@ -183,11 +221,13 @@ def parallelism_config_code(cfg: TrainConfig, cluster: Cluster) -> list[str]:
     attention implementation."""
     y = parallelism_config_yaml(cfg, cluster)
     p = "parallelism_config_"
-    return ["from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig",
-            f"parallelism_config = ParallelismConfig(sp_backend=\"deepspeed\", sp_size={y[p + 'sp_size']}, "
-            f"dp_shard_size={y[p + 'dp_shard_size']}, sp_handler=DeepSpeedSequenceParallelConfig("
-            "sp_seq_length_is_variable=True, "
-            f"sp_attn_implementation=\"{y[p + 'sp_attn_implementation']}\"))"]
+    return [
+        "from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig",
+        f'parallelism_config = ParallelismConfig(sp_backend="deepspeed", sp_size={y[p + "sp_size"]}, '
+        f"dp_shard_size={y[p + 'dp_shard_size']}, sp_handler=DeepSpeedSequenceParallelConfig("
+        "sp_seq_length_is_variable=True, "
+        f'sp_attn_implementation="{y[p + "sp_attn_implementation"]}"))',
+    ]
 
 
 def _sp_lines(cfg: TrainConfig, cluster: Cluster, accelerate_config: Path | None) -> list[str]:
@@ -198,7 +238,7 @@ def _sp_lines(cfg: TrainConfig, cluster: Cluster, accelerate_config: Path | None
     dp = cluster.world_size // (cfg.autotp_size * sp)
     lines = [
         f"Sequence parallelism (Ulysses {sp}, dp = {cluster.world_size} / {sp} = {dp}): the JSON's "
-        f"\"sequence_parallel_size\": {sp} sets DeepSpeed's batch arithmetic; the Trainer takes Ulysses from "
+        f'"sequence_parallel_size": {sp} sets DeepSpeed\'s batch arithmetic; the Trainer takes Ulysses from '
         "Accelerate's ParallelismConfig (accelerate >= 1.12):",
         *("  " + line for line in parallelism_config_code(cfg, cluster)),
         "  TrainingArguments(..., as above, parallelism_config=parallelism_config)",
@@ -208,7 +248,7 @@ def _sp_lines(cfg: TrainConfig, cluster: Cluster, accelerate_config: Path | None
         "  the Trainer weights each rank's loss by its tokens (transformers integrations/deepspeed.py "
         "deepspeed_sp_compute_loss).",
         f"  Each batch must carry position_ids (UlyssesSPDataLoaderAdapter refuses one without them) and a length "
-        f"that {sp} divides; load the model with attn_implementation=\"{cfg.attention}\".",
+        f'that {sp} divides; load the model with attn_implementation="{cfg.attention}".',
         f"  dp_shard_size={dp}: accelerate rewrites train_batch_size as micro x grad accum x dp_replicate x dp_shard "
         "(accelerator.py _prepare_deepspeed), which DeepSpeed checks against world / sp.",
         f"  Global batch = per_device_train_batch_size x dp x gradient_accumulation_steps = "
@@ -216,16 +256,19 @@ def _sp_lines(cfg: TrainConfig, cluster: Cluster, accelerate_config: Path | None
         f"{cfg.seq_len} tokens (the {sp} ranks of a group share each sequence).",
     ]
     if accelerate_config is not None:
-        lines.append(f"  {accelerate_config} carries the same settings (parallelism_config section): a script whose "
-                     "Accelerator or Trainer gets no parallelism_config takes them from accelerate launch.")
+        lines.append(
+            f"  {accelerate_config} carries the same settings (parallelism_config section): a script whose "
+            "Accelerator or Trainer gets no parallelism_config takes them from accelerate launch."
+        )
     lines.append(
         "  With deepspeed.initialize yourself (as the trials do): mpu = deepspeed.runtime.sequence_parallel.ulysses_sp."
         f"UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="
-        f"\"{cfg.attention}\", sequence_parallel_size={sp}, micro_batch_size={cfg.micro_batch}, "
+        f'"{cfg.attention}", sequence_parallel_size={sp}, micro_batch_size={cfg.micro_batch}, '
         "seq_length_is_variable=True) before deepspeed.initialize(..., mpu=mpu); wrap the data loader in "
         "UlyssesSPDataLoaderAdapter(dl, sp_rank=mpu.get_sequence_parallel_rank(), sp_group=mpu.get_sequence_parallel_group(), "
         "sp_world_size=mpu.get_sequence_parallel_world_size(), device=...), and weight each rank's loss by its share "
-        "of the group's labelled tokens.")
+        "of the group's labelled tokens."
+    )
     return lines
 
 
@@ -247,20 +290,20 @@ def _compile_lines(cfg: TrainConfig, accelerate_config: Path | None) -> list[str
     if not cfg.deepcompile:
         return []
     lines = [
-        "DeepCompile (\"compile\": {\"deepcompile\": true}): the JSON alone does not turn it on. DeepSpeed compiles only "
-        "when engine.compile() is called; until then it logs \"DeepCompile is enabled but engine.compile() has not been "
-        "called; executing without DeepCompile\" and trains uncompiled.",
+        'DeepCompile ("compile": {"deepcompile": true}): the JSON alone does not turn it on. DeepSpeed compiles only '
+        'when engine.compile() is called; until then it logs "DeepCompile is enabled but engine.compile() has not been '
+        'called; executing without DeepCompile" and trains uncompiled.',
         "  With deepspeed.initialize yourself (as the trials do): engine, optimizer, _, _ = deepspeed.initialize(...), "
         "then engine.compile() before the first forward (its default backend on CUDA is inductor).",
         "  Hugging Face Trainer: TrainingArguments(..., as above, torch_compile=True). The Trainer hands accelerate "
-        "a TorchDynamoPlugin with torch_compile_backend (default \"inductor\"), and accelerate calls "
-        "engine.compile(backend=\"inductor\", ...) right after deepspeed.initialize (accelerator.py _prepare_deepspeed). "
+        'a TorchDynamoPlugin with torch_compile_backend (default "inductor"), and accelerate calls '
+        'engine.compile(backend="inductor", ...) right after deepspeed.initialize (accelerator.py _prepare_deepspeed). '
         "Without torch_compile=True (and no ACCELERATE_DYNAMO_BACKEND in the environment) the Trainer does not call "
         "it, and trains without DeepCompile.",
-        "  Keep torch_compile_backend \"inductor\" or \"eager\" (DeepCompile refuses any other) and regional compilation "
+        '  Keep torch_compile_backend "inductor" or "eager" (DeepCompile refuses any other) and regional compilation '
         "off (no ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true): with it accelerate compiles the blocks itself "
         "and never calls engine.compile().",
-        "  accelerate without the Trainer: Accelerator(dynamo_backend=\"inductor\") (or ACCELERATE_DYNAMO_BACKEND=inductor "
+        '  accelerate without the Trainer: Accelerator(dynamo_backend="inductor") (or ACCELERATE_DYNAMO_BACKEND=inductor '
         "in the ranks' environment, which accelerate launch passes on); accelerator.prepare(...) then calls "
         "engine.compile() the same way.",
         "  accelerate launch does not call it: a dynamo_config section in an accelerate config file does not reach a "
@@ -281,7 +324,7 @@ def _tp_lines(cfg: TrainConfig, cluster: Cluster) -> list[str]:
     dp = cluster.world_size // tp
     return [
         f"Tensor parallelism (AutoTP {tp}, dp = {cluster.world_size} / {tp} = {dp}): the JSON's "
-        f"\"tensor_parallel\": {{\"autotp_size\": {tp}}} is all the Trainer needs.",
+        f'"tensor_parallel": {{"autotp_size": {tp}}} is all the Trainer needs.',
         f"  The Trainer shards the model itself (transformers integrations/deepspeed.py deepspeed_init: "
         f"deepspeed.tp_model_init(model, tp_size={tp}, ...) before deepspeed.initialize), and accelerate gives",
         f"  the {tp} ranks of a tp group the same batches (data_loader.py prepare_data_loader: process index // {tp}).",
@@ -295,24 +338,30 @@ def _tp_lines(cfg: TrainConfig, cluster: Cluster) -> list[str]:
     ]
 
 
-def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path,
-          accelerate_config: Path | None = None) -> str:
+def usage(
+    cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path, accelerate_config: Path | None = None
+) -> str:
     nodes = f" --num_nodes {cluster.num_nodes} --hostfile HOSTFILE" if cluster.num_nodes > 1 else ""
     prec = {"bf16": ", bf16=True", "fp16": ", fp16=True", "fp32": ""}[cfg.precision]
     # The Trainer refuses a DeepSpeed config whose optimizer values differ from its own arguments
     # (transformers/integrations/deepspeed.py, trainer_config_process: fill_match on lr, betas,
     # eps, weight_decay, gradient_clipping), so the arguments repeat the JSON's values.
-    opt = (f", learning_rate={ADAMW['lr']}, adam_beta1={ADAMW['betas'][0]}, adam_beta2={ADAMW['betas'][1]}, "
-           f"adam_epsilon={ADAMW['eps']}, weight_decay={ADAMW['weight_decay']}, max_grad_norm=1.0")
+    opt = (
+        f", learning_rate={ADAMW['lr']}, adam_beta1={ADAMW['betas'][0]}, adam_beta2={ADAMW['betas'][1]}, "
+        f"adam_epsilon={ADAMW['eps']}, weight_decay={ADAMW['weight_decay']}, max_grad_norm=1.0"
+    )
     full = cfg.ckpt_layers >= model.num_layers
     lines = [
         "Use it with the DeepSpeed launcher:",
         f"  deepspeed --num_gpus {cluster.gpus_per_node}{nodes} train.py --deepspeed_config {path}",
         "  (train.py: engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, "
-        + ("model_parameters=model.parameters()))" if cfg.method == "full" else
-           "model_parameters=[p for p in model.parameters() if p.requires_grad]))"),
+        + (
+            "model_parameters=model.parameters()))"
+            if cfg.method == "full"
+            else "model_parameters=[p for p in model.parameters() if p.requires_grad]))"
+        ),
         "or with the Hugging Face Trainer:",
-        f"  TrainingArguments(deepspeed=\"{path}\", per_device_train_batch_size={cfg.micro_batch}, "
+        f'  TrainingArguments(deepspeed="{path}", per_device_train_batch_size={cfg.micro_batch}, '
         f"gradient_accumulation_steps={cfg.grad_accum}, gradient_checkpointing={full}{prec}{opt})",
         f"  (transformers >= 5 names it activation_checkpointing; seq len {cfg.seq_len})",
     ]
@@ -324,9 +373,11 @@ def usage(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path,
     lines += _ckpt_lines(cfg, model)
     lines += _lora_lines(cfg, path)
     if cfg.optimizer == "adamw8bit":
-        lines.append("Optimizer: 8-bit AdamW is not a DeepSpeed config type: pass bitsandbytes.optim.AdamW8bit("
-                     "model.parameters(), ...) as deepspeed.initialize(optimizer=...) / "
-                     "Trainer(optim='adamw_bnb_8bit').")
+        lines.append(
+            "Optimizer: 8-bit AdamW is not a DeepSpeed config type: pass bitsandbytes.optim.AdamW8bit("
+            "model.parameters(), ...) as deepspeed.initialize(optimizer=...) / "
+            "Trainer(optim='adamw_bnb_8bit')."
+        )
     return "\n".join(lines)
 
 
@@ -341,22 +392,28 @@ def _ckpt_lines(cfg: TrainConfig, model: ModelSpec) -> list[str]:
         return ["Activation checkpointing: none (every layer keeps its activations)."]
     if k >= layers:
         return [f"Activation checkpointing: all {layers} layers (gradient_checkpointing=True above)."]
-    head = (f"Activation checkpointing: the first {k} of {layers} layers only. The Trainer's flag covers all "
-            "layers, so keep it False and before training:")
+    head = (
+        f"Activation checkpointing: the first {k} of {layers} layers only. The Trainer's flag covers all "
+        "layers, so keep it False and before training:"
+    )
     if model.implementation == "hf":
         where = _HF_LAYERS.get(model.model_type, "model.model.layers")
-        return [head,
-                "  from autotune.impl.hf import checkpoint_first_layers",
-                f"  checkpoint_first_layers(model, {k})",
-                "  (what the trials ran; the same as transformers' own mechanism by hand:",
-                '  model.activation_checkpointing_enable({"use_reentrant": False})',
-                f"  for layer in {where}[{k}:]:",
-                "      layer.gradient_checkpointing = False",
-                "  GradientCheckpointingLayer checkpoints a layer only while its flag is set)"]
+        return [
+            head,
+            "  from autotune.impl.hf import checkpoint_first_layers",
+            f"  checkpoint_first_layers(model, {k})",
+            "  (what the trials ran; the same as transformers' own mechanism by hand:",
+            '  model.activation_checkpointing_enable({"use_reentrant": False})',
+            f"  for layer in {where}[{k}:]:",
+            "      layer.gradient_checkpointing = False",
+            "  GradientCheckpointingLayer checkpoints a layer only while its flag is set)",
+        ]
     if model.implementation == "factory":
-        return [f"Activation checkpointing: the first {k} of {layers} layers, as the trials ran it: each of the "
-                f"first {k} decoder layers' forward under torch.utils.checkpoint.checkpoint(..., use_reentrant=False)",
-                f"  (autotune.impl.impl_for(spec).checkpoint_first(model, {k}) does it for your module)"]
+        return [
+            f"Activation checkpointing: the first {k} of {layers} layers, as the trials ran it: each of the "
+            f"first {k} decoder layers' forward under torch.utils.checkpoint.checkpoint(..., use_reentrant=False)",
+            f"  (autotune.impl.impl_for(spec).checkpoint_first(model, {k}) does it for your module)",
+        ]
     return [
         head,
         '  model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',

@@ -14,16 +14,16 @@ import re
 from pathlib import Path
 
 from autotune import memory as mem
-from autotune.search import study as st
 from autotune.errors import SpecError
 from autotune.report.pictures import Pictures
+from autotune.search import study as st
 from autotune.units import GiB
 
 CAPTIONS = {
     "memory_terms": "Where the memory goes: the peak per device split into its terms, per ranked run and "
-                    "for each ZeRO stage's pruned candidate closest to fitting.",
+    "for each ZeRO stage's pruned candidate closest to fitting.",
     "frontier": "Every decided candidate: throughput against estimated peak memory; pruned candidates at the "
-                "cost model's throughput (hollow: never run).",
+    "cost model's throughput (hollow: never run).",
     "step_time": "Where the step goes: compute, recompute, exposed communication, optimizer.",
 }
 
@@ -41,27 +41,39 @@ def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
     recs = {r.number: r for r in (st.records(study) if recs is None else recs)}
     win, speed = recs[runs[0].trial], {f.trial: f.throughput for f in p.frontier}
     c, s = win.config, speed[win.number]
-    line1 = (f"**Winner #{win.number}**: ZeRO {c.zero_stage}, micro batch {c.micro_batch}, grad accum "
-             f"{c.grad_accum}, {c.ckpt_layers} checkpointed layers, {c.precision}, seq len {c.seq_len}: "
-             f"{s:.4g} {p.objective}/s ({p.source}; the study ranks by {p.objective}/s)")
+    line1 = (
+        f"**Winner #{win.number}**: ZeRO {c.zero_stage}, micro batch {c.micro_batch}, grad accum "
+        f"{c.grad_accum}, {c.ckpt_layers} checkpointed layers, {c.precision}, seq len {c.seq_len}: "
+        f"{s:.4g} {p.objective}/s ({p.source}; the study ranks by {p.objective}/s)"
+    )
     if len(runs) > 1:
         s2 = speed[runs[1].trial]
-        line1 += f", {100 * (s / s2 - 1):.1f}% faster than #{runs[1].trial} ({s2:.4g})" + within_noise(s / s2 - 1, win.result)
+        line1 += f", {100 * (s / s2 - 1):.1f}% faster than #{runs[1].trial} ({s2:.4g})" + within_noise(
+            s / s2 - 1, win.result
+        )
     t = next((b for b in p.time if b.trial == win.number), None)
     if t and len(t.parts) > 1:
         share = ", ".join(f"{k} {100 * v / t.step_time_s:.0f}%" for k, v in t.parts.items() if v > 0)
         line1 += f"; its step: {share} ({t.source})"
     b = runs[0]
-    line2 = (f"**Memory**: peak {_gib(b.total_bytes)} of {_gib(b.capacity_bytes)} "
-             f"({100 * b.total_bytes / b.capacity_bytes:.1f}%, headroom {_gib(b.capacity_bytes - b.total_bytes)}) "
-             f"in {b.phase}, largest: {max(b.groups, key=b.groups.get)} {_gib(max(b.groups.values()))}"
-             f"; {_next_micro_batch(model, cluster, c)}")
+    line2 = (
+        f"**Memory**: peak {_gib(b.total_bytes)} of {_gib(b.capacity_bytes)} "
+        f"({100 * b.total_bytes / b.capacity_bytes:.1f}%, headroom {_gib(b.capacity_bytes - b.total_bytes)}) "
+        f"in {b.phase}, largest: {max(b.groups, key=b.groups.get)} {_gib(max(b.groups.values()))}"
+        f"; {_next_micro_batch(model, cluster, c)}"
+    )
     ran = {recs[x.trial].config.zero_stage for x in runs}
-    ruled = [f"ZeRO {z} needs at least {_gib(x.total_bytes)}" for x in p.memory
-             if x.status == "pruned" and (z := recs[x.trial].config.zero_stage) not in ran]
-    line3 = "**Ruled out**: " + ("; ".join(ruled) + f" (capacity {_gib(b.capacity_bytes)}: no candidate of "
-                                 f"{'that stage' if len(ruled) == 1 else 'those stages'} fits)" if ruled
-                                 else "no ZeRO stage entirely by memory")
+    ruled = [
+        f"ZeRO {z} needs at least {_gib(x.total_bytes)}"
+        for x in p.memory
+        if x.status == "pruned" and (z := recs[x.trial].config.zero_stage) not in ran
+    ]
+    line3 = "**Ruled out**: " + (
+        "; ".join(ruled) + f" (capacity {_gib(b.capacity_bytes)}: no candidate of "
+        f"{'that stage' if len(ruled) == 1 else 'those stages'} fits)"
+        if ruled
+        else "no ZeRO stage entirely by memory"
+    )
     return [line1, line2, line3]
 
 
@@ -75,18 +87,22 @@ def within_noise(margin: float, result) -> str:
     spread = result.step_time_spread_s / result.step_time_s
     if margin >= spread:
         return ""
-    return (f" (within the {100 * spread:.0f}% spread of the winner's own measured steps: one trial each does not "
-            "tell the two apart; the space's `trial: steps` measures more)")
+    return (
+        f" (within the {100 * spread:.0f}% spread of the winner's own measured steps: one trial each does not "
+        "tell the two apart; the space's `trial: steps` measures more)"
+    )
 
 
 def _next_micro_batch(model, cluster, cfg) -> str:
     try:
         nxt = dataclasses.replace(cfg, micro_batch=cfg.micro_batch + 1)
-    except (SpecError, ValueError) as e:     # a config the settings refuse has no estimate
+    except (SpecError, ValueError) as e:  # a config the settings refuse has no estimate
         return f"one more micro batch is not a valid config ({e})"
     e = mem.estimate(model, cluster, nxt)
-    return (f"micro batch {nxt.micro_batch} would need {_gib(e.total_bytes)} "
-            f"({'fits' if e.fits else 'does not fit'}, estimated)")
+    return (
+        f"micro batch {nxt.micro_batch} would need {_gib(e.total_bytes)} "
+        f"({'fits' if e.fits else 'does not fit'}, estimated)"
+    )
 
 
 def markdown(title: str, head: str, why: list[str], pictures: list[Path], body: str) -> str:
@@ -117,8 +133,10 @@ def to_html(md: str, out_dir: Path) -> str:
     def flush_table():
         if table:
             rows = [r.strip("|").split("|") for r in table if not _TABLE_SEP.match(r)]
-            cells = ["<tr>" + "".join(f"<{t}>{_inline(c.strip())}</{t}>" for c in r) + "</tr>"
-                     for t, r in (("th" if i == 0 else "td", r) for i, r in enumerate(rows))]
+            cells = [
+                "<tr>" + "".join(f"<{t}>{_inline(c.strip())}</{t}>" for c in r) + "</tr>"
+                for t, r in (("th" if i == 0 else "td", r) for i, r in enumerate(rows))
+            ]
             body.append("<table>" + "".join(cells) + "</table>")
             table.clear()
 
@@ -139,14 +157,19 @@ def to_html(md: str, out_dir: Path) -> str:
         elif line.strip():
             body.append(f"<p>{_inline(line)}</p>")
     flush_table()
-    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}img{max-width:100%}"
-             "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;padding:2px 6px}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>autotune report</title>"
-            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    style = (
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}img{max-width:100%}"
+        "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;padding:2px 6px}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>autotune report</title>"
+        f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
 
 
-def write_page(study, out_dir: Path, p: Pictures, pictures: list[Path], head: list[str], body: str,
-               recs: list | None = None) -> list[Path]:
+def write_page(
+    study, out_dir: Path, p: Pictures, pictures: list[Path], head: list[str], body: str, recs: list | None = None
+) -> list[Path]:
     """report.md and report.html in out_dir; `head` is report.header()'s two lines and `body`
     render()'s Markdown without its title (passed in: report imports this module, not the reverse);
     `recs` the study's records where the caller read them."""

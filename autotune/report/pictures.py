@@ -26,8 +26,7 @@ from autotune.search.reads_memo import ReadsMemo
 from autotune.trial.record import FAILED
 from autotune.units import GiB
 
-GROUPS = ("parameters", "gradients", "optimizer states", "activations", "logits", "buffers",
-          "framework allowance")
+GROUPS = ("parameters", "gradients", "optimizer states", "activations", "logits", "buffers", "framework allowance")
 
 
 def term_group(term: str) -> str:
@@ -140,14 +139,35 @@ def memory_bars(recs, model, cluster, source: str, objective: str = "samples") -
     for r in _ranked_runs(recs, objective):
         d = r.estimate.get("detail") or mem.estimate(model, cluster, r.config).to_json()
         measured = r.result.peak_bytes if source == "measured" else None
-        bars.append(MemoryBar(_label(r), r.number, "ok", d.get("source", "estimated"), d["phase"], d["terms"],
-                              d["overhead"], d["capacity_bytes"], measured))
+        bars.append(
+            MemoryBar(
+                _label(r),
+                r.number,
+                "ok",
+                d.get("source", "estimated"),
+                d["phase"],
+                d["terms"],
+                d["overhead"],
+                d["capacity_bytes"],
+                measured,
+            )
+        )
     pruned = [r for r in recs if r.status == "pruned" and r.pruned_by == "memory" and r.config]
     for z in sorted({r.config.zero_stage for r in pruned}):
         best = min((r for r in pruned if r.config.zero_stage == z), key=lambda r: r.estimate["total_bytes"])
         e = mem.estimate(model, cluster, best.config)
-        bars.append(MemoryBar(_label(best) + " (pruned)", best.number, "pruned", "estimated", e.phase,
-                              dict(e.terms), dict(e.overhead), e.capacity_bytes))
+        bars.append(
+            MemoryBar(
+                _label(best) + " (pruned)",
+                best.number,
+                "pruned",
+                "estimated",
+                e.phase,
+                dict(e.terms),
+                dict(e.overhead),
+                e.capacity_bytes,
+            )
+        )
     return bars
 
 
@@ -156,28 +176,39 @@ def frontier_points(recs, model, cluster, source: str, objective: str = "samples
     on a CPU cluster the cost model has no calibrated device, so they sit on the axis."""
     ranked = _ranked_runs(recs, objective)
     winner = ranked[0].number if ranked else None
-    simulate = ReadsMemo(costmodel.simulate)     # pruned candidates that differ only in what it does not read
+    simulate = ReadsMemo(costmodel.simulate)  # pruned candidates that differ only in what it does not read
     pts = []
     for r in recs:
         if r.status not in ("ok", "pruned", *FAILED) or r.config is None:
-            continue         # running / interrupted: not decided
+            continue  # running / interrupted: not decided
         peak = r.estimate.get("total_bytes") or 0
         if r.status == "ok":
-            pts.append(FrontierPoint(r.number, "ok", "", peak, _speed(r, objective), r.result.source or source,
-                                     r.number == winner))
+            pts.append(
+                FrontierPoint(
+                    r.number, "ok", "", peak, _speed(r, objective), r.result.source or source, r.number == winner
+                )
+            )
         elif r.status == "pruned":
             sim = _simulated_samples(model, cluster, r.config, simulate)
             if sim is not None and objective == "tokens":
                 sim *= r.config.seq_len
-            pts.append(FrontierPoint(r.number, "pruned", r.pruned_by or "", peak, sim,
-                                     "simulated (not run)" if sim is not None else "not run: no cost model on cpu"))
+            pts.append(
+                FrontierPoint(
+                    r.number,
+                    "pruned",
+                    r.pruned_by or "",
+                    peak,
+                    sim,
+                    "simulated (not run)" if sim is not None else "not run: no cost model on cpu",
+                )
+            )
         else:
             pts.append(FrontierPoint(r.number, r.status, r.status, peak, None, "none"))
     return pts
 
 
 def _simulated_samples(model, cluster, cfg, simulate) -> float | None:
-    if cluster.gpu.is_cpu:     # the cost model prices GPU kernels and links only
+    if cluster.gpu.is_cpu:  # the cost model prices GPU kernels and links only
         return None
     return simulate(model, cluster, cfg).samples_per_s
 
@@ -187,19 +218,23 @@ def time_bars(recs, model, cluster, source: str, objective: str = "samples") -> 
     for r in _ranked_runs(recs, objective):
         if source == "simulated":
             b = costmodel.simulate(model, cluster, r.config).breakdown_s
-            parts = {"compute": b["compute"] + b["attention"] + b["elementwise"],
-                     "recompute": b["recompute"],
-                     # exposed: the collectives minus what hides under compute (overlap is negative)
-                     "exposed communication": b["grad_reduce"] + b["param_gather"] + b["stage3_gather"]
-                     + b["overlap"],
-                     "optimizer": b["optimizer"], "offload": b["offload"], "host": b.get("host", 0.0)}
+            parts = {
+                "compute": b["compute"] + b["attention"] + b["elementwise"],
+                "recompute": b["recompute"],
+                # exposed: the collectives minus what hides under compute (overlap is negative)
+                "exposed communication": b["grad_reduce"] + b["param_gather"] + b["stage3_gather"] + b["overlap"],
+                "optimizer": b["optimizer"],
+                "offload": b["offload"],
+                "host": b.get("host", 0.0),
+            }
             bars.append(TimeBar(_label(r), r.number, "simulated (cost model)", parts, sum(parts.values())))
         else:
             # A search records no profiler trace (TrialRequest.profile is off), so a measured step
             # cannot be split; it is drawn whole rather than split by a guess.
             s = r.result.step_time_s or 0.0
-            bars.append(TimeBar(_label(r), r.number, "measured (step, not split: no profiler trace)",
-                                {"measured step": s}, s))
+            bars.append(
+                TimeBar(_label(r), r.number, "measured (step, not split: no profiler trace)", {"measured step": s}, s)
+            )
     return bars
 
 
@@ -207,16 +242,21 @@ def pictures(study: optuna.Study, recs: list[st.TrialRecord] | None = None) -> P
     model, cluster, attrs = st.specs_of(study)
     recs = st.records(study) if recs is None else recs
     source, objective = attrs.get("source", "measured"), attrs.get("objective", "samples")
-    return Pictures(memory_bars(recs, model, cluster, source, objective),
-                    frontier_points(recs, model, cluster, source, objective),
-                    time_bars(recs, model, cluster, source, objective), cluster.capacity_bytes, source, objective)
+    return Pictures(
+        memory_bars(recs, model, cluster, source, objective),
+        frontier_points(recs, model, cluster, source, objective),
+        time_bars(recs, model, cluster, source, objective),
+        cluster.capacity_bytes,
+        source,
+        objective,
+    )
 
 
 # ---- drawing ---------------------------------------------------------------------------------
 def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")      # files only: no display, no server
+    matplotlib.use("Agg")  # files only: no display, no server
     import matplotlib.pyplot as plt
 
     return plt
@@ -234,14 +274,15 @@ def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) ->
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
-    ys = list(range(len(bars)))[::-1]          # the winner on top
+    ys = list(range(len(bars)))[::-1]  # the winner on top
     for i, g in enumerate(GROUPS):
         left = [sum(list(b.groups.values())[:i]) / GiB for b in bars]
         ax.barh(ys, [b.groups[g] / GiB for b in bars], left=left, color=f"C{i}", label=g)
     meas = [(y, b.measured_peak_bytes / GiB) for y, b in zip(ys, bars) if b.measured_peak_bytes]
     if meas:
-        ax.scatter([m for _, m in meas], [y for y, _ in meas], marker="D", color="k", zorder=3,
-                   label="measured tensor peak")
+        ax.scatter(
+            [m for _, m in meas], [y for y, _ in meas], marker="D", color="k", zorder=3, label="measured tensor peak"
+        )
     ax.axvline(capacity_bytes / GiB, color="r", ls="--", label="device capacity")
     ax.set_yticks(ys, [f"{b.label}\n{b.source}, peak in {b.phase}" for b in bars], fontsize=8)
     ax.set_xlabel("memory per device, GiB")
@@ -250,12 +291,16 @@ def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) ->
     return _save(fig, path)
 
 
-_PRUNE_STYLE = {"memory": ("C3", "does not fit (memory model)"), "dominated": ("C7", "dominated"),
-                "oom-implied": ("C5", "implied out of memory")}
+_PRUNE_STYLE = {
+    "memory": ("C3", "does not fit (memory model)"),
+    "dominated": ("C7", "dominated"),
+    "oom-implied": ("C5", "implied out of memory"),
+}
 
 
-def plot_frontier(points: list[FrontierPoint], capacity_bytes: int, path: Path,
-                  objective: str = "samples") -> Path | None:
+def plot_frontier(
+    points: list[FrontierPoint], capacity_bytes: int, path: Path, objective: str = "samples"
+) -> Path | None:
     """Runs filled (circle: measured, square: simulated); pruned hollow at the cost model's
     throughput (never a run's mark); failed runs as crosses on the axis: they have no throughput."""
     if not points:
@@ -268,19 +313,42 @@ def plot_frontier(points: list[FrontierPoint], capacity_bytes: int, path: Path,
     for (status, why, src), pts in sorted(groups.items()):
         xs, ys = [p.peak_bytes / GiB for p in pts], [p.throughput or 0.0 for p in pts]
         if status == "ok":
-            ax.scatter(xs, ys, marker="o" if src == "measured" else "s", color="C0", zorder=3,
-                       label=f"run ({src}): {len(pts)}")
+            ax.scatter(
+                xs, ys, marker="o" if src == "measured" else "s", color="C0", zorder=3, label=f"run ({src}): {len(pts)}"
+            )
         elif status == "pruned":
             color, what = _PRUNE_STYLE.get(why, ("C8", why))
-            ax.scatter(xs, ys, marker="o", facecolors="none", edgecolors=color, s=18, alpha=0.6,
-                       label=f"pruned, {what} ({src}): {len(pts)}")
+            ax.scatter(
+                xs,
+                ys,
+                marker="o",
+                facecolors="none",
+                edgecolors=color,
+                s=18,
+                alpha=0.6,
+                label=f"pruned, {what} ({src}): {len(pts)}",
+            )
         else:
-            ax.scatter(xs, ys, marker="x", color="C1" if status == "oom" else "C4", zorder=3,
-                       label=f"failed: {status}: {len(pts)}")
+            ax.scatter(
+                xs,
+                ys,
+                marker="x",
+                color="C1" if status == "oom" else "C4",
+                zorder=3,
+                label=f"failed: {status}: {len(pts)}",
+            )
     for p in points:
         if p.winner:
-            ax.scatter([p.peak_bytes / GiB], [p.throughput], marker="*", s=300, color="gold",
-                       edgecolors="k", zorder=4, label=f"winner #{p.trial}")
+            ax.scatter(
+                [p.peak_bytes / GiB],
+                [p.throughput],
+                marker="*",
+                s=300,
+                color="gold",
+                edgecolors="k",
+                zorder=4,
+                label=f"winner #{p.trial}",
+            )
     ax.axvline(capacity_bytes / GiB, color="r", ls="--", label="device capacity")
     ax.set_xlabel("peak memory per device, GiB (estimated: tensors + framework allowance)")
     ax.set_ylabel(f"{objective}/s (source in legend)")
@@ -289,8 +357,14 @@ def plot_frontier(points: list[FrontierPoint], capacity_bytes: int, path: Path,
     return _save(fig, path)
 
 
-_TIME_COLORS = {"compute": "C0", "recompute": "C1", "exposed communication": "C3", "optimizer": "C2",
-                "offload": "C4", "measured step": "C7"}
+_TIME_COLORS = {
+    "compute": "C0",
+    "recompute": "C1",
+    "exposed communication": "C3",
+    "optimizer": "C2",
+    "offload": "C4",
+    "measured step": "C7",
+}
 
 
 def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
@@ -301,7 +375,7 @@ def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     ys = list(range(len(bars)))[::-1]
     names = [n for n in _TIME_COLORS if any(b.parts.get(n) for b in bars)] or ["measured step"]
     for n in names:
-        left = [sum(b.parts.get(m, 0.0) for m in names[:names.index(n)]) for b in bars]
+        left = [sum(b.parts.get(m, 0.0) for m in names[: names.index(n)]) for b in bars]
         ax.barh(ys, [b.parts.get(n, 0.0) for b in bars], left=left, color=_TIME_COLORS[n], label=n)
     ax.set_yticks(ys, [b.label for b in bars])
     ax.set_xlabel(f"seconds per optimizer step ({bars[0].source})")
@@ -310,14 +384,17 @@ def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def write_pictures(study: optuna.Study, out_dir: Path,
-                   recs: list[st.TrialRecord] | None = None) -> tuple[Pictures, list[Path]]:
+def write_pictures(
+    study: optuna.Study, out_dir: Path, recs: list[st.TrialRecord] | None = None
+) -> tuple[Pictures, list[Path]]:
     """memory_terms.png, frontier.png, step_time.png (those with something to draw)."""
     p = pictures(study, recs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [plot_memory_terms(p.memory, p.capacity_bytes, out_dir / "memory_terms.png"),
-             plot_frontier(p.frontier, p.capacity_bytes, out_dir / "frontier.png", p.objective),
-             plot_time(p.time, out_dir / "step_time.png")]
+    paths = [
+        plot_memory_terms(p.memory, p.capacity_bytes, out_dir / "memory_terms.png"),
+        plot_frontier(p.frontier, p.capacity_bytes, out_dir / "frontier.png", p.objective),
+        plot_time(p.time, out_dir / "step_time.png"),
+    ]
     return p, [x for x in paths if x is not None]
 
 
@@ -344,11 +421,14 @@ def draw_throughput(df):
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(ok)))
-    labels = [f"#{r.trial} z{r.zero_stage} {r.precision} mb{r.micro_batch} ga{r.grad_accum} ckpt{r.ckpt_layers}"
-              for r in ok.itertuples()]
+    labels = [
+        f"#{r.trial} z{r.zero_stage} {r.precision} mb{r.micro_batch} ga{r.grad_accum} ckpt{r.ckpt_layers}"
+        for r in ok.itertuples()
+    ]
     ax.barh(labels, ok["samples_per_s"], color=[f"C{z}" for z in ok["zero_stage"]])
-    ax.legend(handles=[Patch(color=f"C{z}", label=f"ZeRO {z}") for z in sorted(ok["zero_stage"].unique())],
-              loc="lower right")
+    ax.legend(
+        handles=[Patch(color=f"C{z}", label=f"ZeRO {z}") for z in sorted(ok["zero_stage"].unique())], loc="lower right"
+    )
     ax.set_xlim(left=0)
     ax.set_xlabel(f"samples/s ({_run_source(df)})")
     ax.set_title("throughput per configuration")

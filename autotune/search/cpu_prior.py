@@ -30,8 +30,8 @@ from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
 from autotune.memory.lora import adapter_params
 from autotune.models import ModelSpec
-from autotune.trial.threads import cpu_threads_per_rank
 from autotune.train_config import TrainConfig, dtype_bytes, torch_dtype
+from autotune.trial.threads import cpu_threads_per_rank
 
 GLOO_CALL_S = 0.31e-3
 """One gloo collective's fixed cost where `probe_gloo` cannot run: all_reduce of 4096 fp32 between
@@ -76,8 +76,9 @@ def _collectives_per_step(model: ModelSpec, cfg: TrainConfig) -> int:
     n = model.num_params
     reduce, gather = -(-n // b["reduce_bucket_size"]), -(-n // b["allgather_bucket_size"])
     mats = model.num_layers * (2 + (3 if model.mlp == "swiglu" else 2)) + (1 if model.tied_embeddings else 2)
-    return {0: 1, 1: reduce + gather, 2: cfg.grad_accum * reduce + gather,
-            3: cfg.grad_accum * (reduce + 2 * mats)}[cfg.zero_stage]
+    return {0: 1, 1: reduce + gather, 2: cfg.grad_accum * reduce + gather, 3: cfg.grad_accum * (reduce + 2 * mats)}[
+        cfg.zero_stage
+    ]
 
 
 def _ring_volumes_per_step(cfg: TrainConfig) -> float:
@@ -150,8 +151,16 @@ def probe_gloo(world: int) -> tuple[float, float, str]:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": loopback_interface(), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="autotune-gloo-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [subprocess.Popen([sys.executable, "-c", GLOO_PROBE, str(r), str(world), store], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", GLOO_PROBE, str(r), str(world), store],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(world)
+        ]
         out = err = ""
         try:
             out, err = procs[0].communicate(timeout=120)
@@ -198,8 +207,15 @@ do not average out. The thread's CPU clock in place of the wall clock did no bet
 
 
 @cache
-def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str, attention: str,
-                threads: int, lora: tuple | None = None) -> tuple[float, float]:
+def probe_model(
+    model: ModelSpec,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    attention: str,
+    threads: int,
+    lora: tuple | None = None,
+) -> tuple[float, float]:
     """(forward+backward of the whole model, forward of one decoder layer) in seconds, the fastest
     of PROBE_TIMINGS timings each, after a warm-up at micro batch 1 (first calls pay allocator and
     kernel selection). The model is the trial's own, built through autotune.impl (Hugging Face, builtin or
@@ -233,8 +249,9 @@ def probe_model(model: ModelSpec, seq_len: int, micro_batch: int, precision: str
         def post(mod, args, out):
             spent[0] += time.perf_counter() - mod._autotune_t0
 
-        hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(pre),
-                                                 layer.register_forward_hook(post))]
+        hooks = [
+            h for layer in layers for h in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post))
+        ]
 
         def run(mb: int) -> tuple[float, float]:
             tokens = torch.randint(0, model.vocab_size, (mb, seq_len + 1), generator=gen)
@@ -270,8 +287,7 @@ def gathered_modules(model: ModelSpec, threshold: int, lora: tuple | None = None
     from autotune.models.hf_config import default_attention
 
     with torch.device("meta"):
-        net = impl_for(model, _lora_config(lora)).build(model, dtype=torch.float32,
-                                                        attention=default_attention(model))
+        net = impl_for(model, _lora_config(lora)).build(model, dtype=torch.float32, attention=default_attention(model))
     return sum(1 for m in net.modules() if any(p.numel() >= threshold for p in m.parameters(recurse=False)))
 
 
@@ -368,7 +384,9 @@ def probe_passes(keys: list[tuple], passes: int) -> dict[tuple, tuple[float, flo
     return best
 
 
-def cpu_prior(model: ModelSpec, cluster: Cluster, configs: Iterable[TrainConfig] = ()) -> Callable[[TrainConfig], float]:
+def cpu_prior(
+    model: ModelSpec, cluster: Cluster, configs: Iterable[TrainConfig] = ()
+) -> Callable[[TrainConfig], float]:
     """Expected samples/s of a config on CPU ranks (the sum in the module docstring). `configs`:
     those it will be asked about (a search's candidates that fit), whose shapes are probed up front
     in PROBE_PASSES passes; any other is probed once when asked."""
@@ -388,11 +406,17 @@ def cpu_prior(model: ModelSpec, cluster: Cluster, configs: Iterable[TrainConfig]
         comm = 0.0
         if w > 1:
             grad_bytes = trained * dtype_bytes(cfg.precision)
-            comm = (_collectives_per_step(model, cfg) * gloo_call_s
-                    + _ring_volumes_per_step(cfg) * (w - 1) / w * grad_bytes / gloo_bus)
+            comm = (
+                _collectives_per_step(model, cfg) * gloo_call_s
+                + _ring_volumes_per_step(cfg) * (w - 1) / w * grad_bytes / gloo_bus
+            )
         params = trained / (w if cfg.zero_stage >= 1 else 1)
-        t_step = (cfg.grad_accum * t_micro + comm + params * probe_adamw_s_per_param(threads)
-                  + trained * DEEPSPEED_S_PER_PARAM)
+        t_step = (
+            cfg.grad_accum * t_micro
+            + comm
+            + params * probe_adamw_s_per_param(threads)
+            + trained * DEEPSPEED_S_PER_PARAM
+        )
         return cfg.micro_batch * cfg.grad_accum * w / t_step
 
     return prior

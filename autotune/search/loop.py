@@ -34,18 +34,17 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import interrupts
-from autotune.search import study as st
-from autotune.executors.base import Executor
-from autotune.trial.record import RUN, TrialRequest, TrialResult
-from autotune.hardware import Cluster
 from autotune.errors import SpecError
+from autotune.executors.base import Executor
+from autotune.hardware import Cluster
 from autotune.models import ModelSpec
-from autotune.search.space import SearchSpace, expand
+from autotune.search import study as st
 from autotune.search.order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
+from autotune.search.space import SearchSpace, expand
 from autotune.search.stopping import Bounded
 from autotune.train_config import TrainConfig
+from autotune.trial.record import RUN, TrialRequest, TrialResult
 from autotune.units import fmt_bytes
-
 
 OBJECTIVES = {"samples": "samples_per_s", "tokens": "tokens_per_s"}
 """What a search maximises (`--objective`): samples/s, or tokens/s, which differ once seq_len varies."""
@@ -72,7 +71,9 @@ class Candidate:
 
 
 # ---- prior -----------------------------------------------------------------------------------------
-def default_prior(model: ModelSpec, cluster: Cluster, configs: list[TrainConfig] = ()) -> Callable[[TrainConfig], float]:
+def default_prior(
+    model: ModelSpec, cluster: Cluster, configs: list[TrainConfig] = ()
+) -> Callable[[TrainConfig], float]:
     """On CPU ranks the model's own step timed here (autotune.search.cpu_prior; `configs`, those it will
     rank, are probed up front); on GPUs the cost model.
     A GPU the cost model cannot price for a precision (no datasheet peak) gets no preference there:
@@ -84,7 +85,7 @@ def default_prior(model: ModelSpec, cluster: Cluster, configs: list[TrainConfig]
         return cpu_prior(model, cluster, configs)
     from autotune.costmodel import simulate
 
-    @cache      # the search asks a candidate's prior again at every pick
+    @cache  # the search asks a candidate's prior again at every pick
     def prior(cfg: TrainConfig) -> float:
         try:
             return simulate(model, cluster, cfg).samples_per_s
@@ -99,8 +100,9 @@ class Plan:
     """Which candidates are still worth a run. A group is all candidates that differ only in the
     MEMORY_FOR_SPEED settings (k, offload, overlap, buckets), tried in `order` (default: by k)."""
 
-    def __init__(self, cands: list[Candidate], fits: Callable[[Candidate], bool],
-                 order: Callable[[Candidate], Any] | None = None):
+    def __init__(
+        self, cands: list[Candidate], fits: Callable[[Candidate], bool], order: Callable[[Candidate], Any] | None = None
+    ):
         self.fits = fits
         self.by_key = {c.cfg.key(): c for c in cands}
         self.groups: dict[tuple, list[Candidate]] = {}
@@ -136,15 +138,19 @@ class Plan:
         self.settled.add(cand.group)
         out = []
         group = self.groups[cand.group]
-        after = group[group.index(cand) + 1:]
+        after = group[group.index(cand) + 1 :]
         for c in after:
             if c.cfg.key() not in self.closed and self.fits(c):
                 if c.cfg.ckpt_layers > cfg.ckpt_layers and same_but_k(c.cfg, cfg):
-                    why = (f"dominated: trial {number} ({status}) has the same settings with fewer checkpointed "
-                           f"layers ({cfg.ckpt_layers} < {c.cfg.ckpt_layers}); more recomputation only costs time")
+                    why = (
+                        f"dominated: trial {number} ({status}) has the same settings with fewer checkpointed "
+                        f"layers ({cfg.ckpt_layers} < {c.cfg.ckpt_layers}); more recomputation only costs time"
+                    )
                 else:
-                    why = (f"dominated: trial {number} ({status}) has the same settings but "
-                           f"{memory_diff(cfg, c.cfg)}, tried first (search_order.speed_order)")
+                    why = (
+                        f"dominated: trial {number} ({status}) has the same settings but "
+                        f"{memory_diff(cfg, c.cfg)}, tried first (search_order.speed_order)"
+                    )
                 out.append((c, {"pruned_by": "dominated", "reason": why}))
         for c, _ in out:
             self.closed[c.cfg.key()] = "pruned"
@@ -154,13 +160,18 @@ class Plan:
         out = []
         for c in self.by_key.values():
             o = c.cfg
-            if (c.cfg.key() not in self.closed and o.micro_batch > cand.cfg.micro_batch
-                    and o.ckpt_layers <= cand.cfg.ckpt_layers
-                    and dataclasses.replace(o, micro_batch=1, ckpt_layers=0, grad_accum=1)
-                    == dataclasses.replace(cand.cfg, micro_batch=1, ckpt_layers=0, grad_accum=1)):
-                why = (f"implied out of memory: trial {number} ran out of memory at micro batch "
-                       f"{cand.cfg.micro_batch} with {cand.cfg.ckpt_layers} checkpointed layers; micro batch "
-                       f"{o.micro_batch} with {o.ckpt_layers} needs more")
+            if (
+                c.cfg.key() not in self.closed
+                and o.micro_batch > cand.cfg.micro_batch
+                and o.ckpt_layers <= cand.cfg.ckpt_layers
+                and dataclasses.replace(o, micro_batch=1, ckpt_layers=0, grad_accum=1)
+                == dataclasses.replace(cand.cfg, micro_batch=1, ckpt_layers=0, grad_accum=1)
+            ):
+                why = (
+                    f"implied out of memory: trial {number} ran out of memory at micro batch "
+                    f"{cand.cfg.micro_batch} with {cand.cfg.ckpt_layers} checkpointed layers; micro batch "
+                    f"{o.micro_batch} with {o.ckpt_layers} needs more"
+                )
                 out.append((c, {"pruned_by": "oom-implied", "reason": why}))
         for c, _ in out:
             self.closed[c.cfg.key()] = "pruned"
@@ -193,11 +204,25 @@ class Summary:
 class Search:
     """One invocation of `autotune search` on an open study (new or resumed)."""
 
-    def __init__(self, study: optuna.Study, model: ModelSpec, cluster: Cluster, space: SearchSpace,
-                 executor: Executor, *, seq_len: int, global_batch: int | None = None,
-                 corrector: Corrector | None = None, prior: Callable[[TrainConfig], float] | None = None,
-                 estimate_fn: Callable | None = None, out_root: Path | None = None, objective: str = "samples",
-                 exhaustive: bool = False, tolerance: float = 0.02, prior_kind: str | None = None):
+    def __init__(
+        self,
+        study: optuna.Study,
+        model: ModelSpec,
+        cluster: Cluster,
+        space: SearchSpace,
+        executor: Executor,
+        *,
+        seq_len: int,
+        global_batch: int | None = None,
+        corrector: Corrector | None = None,
+        prior: Callable[[TrainConfig], float] | None = None,
+        estimate_fn: Callable | None = None,
+        out_root: Path | None = None,
+        objective: str = "samples",
+        exhaustive: bool = False,
+        tolerance: float = 0.02,
+        prior_kind: str | None = None,
+    ):
         if estimate_fn is None:
             from autotune.memory import estimate
             from autotune.search.reads_memo import ReadsMemo
@@ -209,8 +234,9 @@ class Search:
         self.corrector = corrector
         exp = expand(space, model, cluster, seq_len=seq_len, global_batch=global_batch)
         self.dists = st.distributions(exp.candidates)
-        self.plan = Plan([Candidate(c, estimate_fn(model, cluster, c)) for c in exp.candidates], self._fits,
-                         speed_order(model))
+        self.plan = Plan(
+            [Candidate(c, estimate_fn(model, cluster, c)) for c in exp.candidates], self._fits, speed_order(model)
+        )
         if objective not in OBJECTIVES:
             raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
@@ -231,7 +257,7 @@ class Search:
         self.in_flight: dict[str, tuple[optuna.Trial, Candidate]] = {}
         self.summary = Summary(candidates=len(exp.candidates), excluded=exp.excluded, source=executor.source)
         if study.user_attrs.get("stopping"):
-            study.set_user_attr("stopping", {})    # an earlier invocation's verdict; this one decides anew
+            study.set_user_attr("stopping", {})  # an earlier invocation's verdict; this one decides anew
         self._replay()
         self._prune_unfit()
 
@@ -250,9 +276,14 @@ class Search:
     def _est_attrs(self, c: Candidate, detail: bool = False) -> dict[str, Any]:
         # One attr, not one per number: each user attr is a row written per trial, and hundreds of
         # pruned ones are written; the full estimate (phases, overhead) only for trials that run.
-        e = {"total_bytes": self._total_bytes(c), "model_total_bytes": int(c.est.total_bytes),
-             "tensor_bytes": int(c.est.tensor_peak_bytes), "capacity_bytes": int(c.est.capacity_bytes),
-             "dominant_term": c.est.dominant_term, "phase": c.est.phase}
+        e = {
+            "total_bytes": self._total_bytes(c),
+            "model_total_bytes": int(c.est.total_bytes),
+            "tensor_bytes": int(c.est.tensor_peak_bytes),
+            "capacity_bytes": int(c.est.capacity_bytes),
+            "dominant_term": c.est.dominant_term,
+            "phase": c.est.phase,
+        }
         return {"estimate": {**e, "detail": st.jsonable(c.est.to_json())} if detail else e}
 
     def _count(self, status: str, value: float | None = None, number: int | None = None) -> None:
@@ -277,10 +308,16 @@ class Search:
                 continue
             if r.state == TrialState.RUNNING:
                 if st.owner_alive(r.owner):
-                    raise SpecError(f"study {self.study.study_name!r} is being searched right now by process "
-                                    f"{r.owner} (trial {r.number} running); stop it first")
-                st.mark_interrupted(self.study, r.number, f"the search process that ran it ({r.owner or 'unknown'}) "
-                                    "ended without recording it, killed; it runs again on --resume")
+                    raise SpecError(
+                        f"study {self.study.study_name!r} is being searched right now by process "
+                        f"{r.owner} (trial {r.number} running); stop it first"
+                    )
+                st.mark_interrupted(
+                    self.study,
+                    r.number,
+                    f"the search process that ran it ({r.owner or 'unknown'}) "
+                    "ended without recording it, killed; it runs again on --resume",
+                )
             if r.status in ("running", "interrupted"):
                 self._count("interrupted")
                 continue
@@ -296,8 +333,9 @@ class Search:
     def _record(self, decided: list[tuple[Candidate, dict]]) -> None:
         """Store candidates decided without a run as PRUNED trials, in one batch."""
         if decided:
-            st.add_finished(self.study, [st.pruned_record(c.cfg, self.dists, {**self._est_attrs(c), **a})
-                                         for c, a in decided])
+            st.add_finished(
+                self.study, [st.pruned_record(c.cfg, self.dists, {**self._est_attrs(c), **a}) for c, a in decided]
+            )
             for _ in decided:
                 self._count("pruned")
 
@@ -305,27 +343,40 @@ class Search:
         out = []
         for c in self.plan.unfit():
             if not c.est.host_fits:
-                why = (f"host memory: estimated {fmt_bytes(c.est.host_bytes)} of host RAM per node (offloaded "
-                       f"states) > {fmt_bytes(c.est.host_capacity_bytes)} the node has")
+                why = (
+                    f"host memory: estimated {fmt_bytes(c.est.host_bytes)} of host RAM per node (offloaded "
+                    f"states) > {fmt_bytes(c.est.host_capacity_bytes)} the node has"
+                )
                 out.append((c, {"pruned_by": "host-memory", "reason": why}))
                 self.plan.closed[c.cfg.key()] = "pruned"
                 continue
             total, cap = self._total_bytes(c), c.est.capacity_bytes
             corrected = "" if total == int(c.est.total_bytes) else " (after online correction)"
             dom = c.est.dominant_term
-            why = (f"memory: estimated {fmt_bytes(total)} per device{corrected} > capacity {fmt_bytes(cap)}; "
-                   f"largest term {dom} = {fmt_bytes(c.est.terms.get(dom, 0))}")
+            why = (
+                f"memory: estimated {fmt_bytes(total)} per device{corrected} > capacity {fmt_bytes(cap)}; "
+                f"largest term {dom} = {fmt_bytes(c.est.terms.get(dom, 0))}"
+            )
             out.append((c, {"pruned_by": "memory", "reason": why}))
             self.plan.closed[c.cfg.key()] = "pruned"
         self._record(out)
 
     def _dispatch(self, c: Candidate) -> None:
-        with interrupts.held():     # the trial's rows are written whole, whenever a signal lands
-            trial = st.start_trial(self.study, c.cfg, self.dists, st.running_attrs(c.cfg, self._est_attrs(c, detail=True)))
+        with interrupts.held():  # the trial's rows are written whole, whenever a signal lands
+            trial = st.start_trial(
+                self.study, c.cfg, self.dists, st.running_attrs(c.cfg, self._est_attrs(c, detail=True))
+            )
             t = self.space.trial
-            req = TrialRequest(model=self.model, cluster=self.cluster, config=c.cfg,
-                               out_dir=self.out_root / f"trial-{trial.number:04d}", steps=t.steps,
-                               warmup_steps=t.warmup_steps, timeout_s=t.timeout_s, trial_id=trial.number)
+            req = TrialRequest(
+                model=self.model,
+                cluster=self.cluster,
+                config=c.cfg,
+                out_dir=self.out_root / f"trial-{trial.number:04d}",
+                steps=t.steps,
+                warmup_steps=t.warmup_steps,
+                timeout_s=t.timeout_s,
+                trial_id=trial.number,
+            )
             try:
                 ticket = self.executor.submit(req)
             except BaseException as e:
@@ -337,7 +388,9 @@ class Search:
         with interrupts.held():
             trial, c = self.in_flight.pop(ticket)
             if result.status == "ok" and not self.value(result):
-                result = dataclasses.replace(result, status="crashed", reason=f"no throughput reported; {result.reason}")
+                result = dataclasses.replace(
+                    result, status="crashed", reason=f"no throughput reported; {result.reason}"
+                )
             for k, v in st.result_attrs(result).items():
                 trial.set_user_attr(k, v)
             if result.status == "ok":
@@ -360,8 +413,12 @@ class Search:
         as interrupted, with what stopped it; the executor's close kills their ranks."""
         with interrupts.held():
             for trial, _ in self.in_flight.values():
-                self._interrupted(trial, f"the search was stopped by {interrupts.why(exc)} while it ran"
-                                  if exc is not None else "the search ended while it ran")
+                self._interrupted(
+                    trial,
+                    f"the search was stopped by {interrupts.why(exc)} while it ran"
+                    if exc is not None
+                    else "the search ended while it ran",
+                )
             self.in_flight.clear()
 
     def _next(self, n_trials: int | None, deadline: float | None) -> Candidate | str:
@@ -390,16 +447,21 @@ class Search:
             return True
         return False
 
-    def run(self, *, n_trials: int | None = None, timeout_s: float | None = None,
-            progress: bool = True) -> Summary:
+    def run(self, *, n_trials: int | None = None, timeout_s: float | None = None, progress: bool = True) -> Summary:
         """Run until the frontier is exhausted or the budget ends. n_trials counts runs over the whole
         study (so a resumed search continues the same budget); timeout_s this invocation's time to
         start trials; as in Optuna's optimize(timeout=), running trials are let finish."""
         from tqdm import tqdm
 
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        bar = tqdm(total=n_trials, initial=self.summary.ran, unit="trial", file=sys.stderr, disable=not progress,
-                   desc="search" + (" (simulated)" if self.executor.source == "simulated" else ""))
+        bar = tqdm(
+            total=n_trials,
+            initial=self.summary.ran,
+            unit="trial",
+            file=sys.stderr,
+            disable=not progress,
+            desc="search" + (" (simulated)" if self.executor.source == "simulated" else ""),
+        )
         self._progress(bar)
         stopped_by: BaseException | None = None
         try:

@@ -9,12 +9,23 @@ from typing import Any, Callable
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 
-MEMORY_FOR_SPEED = {"ckpt_layers": 0, "offload_param": "none", "offload_optimizer": False, "overlap_comm": False,
-                    "reduce_bucket_size": 0, "allgather_bucket_size": 0, "zero_hpz_partition_size": 1,
-                    "grad_accum_dtype": "auto", "bf16_master_weights_and_grads": False,
-                    "bf16_optimizer_states": False, "zero_quantized_weights": False,
-                    "zero_quantized_gradients": False, "stage3_param_persistence_threshold": 0,
-                    "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0}
+MEMORY_FOR_SPEED = {
+    "ckpt_layers": 0,
+    "offload_param": "none",
+    "offload_optimizer": False,
+    "overlap_comm": False,
+    "reduce_bucket_size": 0,
+    "allgather_bucket_size": 0,
+    "zero_hpz_partition_size": 1,
+    "grad_accum_dtype": "auto",
+    "bf16_master_weights_and_grads": False,
+    "bf16_optimizer_states": False,
+    "zero_quantized_weights": False,
+    "zero_quantized_gradients": False,
+    "stage3_param_persistence_threshold": 0,
+    "stage3_prefetch_bucket_size": 0,
+    "stage3_max_live_parameters": 0,
+}
 """Settings that trade device memory (or numerics) for time: candidates that differ only in them form
 one group, and a group runs only its first member in `speed_order` that fits (Plan), so they do not
 multiply the trials."""
@@ -42,14 +53,25 @@ def speed_order(model: ModelSpec) -> Callable[[Any], tuple]:
     The order is a judgement from the cost model's terms, not measured."""
     from autotune.deepspeed_config import bucket_sizes
 
-    def key(c: Any) -> tuple:   # a search.Candidate
+    def key(c: Any) -> tuple:  # a search.Candidate
         cfg, b = c.cfg, bucket_sizes(model, c.cfg)
-        return (cfg.grad_accum_dtype != "auto", cfg.offload_param != "none", cfg.offload_optimizer, cfg.ckpt_layers,
-                cfg.bf16_optimizer_states, cfg.bf16_master_weights_and_grads, not cfg.overlap_comm,
-                -b["reduce_bucket_size"], -b["allgather_bucket_size"], -cfg.zero_hpz_partition_size,
-                not cfg.zero_quantized_weights, not cfg.zero_quantized_gradients,
-                -b["stage3_param_persistence_threshold"], -b["stage3_max_live_parameters"],
-                -b["stage3_prefetch_bucket_size"])
+        return (
+            cfg.grad_accum_dtype != "auto",
+            cfg.offload_param != "none",
+            cfg.offload_optimizer,
+            cfg.ckpt_layers,
+            cfg.bf16_optimizer_states,
+            cfg.bf16_master_weights_and_grads,
+            not cfg.overlap_comm,
+            -b["reduce_bucket_size"],
+            -b["allgather_bucket_size"],
+            -cfg.zero_hpz_partition_size,
+            not cfg.zero_quantized_weights,
+            not cfg.zero_quantized_gradients,
+            -b["stage3_param_persistence_threshold"],
+            -b["stage3_max_live_parameters"],
+            -b["stage3_prefetch_bucket_size"],
+        )
 
     return key
 
@@ -60,5 +82,8 @@ def same_but_k(a: TrainConfig, b: TrainConfig) -> bool:
 
 def memory_diff(ran: TrainConfig, other: TrainConfig) -> str:
     """`overlap_comm True vs False, ...`: the MEMORY_FOR_SPEED settings in which two configs differ."""
-    return ", ".join(f"{n} {getattr(ran, n)} vs {getattr(other, n)}" for n in MEMORY_FOR_SPEED
-                     if getattr(ran, n) != getattr(other, n))
+    return ", ".join(
+        f"{n} {getattr(ran, n)} vs {getattr(other, n)}"
+        for n in MEMORY_FOR_SPEED
+        if getattr(ran, n) != getattr(other, n)
+    )

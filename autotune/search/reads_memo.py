@@ -43,7 +43,7 @@ class _Noting(TrainConfig):
             if name in _FIELDS:
                 _noted.add(name)
             elif name == "_key" or (name.startswith("__") and name not in _METADATA):
-                _noted.update(_FIELDS)      # the whole instance at once: every field
+                _noted.update(_FIELDS)  # the whole instance at once: every field
         return object.__getattribute__(self, name)
 
 
@@ -71,7 +71,7 @@ class ReadsMemo:
         noted: set[str] = set()
         _noted = noted
         try:
-            out = self.fn(model, cluster, _Noting.prechecked(cfg.to_dict()))   # cfg's checks ran when it was built
+            out = self.fn(model, cluster, _Noting.prechecked(cfg.to_dict()))  # cfg's checks ran when it was built
         finally:
             _noted = None
         self.calls += 1

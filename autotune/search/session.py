@@ -14,13 +14,14 @@ from pathlib import Path
 import optuna
 
 from autotune import executors
-from autotune.search import study as st
 from autotune.errors import SpecError
 from autotune.hardware import Cluster, parse_gpus
 from autotune.memory.correction import Correction
 from autotune.models import ModelSpec, default_seq_len, resolve_model
+from autotune.search import study as st
 from autotune.search.loop import Search, Summary
 from autotune.search.space import SearchSpace, load_space, parse_space
+
 
 @dataclass(frozen=True)
 class Inputs:
@@ -70,24 +71,45 @@ def _check_positive(**values: int | None) -> None:
 def _resumed_inputs(study: optuna.Study, given: dict) -> Inputs:
     """A resumed study's inputs; anything given again must be what the study was searched with."""
     model, cluster, a = st.specs_of(study)
-    stored = {"--model": model.name, "--impl": model.implementation, "--gpus": a["gpus"], "--seq-len": a["seq_len"],
-              "--global-batch": a["global_batch"], "--space": a["space_text"],
-              "--objective": a.get("objective", "samples")}
+    stored = {
+        "--model": model.name,
+        "--impl": model.implementation,
+        "--gpus": a["gpus"],
+        "--seq-len": a["seq_len"],
+        "--global-batch": a["global_batch"],
+        "--space": a["space_text"],
+        "--objective": a.get("objective", "samples"),
+    }
     for flag, v in given.items():
         if v is not None and v != stored[flag]:
             shown = "a different file" if flag == "--space" else repr(v)
-            raise SpecError(f"--resume: study {study.study_name!r} was searched with {flag} "
-                            f"{stored[flag] if flag != '--space' else a['space_path']!r}, not {shown}; "
-                            f"drop {flag} or start another --study")
+            raise SpecError(
+                f"--resume: study {study.study_name!r} was searched with {flag} "
+                f"{stored[flag] if flag != '--space' else a['space_path']!r}, not {shown}; "
+                f"drop {flag} or start another --study"
+            )
     return Inputs(model, cluster, a["seq_len"], a["global_batch"], parse_space(a["space_text"], a["space_path"]))
 
 
-def open_search(*, model: str | None = None, impl: str | None = None, model_factory: str | None = None,
-                gpus: str | None = None, seq_len: int | None = None,
-                global_batch: int | None = None, space: str | Path | None = None, study: str | None = None,
-                storage: str | None = None, executor: str = "auto", resume: bool = False,
-                ray_address: str | None = None, concurrent_trials: int = 1,
-                objective: str | None = None, exhaustive: bool = False, tolerance: float = 0.02) -> SearchSession:
+def open_search(
+    *,
+    model: str | None = None,
+    impl: str | None = None,
+    model_factory: str | None = None,
+    gpus: str | None = None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
+    space: str | Path | None = None,
+    study: str | None = None,
+    storage: str | None = None,
+    executor: str = "auto",
+    resume: bool = False,
+    ray_address: str | None = None,
+    concurrent_trials: int = 1,
+    objective: str | None = None,
+    exhaustive: bool = False,
+    tolerance: float = 0.02,
+) -> SearchSession:
     """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts.
     `impl`: the model code (hf when not given); on resume, only an explicit one is checked.
     `exhaustive`: run every feasible group; else stop when no unrun candidate can beat the best by more
@@ -98,11 +120,17 @@ def open_search(*, model: str | None = None, impl: str | None = None, model_fact
     if resume:
         name = study or (st.default_name(spec, cluster) if spec and cluster else None)
         opened = st.load_study(name, storage)
-        given = {"--model": spec and spec.name, "--impl": impl, "--gpus": gpus, "--seq-len": seq_len,
-                 "--global-batch": global_batch, "--space": space and load_space(space).text,
-                 "--objective": objective}
+        given = {
+            "--model": spec and spec.name,
+            "--impl": impl,
+            "--gpus": gpus,
+            "--seq-len": seq_len,
+            "--global-batch": global_batch,
+            "--space": space and load_space(space).text,
+            "--objective": objective,
+        }
         inputs = _resumed_inputs(opened, given)
-        objective = opened.user_attrs[st.ATTR].get("objective", "samples")   # studies before --objective
+        objective = opened.user_attrs[st.ATTR].get("objective", "samples")  # studies before --objective
         # a study keeps its executor: measured and simulated numbers do not mix
         executor = {"measured": "ray", "simulated": "simulated"}[opened.user_attrs[st.ATTR]["source"]]
     else:
@@ -110,20 +138,37 @@ def open_search(*, model: str | None = None, impl: str | None = None, model_fact
             raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
         inputs = Inputs(spec, cluster, seq_len or default_seq_len(spec), global_batch, load_space(space))
         opened, name = None, study or st.default_name(spec, inputs.cluster)
-    kind, how = executors.choose(executor, inputs.cluster, ray_address)   # starts nothing, creates nothing
+    kind, how = executors.choose(executor, inputs.cluster, ray_address)  # starts nothing, creates nothing
     if opened is None:
-        st.assert_new(name, storage)        # before starting Ray: a taken name or a bad storage fails fast
+        st.assert_new(name, storage)  # before starting Ray: a taken name or a bad storage fails fast
     ex = executors.make(kind, inputs.cluster, ray_address, concurrent_trials)
     try:
         if opened is None:
-            attrs = st.study_attrs(inputs.model, inputs.cluster, seq_len=inputs.seq_len,
-                                   global_batch=inputs.global_batch, space_text=inputs.space.text,
-                                   space_path=inputs.space.path, source=ex.source, objective=objective or "samples")
+            attrs = st.study_attrs(
+                inputs.model,
+                inputs.cluster,
+                seq_len=inputs.seq_len,
+                global_batch=inputs.global_batch,
+                space_text=inputs.space.text,
+                space_path=inputs.space.path,
+                source=ex.source,
+                objective=objective or "samples",
+            )
             opened = st.create_study(name, storage, attrs, sampler=None)
-        correction = Correction()   # replayed from a resumed study's trials by Search
-        search = Search(opened, inputs.model, inputs.cluster, inputs.space, ex, seq_len=inputs.seq_len,
-                        global_batch=inputs.global_batch, corrector=correction, objective=objective or "samples",
-                        exhaustive=exhaustive, tolerance=tolerance)
+        correction = Correction()  # replayed from a resumed study's trials by Search
+        search = Search(
+            opened,
+            inputs.model,
+            inputs.cluster,
+            inputs.space,
+            ex,
+            seq_len=inputs.seq_len,
+            global_batch=inputs.global_batch,
+            corrector=correction,
+            objective=objective or "samples",
+            exhaustive=exhaustive,
+            tolerance=tolerance,
+        )
     except BaseException:
         ex.close()
         raise

@@ -78,10 +78,15 @@ class SearchSpace:
         """A space from keyword values (one tuple per field given); the rest take their defaults."""
         unknown = set(values) - set(defaults())
         if unknown:
-            raise SpecError(f"search space: unknown key(s) {', '.join(sorted(unknown))}; "
-                            f"allowed: {', '.join(defaults())}")
-        return cls(values={**defaults(), **{k: tuple(v) for k, v in values.items()}},
-                   trial=trial or TrialSettings(), path=path, text=text)
+            raise SpecError(
+                f"search space: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(defaults())}"
+            )
+        return cls(
+            values={**defaults(), **{k: tuple(v) for k, v in values.items()}},
+            trial=trial or TrialSettings(),
+            path=path,
+            text=text,
+        )
 
     def ckpt_values(self, num_layers: int) -> list[int]:
         """Resolve `all`, `L`, `L/2`, `3L/4` and ints (clipped to L) into sorted distinct k."""
@@ -143,8 +148,10 @@ def parse_space(text: str, where: str = "<space>") -> SearchSpace:
     if root is None:
         return SearchSpace(path=where, text=text)
     if not isinstance(root, yaml.MappingNode):
-        raise SpecError(f"search space {where}, line {root.start_mark.line + 1}: expected a mapping of "
-                        f"keys ({', '.join(defaults())}, trial)")
+        raise SpecError(
+            f"search space {where}, line {root.start_mark.line + 1}: expected a mapping of "
+            f"keys ({', '.join(defaults())}, trial)"
+        )
     kw: dict[str, Any] = {}
     for key, value_node, _ in _entries(root, where, (*defaults(), "trial")):
         kw[key] = _trial(value_node, where) if key == "trial" else _values(key, value_node, where)
@@ -177,12 +184,16 @@ def _scalar(node: yaml.Node) -> Any:
 def _items(key: str, node: yaml.Node, where: str) -> list[yaml.Node]:
     if isinstance(node, yaml.SequenceNode):
         if not node.value:
-            raise SpecError(f"search space {where}, line {node.start_mark.line + 1}: {key}: empty list; "
-                            f"give at least one value or drop the key")
+            raise SpecError(
+                f"search space {where}, line {node.start_mark.line + 1}: {key}: empty list; "
+                f"give at least one value or drop the key"
+            )
         return node.value
     if isinstance(node, yaml.MappingNode):
-        raise SpecError(f"search space {where}, line {node.start_mark.line + 1}: {key}: expected a value "
-                        f"or a list of values, got a mapping")
+        raise SpecError(
+            f"search space {where}, line {node.start_mark.line + 1}: {key}: expected a value "
+            f"or a list of values, got a mapping"
+        )
     return [node]
 
 
@@ -227,8 +238,10 @@ def _ckpt_ok(v: str) -> bool:
 
 def _trial(node: yaml.Node, where: str) -> TrialSettings:
     if not isinstance(node, yaml.MappingNode):
-        raise SpecError(f"search space {where}, line {node.start_mark.line + 1}: trial: expected a mapping "
-                        f"with {', '.join(TRIAL_KEYS)}")
+        raise SpecError(
+            f"search space {where}, line {node.start_mark.line + 1}: trial: expected a mapping "
+            f"with {', '.join(TRIAL_KEYS)}"
+        )
     kw: dict[str, Any] = {}
     for key, value_node, at in _entries(node, where, TRIAL_KEYS, prefix="trial."):
         at += f": trial.{key}"
@@ -246,8 +259,9 @@ def _trial(node: yaml.Node, where: str) -> TrialSettings:
     return TrialSettings(**kw)
 
 
-def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: int,
-           global_batch: int | None = None) -> Expansion:
+def expand(
+    space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: int, global_batch: int | None = None
+) -> Expansion:
     """Every valid TrainConfig of `space`, in a fixed order (the product of the searched fields' lists, in
     their declaration order); drops what check_config refuses. `seq_len` is what the space's `auto` sequence
     length means (the study's --seq-len).
@@ -263,7 +277,7 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     full.yaml for 13B x 4xA100: 8.1 s -> 4.4 s CPU)."""
     names = [f.name for f in searched_fields()]
     lists = [space.resolved(n, model, cluster, seq_len) for n in names]
-    if global_batch is not None:   # micro batch and the parallel sizes decide first (measured no faster split)
+    if global_batch is not None:  # micro batch and the parallel sizes decide first (measured no faster split)
         return _expand_each(space, model, cluster, names, lists, global_batch)
     checked = _combination_fields()
     ci = [i for i, n in enumerate(names) if n in checked]
@@ -277,7 +291,7 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
     # which say why it is refused. Where check_combination reads an adapter setting, which __post_init__ resets
     # without adapters before it checks, the namespace's check is not the config's: every config is built checked.
     valid = [[_valid_value(n, v) for v in values] for n, values in zip(names, lists)]
-    trusted = not checked & set(LORA_FIELDS)    # the fields not searched keep their defaults, valid by TrainConfig()
+    trusted = not checked & set(LORA_FIELDS)  # the fields not searched keep their defaults, valid by TrainConfig()
     found: list[tuple[tuple[int, ...], TrainConfig]] = []
     counts: dict[str, int] = {}
     first: dict[str, tuple[int, ...]] = {}
@@ -299,7 +313,7 @@ def expand(space: SearchSpace, model: ModelSpec, cluster: Cluster, *, seq_len: i
             refused = None
         except SpecError as e:
             refused = str(e)
-        if ns._reads - checked:     # a field this split did not see: check every combination instead
+        if ns._reads - checked:  # a field this split did not see: check every combination instead
             return _expand_each(space, model, cluster, names, lists, global_batch)
         if refused is not None:
             exclude(refused, tuple(at), n_free)
@@ -337,17 +351,21 @@ def _valid_value(name: str, v: Any) -> bool:
     return True
 
 
-def _expansion(space: SearchSpace, model: ModelSpec, cluster: Cluster, out: list[TrainConfig],
-               excluded: dict[str, int]) -> Expansion:
+def _expansion(
+    space: SearchSpace, model: ModelSpec, cluster: Cluster, out: list[TrainConfig], excluded: dict[str, int]
+) -> Expansion:
     if not out:
         reasons = "; ".join(f"{n} x {r}" for r, n in excluded.items()) or "the space is empty"
-        raise SpecError(f"search space {space.path or '<space>'} has no valid candidate for {model.name} on "
-                        f"{cluster.describe()}: {reasons}")
+        raise SpecError(
+            f"search space {space.path or '<space>'} has no valid candidate for {model.name} on "
+            f"{cluster.describe()}: {reasons}"
+        )
     return Expansion(candidates=out, excluded=excluded)
 
 
-def _expand_each(space: SearchSpace, model: ModelSpec, cluster: Cluster, names: list[str], lists: list,
-                 global_batch: int | None) -> Expansion:
+def _expand_each(
+    space: SearchSpace, model: ModelSpec, cluster: Cluster, names: list[str], lists: list, global_batch: int | None
+) -> Expansion:
     """`expand`, checking every combination of the product in turn."""
     world = cluster.world_size
     excluded: dict[str, int] = {}
@@ -359,13 +377,15 @@ def _expand_each(space: SearchSpace, model: ModelSpec, cluster: Cluster, names: 
     for combo in itertools.product(*lists):
         values.update(zip(names, combo))
         model_ranks = values["autotp_size"] * values["sequence_parallel_size"]
-        if global_batch is not None and world % model_ranks == 0:   # else check_config says why
+        if global_batch is not None and world % model_ranks == 0:  # else check_config says why
             # the tp (and sp) ranks of a group share a batch: data-parallel ranks are world / (tp x sp)
             # (autotune/parallel.py data_parallel_size)
             mb, dp = values["micro_batch"], world // model_ranks
             if global_batch % (mb * dp):
-                why = (f"micro batch {mb} x {dp} data-parallel ranks (tp {values['autotp_size']}, sp "
-                       f"{values['sequence_parallel_size']}) does not divide --global-batch {global_batch}")
+                why = (
+                    f"micro batch {mb} x {dp} data-parallel ranks (tp {values['autotp_size']}, sp "
+                    f"{values['sequence_parallel_size']}) does not divide --global-batch {global_batch}"
+                )
                 excluded[why] = excluded.get(why, 0) + 1
                 continue
             values["grad_accum"] = global_batch // (mb * dp)

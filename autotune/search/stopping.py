@@ -12,8 +12,8 @@ independent: the same code on the same machine misses by much the same factor, a
                                            all stages alike)    settings) settings)
 
 scaled by one unknown sigma, and a measurement misses r(c) by the trial's own noise (NOISE: on CPU ranks
-of a shared machine, a repeat of the same trial moves by several percent). After each measured trial the posterior of r at every unrun candidate
-gives a corrected prior (the posterior mean: the shared offset is learnt from the first measurement,
+of a shared machine, a repeat of the same trial moves by several percent). After each measured trial
+the posterior of r at every unrun candidate gives a corrected prior (the posterior mean: the shared offset is learnt from the first measurement,
 the smooth part from the neighbours) and its spread. sigma is the prior's error *in this study*:
 the sum of squared errors the corrected prior made predicting each measured trial from the ones
 measured before it (each divided by the spread it claimed: the Gaussian process' y' K^-1 y), pooled
@@ -24,9 +24,9 @@ the study's own measurements agree with the prior or not. The bound of a candida
     prior x exp(posterior mean + t(QUANTILE, NU0 + n - 1) x sigma x posterior spread)
 
 (Student's t, as sigma is itself estimated from n - 1 contrasts; n where the prior's level is itself a
-prediction, as the CPU prior's: SHARED). The search stops when no unrun candidate's bound beats the best measured by more than the tolerance; it picks the candidate with
-the largest bound, the one that keeps it from stopping; the first pick, before any measurement, is the
-prior's best.
+prediction, as the CPU prior's: SHARED). The search stops when no unrun candidate's bound beats the best
+measured by more than the tolerance; it picks the candidate with the largest bound, the one that keeps it
+from stopping; the first pick, before any measurement, is the prior's best.
 docs/search.md, "When the search stops", says why this design and what it measured.
 """
 
@@ -156,11 +156,18 @@ def error_distance(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float
     it is a factor of its own (error_kernel)."""
     ordered = sum((x - y) ** 2 for x, y in zip(_ordered_coords(a, layers), _ordered_coords(b, layers)))
     other = sum(getattr(a, f.name) != getattr(b, f.name) for f in searched_fields() if f.name not in _ORDERED)
-    return (ordered + (prior_gap / PRIOR_GAP) ** 2 + OTHER_MIN ** 2 * other) / LENGTH ** 2
+    return (ordered + (prior_gap / PRIOR_GAP) ** 2 + OTHER_MIN**2 * other) / LENGTH**2
 
 
-def error_kernel(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float = 0.0, trend: float = 0.0,
-                 curve: float = 0.0, center: Sequence[float] = (0.0, 0.0, 0.0, 0.0)) -> float:
+def error_kernel(
+    a: TrainConfig,
+    b: TrainConfig,
+    layers: int,
+    prior_gap: float = 0.0,
+    trend: float = 0.0,
+    curve: float = 0.0,
+    center: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+) -> float:
     """Covariance of two candidates' residuals in sigma^2 units, less the shared offset and the own part:
     the stage factor where they share a stage, the smooth part, a linear trend of weight `trend` and a bend of
     weight `curve` about `center` (W_STAGE, W_SMOOTH, TREND, CURVE: linear kernels over the coordinates and their
@@ -169,8 +176,12 @@ def error_kernel(a: TrainConfig, b: TrainConfig, layers: int, prior_gap: float =
     xa, xb = _ordered_coords(a, layers), _ordered_coords(b, layers)
     slope = sum(x * y for x, y in zip(xa, xb)) if trend else 0.0
     bend = sum((x - c) ** 2 * (y - c) ** 2 for x, y, c in zip(xa, xb, center)) if curve else 0.0
-    return (W_STAGE * (a.zero_stage == b.zero_stage) + W_SMOOTH * math.exp(-error_distance(a, b, layers, prior_gap) / 2)
-            + trend * slope + curve * bend)
+    return (
+        W_STAGE * (a.zero_stage == b.zero_stage)
+        + W_SMOOTH * math.exp(-error_distance(a, b, layers, prior_gap) / 2)
+        + trend * slope
+        + curve * bend
+    )
 
 
 def ordered_center(cfgs: Sequence[TrainConfig], layers: int) -> tuple[float, ...]:
@@ -183,29 +194,36 @@ def t_quantile(q: float, dof: float) -> float:
     """Student's t quantile, by the Cornish-Fisher expansion in 1/dof (Abramowitz & Stegun 26.7.5:
     within 0.5% for dof >= 2, exact at 1; numpy has no t distribution and scipy is not a dependency)."""
     if dof <= 1:
-        return math.tan(math.pi * (q - 0.5))        # Cauchy: exact at 1
+        return math.tan(math.pi * (q - 0.5))  # Cauchy: exact at 1
     z = NormalDist().inv_cdf(q)
-    g1 = (z ** 3 + z) / 4
-    g2 = (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
-    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
-    g4 = (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160
-    return z + g1 / dof + g2 / dof ** 2 + g3 / dof ** 3 + g4 / dof ** 4
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / dof + g2 / dof**2 + g3 / dof**3 + g4 / dof**4
 
 
 class ResidualModel:
     """The Gaussian process over log(measured / prior) described at the top of this module."""
 
-    def __init__(self, kernel: Callable[[TrainConfig, TrainConfig], float], known_error: float,
-                 nugget: float | None = None, nu0: float = 1.0, shared: float = FLAT, noise: float = 0.0):
+    def __init__(
+        self,
+        kernel: Callable[[TrainConfig, TrainConfig], float],
+        known_error: float,
+        nugget: float | None = None,
+        nu0: float = 1.0,
+        shared: float = FLAT,
+        noise: float = 0.0,
+    ):
         self.kernel, self.known = kernel, known_error
         self.nugget = NUGGET if nugget is None else nugget
-        self.noise = noise         # a measurement's own noise (NOISE): in the fit, not in a prediction
+        self.noise = noise  # a measurement's own noise (NOISE): in the fit, not in a prediction
         self.nu0, self.shared = nu0, shared
         self.flat = shared >= FLAT
         self.xs: list[TrainConfig] = []
         self.ys: list[float] = []
-        self._rows: dict[tuple, list[float]] = {}     # candidate key -> its kernel with xs[0], xs[1], ...
-        self._diag: dict[tuple, float] = {}           # candidate key -> its kernel with itself
+        self._rows: dict[tuple, list[float]] = {}  # candidate key -> its kernel with xs[0], xs[1], ...
+        self._diag: dict[tuple, float] = {}  # candidate key -> its kernel with itself
         self._fit: tuple[np.ndarray, np.ndarray, float] | None = None
 
     def observe(self, cfg: TrainConfig, residual: float) -> None:
@@ -217,7 +235,7 @@ class ResidualModel:
         # kept per candidate and extended by each new measurement: a search of hundreds of groups
         # otherwise recomputes every distance at every pick
         row = self._rows.setdefault(cfg.key(), [])
-        for x in self.xs[len(row):]:
+        for x in self.xs[len(row) :]:
             row.append(self.shared + self.kernel(cfg, x))
         return row
 
@@ -232,7 +250,7 @@ class ResidualModel:
             # y' K^-1 y: the squared, standardised errors of predicting each measurement from the earlier
             # ones (chain rule); n - 1 of them carry information where the shared offset is flat (the first only
             # fixes it), all n where it has a prior of its own (SHARED)
-            sigma2 = (self.nu0 * self.known ** 2 + max(float(y @ alpha), 0.0)) / (self.nu0 + max(n - self.flat, 0))
+            sigma2 = (self.nu0 * self.known**2 + max(float(y @ alpha), 0.0)) / (self.nu0 + max(n - self.flat, 0))
             self._fit = (kinv, alpha, sigma2)
         return self._fit
 
@@ -280,38 +298,63 @@ class Verdict:
         """`no unrun candidate can beat trial 12 by more than 2% (largest bound +1.4%: z2 ...); 6 of 40 groups run`."""
         tol = f"{100 * self.tolerance:g}%"
         big = f"largest bound {100 * self.largest:+.1f}%: {self.candidate}" if self.candidate else "none left"
-        head = (f"no unrun candidate can beat trial {self.best_trial} by more than {tol}" if self.stop else
-                f"an unrun candidate may still beat trial {self.best_trial} by more than {tol}")
-        return (f"{head} ({big}; the prior's error {100 * self.sigma:.1f}% after {self.measured} measured, "
-                f"the {self.prior}'s known {100 * self.known:.0f}%); {self.groups_run} of {self.groups} groups run")
+        head = (
+            f"no unrun candidate can beat trial {self.best_trial} by more than {tol}"
+            if self.stop
+            else f"an unrun candidate may still beat trial {self.best_trial} by more than {tol}"
+        )
+        return (
+            f"{head} ({big}; the prior's error {100 * self.sigma:.1f}% after {self.measured} measured, "
+            f"the {self.prior}'s known {100 * self.known:.0f}%); {self.groups_run} of {self.groups} groups run"
+        )
 
     def attrs(self) -> dict:
-        return {"rule": "bound", "stop": self.stop, "tolerance": self.tolerance, "best_trial": self.best_trial,
-                "best_value": self.best_value, "largest_bound": self.largest, "candidate": self.candidate,
-                "sigma": self.sigma, "known_error": self.known, "prior": self.prior, "measured": self.measured,
-                "groups_run": self.groups_run, "groups": self.groups, "line": self.line()}
+        return {
+            "rule": "bound",
+            "stop": self.stop,
+            "tolerance": self.tolerance,
+            "best_trial": self.best_trial,
+            "best_value": self.best_value,
+            "largest_bound": self.largest,
+            "candidate": self.candidate,
+            "sigma": self.sigma,
+            "known_error": self.known,
+            "prior": self.prior,
+            "measured": self.measured,
+            "groups_run": self.groups_run,
+            "groups": self.groups,
+            "line": self.line(),
+        }
 
 
 class Bounded:
     """The search strategy (search.Search.strategy): picks the unrun candidate with the largest bound
     and says when none can beat the best measured by more than the tolerance."""
 
-    def __init__(self, prior: Callable[[TrainConfig], float], layers: int, prior_name: str,
-                 candidates: Sequence[TrainConfig] = ()):
+    def __init__(
+        self,
+        prior: Callable[[TrainConfig], float],
+        layers: int,
+        prior_name: str,
+        candidates: Sequence[TrainConfig] = (),
+    ):
         """`candidates`: the configurations the search may run; the bend (CURVE) is centred on their range, and
         without them there is none (a bend about an arbitrary centre would be a slope of any size)."""
         self._prior, self.prior_name = prior, prior_name
         trend, curve = TREND[prior_name], CURVE[prior_name] if len(candidates) else 0.0
         center = ordered_center(candidates, layers) if curve else (0.0, 0.0, 0.0, 0.0)
-        kernel = lambda a, b: error_kernel(a, b, layers, self.log_prior(a) - self.log_prior(b),  # noqa: E731
-                                           trend, curve, center)
-        self.model = ResidualModel(kernel, KNOWN_ERROR[prior_name], nu0=NU0[prior_name], shared=SHARED[prior_name],
-                                   noise=NOISE[prior_name])
+
+        def kernel(a: TrainConfig, b: TrainConfig) -> float:
+            return error_kernel(a, b, layers, self.log_prior(a) - self.log_prior(b), trend, curve, center)
+
+        self.model = ResidualModel(
+            kernel, KNOWN_ERROR[prior_name], nu0=NU0[prior_name], shared=SHARED[prior_name], noise=NOISE[prior_name]
+        )
         self._cache: dict[tuple, float] = {}
 
     def log_prior(self, cfg: TrainConfig) -> float:
         key = cfg.key()
-        if key not in self._cache:     # the cost model prices a candidate once, not once per pick
+        if key not in self._cache:  # the cost model prices a candidate once, not once per pick
             self._cache[key] = math.log(self._prior(cfg))
         return self._cache[key]
 
@@ -333,13 +376,24 @@ class Bounded:
             return max(cands, key=lambda c: self.log_prior(c.cfg))
         return cands[int(np.argmax(self.bounds([c.cfg for c in cands])))]
 
-    def verdict(self, cands: Sequence, best_value: float, best_trial: int | None, tolerance: float,
-                groups_run: int) -> Verdict:
+    def verdict(
+        self, cands: Sequence, best_value: float, best_trial: int | None, tolerance: float, groups_run: int
+    ) -> Verdict:
         """Whether no candidate of `cands` (search.Candidate) can beat `best_value` by more than `tolerance`."""
         bounds = self.bounds([c.cfg for c in cands])
         i = int(np.argmax(bounds)) if len(cands) else None
         largest = math.exp(bounds[i] - math.log(best_value)) - 1 if i is not None else -1.0
-        return Verdict(stop=largest <= tolerance, tolerance=tolerance, best_value=best_value, best_trial=best_trial,
-                       largest=largest, candidate=cands[i].cfg.short() if i is not None else "",
-                       sigma=self.model.sigma, known=self.model.known, prior=self.prior_name,
-                       measured=len(self.model.xs), groups_run=groups_run, groups=groups_run + len(cands))
+        return Verdict(
+            stop=largest <= tolerance,
+            tolerance=tolerance,
+            best_value=best_value,
+            best_trial=best_trial,
+            largest=largest,
+            candidate=cands[i].cfg.short() if i is not None else "",
+            sigma=self.model.sigma,
+            known=self.model.known,
+            prior=self.prior_name,
+            measured=len(self.model.xs),
+            groups_run=groups_run,
+            groups=groups_run + len(cands),
+        )

@@ -84,7 +84,7 @@ def storage_url(name: str, url: str | None = None) -> str:
 
 def _sqlite_file(url: str) -> Path | None:
     if url.startswith("sqlite:///"):
-        return Path(url[len("sqlite:///"):].split("?")[0])
+        return Path(url[len("sqlite:///") :].split("?")[0])
     return None
 
 
@@ -93,8 +93,10 @@ def _check_sqlite(path: Path) -> None:
     with open(path, "rb") as f:
         header = f.read(16)
     if header and header != b"SQLite format 3\x00":
-        raise SpecError(f"{path} is not a SQLite database (corrupt, or another file); it was left untouched. "
-                        f"Move it away or pass another --study/--storage")
+        raise SpecError(
+            f"{path} is not a SQLite database (corrupt, or another file); it was left untouched. "
+            f"Move it away or pass another --study/--storage"
+        )
     if not header:
         return
     try:
@@ -103,8 +105,10 @@ def _check_sqlite(path: Path) -> None:
     except sqlite3.DatabaseError as e:
         raise SpecError(f"{path} cannot be read as a SQLite database ({e}); it was left untouched") from None
     if tables and "studies" not in tables:
-        raise SpecError(f"{path} is a SQLite database but not an Optuna study (tables: "
-                        f"{', '.join(sorted(tables))}); it was left untouched")
+        raise SpecError(
+            f"{path} is a SQLite database but not an Optuna study (tables: "
+            f"{', '.join(sorted(tables))}); it was left untouched"
+        )
 
 
 def _make_folder(folder: Path) -> None:
@@ -130,7 +134,7 @@ def open_storage(url: str, *, must_exist: bool) -> RDBStorage:
         raise SpecError(f"cannot open study storage {url}: {e}") from None
     if path is not None:
         sqlalchemy.event.listen(storage.engine, "connect", _sqlite_pragmas)
-        storage.engine.dispose()        # connections opened during setup are replaced by ones with the pragmas
+        storage.engine.dispose()  # connections opened during setup are replaced by ones with the pragmas
     return storage
 
 
@@ -170,11 +174,13 @@ def assert_new(name: str, url: str | None) -> None:
     url = storage_url(name, url)
     path = _sqlite_file(url)
     if path is not None and not path.exists():
-        _make_folder(path.parent)   # a folder that cannot be made fails now, before an executor starts
+        _make_folder(path.parent)  # a folder that cannot be made fails now, before an executor starts
         return
     if name in {s.study_name for s in open_storage(url, must_exist=False).get_all_studies()}:
-        raise SpecError(f"study {name!r} already exists in {url}; continue it with --resume, or choose "
-                        f"another --study name (nothing was changed)")
+        raise SpecError(
+            f"study {name!r} already exists in {url}; continue it with --resume, or choose "
+            f"another --study name (nothing was changed)"
+        )
 
 
 def create_study(name: str, url: str | None, attrs: dict, sampler: optuna.samplers.BaseSampler) -> optuna.Study:
@@ -190,8 +196,9 @@ def create_study(name: str, url: str | None, attrs: dict, sampler: optuna.sample
     return study
 
 
-def load_study(name: str | None, url: str | None = None,
-               sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+def load_study(
+    name: str | None, url: str | None = None, sampler: optuna.samplers.BaseSampler | None = None
+) -> optuna.Study:
     """An existing study; `name` None means the most recent one under trials/."""
     if name is None:
         names = list_studies()
@@ -205,8 +212,9 @@ def load_study(name: str | None, url: str | None = None,
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     except KeyError:
         known = [s.study_name for s in storage.get_all_studies()]
-        raise SpecError(f"no study named {name!r} in {url} (it holds: {', '.join(known) or 'none'})"
-                        f"{_known_hint()}") from None
+        raise SpecError(
+            f"no study named {name!r} in {url} (it holds: {', '.join(known) or 'none'}){_known_hint()}"
+        ) from None
     if ATTR not in study.user_attrs:
         raise SpecError(f"study {name!r} in {url} was not made by `autotune search` (no {ATTR!r} attribute)")
     return study
@@ -230,11 +238,29 @@ class ChosenSampler(optuna.samplers.BaseSampler):
 
 
 # ---- what a study records ---------------------------------------------------------------------------
-def study_attrs(model: ModelSpec, cluster: Cluster, *, seq_len: int, global_batch: int | None,
-                space_text: str, space_path: str, source: str, objective: str = "samples") -> dict:
-    return {"model": dataclasses.asdict(model), "gpus": cluster.text, "capacity_bytes": cluster.capacity_bytes,
-            "world_size": cluster.world_size, "seq_len": seq_len, "global_batch": global_batch,
-            "space_text": space_text, "space_path": space_path, "source": source, "objective": objective}
+def study_attrs(
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    seq_len: int,
+    global_batch: int | None,
+    space_text: str,
+    space_path: str,
+    source: str,
+    objective: str = "samples",
+) -> dict:
+    return {
+        "model": dataclasses.asdict(model),
+        "gpus": cluster.text,
+        "capacity_bytes": cluster.capacity_bytes,
+        "world_size": cluster.world_size,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "space_text": space_text,
+        "space_path": space_path,
+        "source": source,
+        "objective": objective,
+    }
 
 
 def specs_of(study: optuna.Study) -> tuple[ModelSpec, Cluster, dict]:
@@ -264,10 +290,19 @@ def pruned_record(cfg: TrainConfig, dists: dict, attrs: dict) -> FrozenTrial:
     made `dists` from the same candidates."""
     now = datetime.datetime.now()
     _WRITING[cfg.key()] = cfg
-    return FrozenTrial(number=-1, trial_id=-1, state=TrialState.PRUNED, value=None, datetime_start=now,
-                       datetime_complete=now, params=params_of(cfg, dists), distributions=dists,
-                       user_attrs={"config": cfg.to_dict(), "status": "pruned", **attrs}, system_attrs={},
-                       intermediate_values={})
+    return FrozenTrial(
+        number=-1,
+        trial_id=-1,
+        state=TrialState.PRUNED,
+        value=None,
+        datetime_start=now,
+        datetime_complete=now,
+        params=params_of(cfg, dists),
+        distributions=dists,
+        user_attrs={"config": cfg.to_dict(), "status": "pruned", **attrs},
+        system_attrs={},
+        intermediate_values={},
+    )
 
 
 def add_finished(study: optuna.Study, trials: list[FrozenTrial]) -> None:
@@ -286,8 +321,9 @@ def add_finished(study: optuna.Study, trials: list[FrozenTrial]) -> None:
     from optuna.storages._rdb import models
 
     storage = getattr(study._storage, "_backend", study._storage)
-    simple = all(t.state.is_finished() and t.values is None and not t.system_attrs
-                 and not t.intermediate_values for t in trials)
+    simple = all(
+        t.state.is_finished() and t.values is None and not t.system_attrs and not t.intermediate_values for t in trials
+    )
     if not trials or not isinstance(storage, RDBStorage) or not simple:
         study.add_trials(trials)
         return
@@ -298,11 +334,24 @@ def add_finished(study: optuna.Study, trials: list[FrozenTrial]) -> None:
         base = session.query(models.TrialModel).filter(models.TrialModel.study_id == sid).count()
         # Core inserts (executemany), not ORM objects: the ORM's unit of work and bulk path cost more
         # than the rows themselves at 49k trials (a third of this function's time, py-spy)
-        session.execute(models.TrialModel.__table__.insert(),
-                        [{"study_id": sid, "number": base + i, "state": t.state, "datetime_start": t.datetime_start,
-                          "datetime_complete": t.datetime_complete} for i, t in enumerate(trials)])
-        ids = dict(session.query(models.TrialModel.number, models.TrialModel.trial_id)
-                   .filter(models.TrialModel.study_id == sid, models.TrialModel.number >= base))
+        session.execute(
+            models.TrialModel.__table__.insert(),
+            [
+                {
+                    "study_id": sid,
+                    "number": base + i,
+                    "state": t.state,
+                    "datetime_start": t.datetime_start,
+                    "datetime_complete": t.datetime_complete,
+                }
+                for i, t in enumerate(trials)
+            ],
+        )
+        ids = dict(
+            session.query(models.TrialModel.number, models.TrialModel.trial_id).filter(
+                models.TrialModel.study_id == sid, models.TrialModel.number >= base
+            )
+        )
         dist_json: dict[str, str] = {}
         params, attrs = [], []
         for i, t in enumerate(trials):
@@ -311,13 +360,19 @@ def add_finished(study: optuna.Study, trials: list[FrozenTrial]) -> None:
                 d = t.distributions[name]
                 if name not in dist_json:
                     dist_json[name] = distribution_to_json(d)
-                params.append({"trial_id": tid, "param_name": name, "param_value": d.to_internal_repr(value),
-                               "distribution_json": dist_json[name]})
+                params.append(
+                    {
+                        "trial_id": tid,
+                        "param_name": name,
+                        "param_value": d.to_internal_repr(value),
+                        "distribution_json": dist_json[name],
+                    }
+                )
             for k, v in t.user_attrs.items():
                 text = json.dumps(v)
                 attrs.append({"trial_id": tid, "key": k, "value_json": text})
                 if k == "config" and isinstance(v, dict) and (cfg := _WRITING.pop(tuple(sorted(v.items())), None)):
-                    _CONFIGS.setdefault(text, cfg)    # what reading this text back makes (_config_text)
+                    _CONFIGS.setdefault(text, cfg)  # what reading this text back makes (_config_text)
         _insert_many(session, models.TrialParamModel.__table__, params)
         _insert_many(session, models.TrialUserAttributeModel.__table__, attrs)
         session.commit()
@@ -336,13 +391,15 @@ def _insert_many(session, table: sqlalchemy.Table, rows: list[dict[str, Any]]) -
         return
     conn = session.connection()
     mark = {"qmark": "?", "format": "%s", "pyformat": "%s"}.get(conn.dialect.paramstyle)
-    if mark is None:     # a driver with named or numbered parameters: through SQLAlchemy
+    if mark is None:  # a driver with named or numbered parameters: through SQLAlchemy
         session.execute(table.insert(), rows)
         return
     quote = conn.dialect.identifier_preparer.quote
     cols = list(rows[0])
-    conn.exec_driver_sql(f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, cols))}) "
-                         f"VALUES ({', '.join([mark] * len(cols))})", [tuple(r[c] for c in cols) for r in rows])
+    conn.exec_driver_sql(
+        f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, cols))}) VALUES ({', '.join([mark] * len(cols))})",
+        [tuple(r[c] for c in cols) for r in rows],
+    )
 
 
 def owner() -> str:
@@ -375,8 +432,9 @@ def start_trial(study: optuna.Study, cfg: TrainConfig, dists: dict, attrs: dict)
     them in one transaction each, and first reads every unfinished trial of the study to look for
     waiting ones: 1.3 s of each trial of lora.yaml's simulated 13B search (196 trials, cProfile on
     2 busy cores). The trial is then an ordinary one: set_user_attr, tell."""
-    frozen = optuna.trial.create_trial(state=TrialState.RUNNING, params=params_of(cfg, dists),
-                                       distributions=dists, user_attrs=attrs)
+    frozen = optuna.trial.create_trial(
+        state=TrialState.RUNNING, params=params_of(cfg, dists), distributions=dists, user_attrs=attrs
+    )
     return optuna.Trial(study, study._storage.create_new_trial(study._study_id, template_trial=frozen))
 
 
@@ -425,10 +483,19 @@ def _record(number: int, state: TrialState, a: dict[str, Any], value: float | No
         status = "interrupted"
     res = a.get("result")
     cfg = c if isinstance(c, TrainConfig) else _config(c) if c else None
-    return TrialRecord(number=number, state=state, status=status, config=cfg,
-                       result=TrialResult.from_dict(res) if res else None, estimate=a.get("estimate") or {},
-                       value=value, pruned_by=a.get("pruned_by"), reason=a.get("reason", ""),
-                       source=a.get("source"), owner=a.get("owner", ""))
+    return TrialRecord(
+        number=number,
+        state=state,
+        status=status,
+        config=cfg,
+        result=TrialResult.from_dict(res) if res else None,
+        estimate=a.get("estimate") or {},
+        value=value,
+        pruned_by=a.get("pruned_by"),
+        reason=a.get("reason", ""),
+        source=a.get("source"),
+        owner=a.get("owner", ""),
+    )
 
 
 def records(study: optuna.Study) -> list[TrialRecord]:
@@ -452,24 +519,37 @@ def _read_rows(storage: RDBStorage, sid: int) -> list[TrialRecord]:
 
     session = storage.scoped_session()
     try:
-        trials = (session.query(models.TrialModel.trial_id, models.TrialModel.number, models.TrialModel.state)
-                  .filter(models.TrialModel.study_id == sid).all())
+        trials = (
+            session.query(models.TrialModel.trial_id, models.TrialModel.number, models.TrialModel.state)
+            .filter(models.TrialModel.study_id == sid)
+            .all()
+        )
         attrs: dict[int, dict[str, Any]] = {}
-        for tid, key, value in (session.query(models.TrialUserAttributeModel.trial_id,
-                                              models.TrialUserAttributeModel.key,
-                                              models.TrialUserAttributeModel.value_json)
-                                .join(models.TrialModel).filter(models.TrialModel.study_id == sid)):
+        for tid, key, value in (
+            session.query(
+                models.TrialUserAttributeModel.trial_id,
+                models.TrialUserAttributeModel.key,
+                models.TrialUserAttributeModel.value_json,
+            )
+            .join(models.TrialModel)
+            .filter(models.TrialModel.study_id == sid)
+        ):
             # a config as its TrainConfig straight from the stored text: many trials share few configs' texts
             attrs.setdefault(tid, {})[key] = _config_text(value) if key == "config" else json.loads(value)
-        values = {tid: models.TrialValueModel.stored_repr_to_value(v, kind) for tid, v, kind in
-                  session.query(models.TrialValueModel.trial_id, models.TrialValueModel.value,
-                                models.TrialValueModel.value_type)
-                  .join(models.TrialModel).filter(models.TrialModel.study_id == sid,
-                                                  models.TrialValueModel.objective == 0)}
+        values = {
+            tid: models.TrialValueModel.stored_repr_to_value(v, kind)
+            for tid, v, kind in session.query(
+                models.TrialValueModel.trial_id, models.TrialValueModel.value, models.TrialValueModel.value_type
+            )
+            .join(models.TrialModel)
+            .filter(models.TrialModel.study_id == sid, models.TrialValueModel.objective == 0)
+        }
     finally:
         session.close()
-    return [_record(number, state, attrs.get(tid, {}), values.get(tid))
-            for tid, number, state in sorted(trials, key=lambda r: r[1])]
+    return [
+        _record(number, state, attrs.get(tid, {}), values.get(tid))
+        for tid, number, state in sorted(trials, key=lambda r: r[1])
+    ]
 
 
 def record_of(t: FrozenTrial) -> TrialRecord:

@@ -78,8 +78,9 @@ def loopback_store(world_size: int) -> tuple[TCPStore, int]:
     port = sock.getsockname()[1]
     # detach: the store owns the descriptor and closes it when deleted (measured: os.fstat on it after
     # `del store` fails with EBADF), so the socket object must not close it a second time.
-    return TCPStore(LOOPBACK, port, world_size=world_size, is_master=True, master_listen_fd=sock.detach(),
-                    wait_for_workers=False), port
+    return TCPStore(
+        LOOPBACK, port, world_size=world_size, is_master=True, master_listen_fd=sock.detach(), wait_for_workers=False
+    ), port
 
 
 def loopback_interface() -> str:
@@ -97,20 +98,42 @@ def prepare(req: TrialRequest) -> None:
     for old in [*out.glob("rank*.json"), out / "log.txt", out / "result.json"]:
         old.unlink(missing_ok=True)
     (out / "deepspeed_config.json").write_text(
-        json.dumps(deepspeed_config(req.config, req.model, req.cluster), indent=2))
-    config = {"config": req.config.to_dict(), "model": vars(req.model), "cluster": {
-        "text": req.cluster.text, "num_nodes": req.cluster.num_nodes, "gpus_per_node": req.cluster.gpus_per_node,
-        "gpu": vars(req.cluster.gpu), "capacity_bytes": req.cluster.capacity_bytes},
-        "steps": req.steps, "warmup_steps": req.warmup_steps, "timeout_s": req.timeout_s,
-        "fault": req.fault, "trial_id": req.trial_id}
+        json.dumps(deepspeed_config(req.config, req.model, req.cluster), indent=2)
+    )
+    config = {
+        "config": req.config.to_dict(),
+        "model": vars(req.model),
+        "cluster": {
+            "text": req.cluster.text,
+            "num_nodes": req.cluster.num_nodes,
+            "gpus_per_node": req.cluster.gpus_per_node,
+            "gpu": vars(req.cluster.gpu),
+            "capacity_bytes": req.cluster.capacity_bytes,
+        },
+        "steps": req.steps,
+        "warmup_steps": req.warmup_steps,
+        "timeout_s": req.timeout_s,
+        "fault": req.fault,
+        "trial_id": req.trial_id,
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
 
 class Group:
     """The local ranks of one process group, started at config `start` of `requests`."""
 
-    def __init__(self, requests: list[TrialRequest], start: int, *, node_rank: int, num_nodes: int,
-                 master_addr: str, master_port: int, threads: int | None, local_only: bool = False):
+    def __init__(
+        self,
+        requests: list[TrialRequest],
+        start: int,
+        *,
+        node_rank: int,
+        num_nodes: int,
+        master_addr: str,
+        master_port: int,
+        threads: int | None,
+        local_only: bool = False,
+    ):
         self.requests, self.events = requests, queue.Queue()
         cluster = requests[0].cluster
         # One node runs gpus_per_node ranks of a multi-node trial; alone, it runs them all.
@@ -128,15 +151,24 @@ class Group:
         for lr in range(self.local):
             rank = node_rank * self.local + lr
             self.ranks.append(rank)
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(lr),
-                   "LOCAL_WORLD_SIZE": str(self.local), "MASTER_ADDR": master_addr,
-                   # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE, as its own launcher
-                   # sets it; unset, it runs `numactl --hardware` on every call (measured: 93 calls in a 3-step ZeRO-3 trial).
-                   # The shared-memory comm op it would enable is switched off in the worker.
-                   "LOCAL_SIZE": str(self.local),
-                   "MASTER_PORT": str(master_port), "AUTOTUNE_START": str(start),
-                   "AUTOTUNE_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-                   "AUTOTUNE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(lr),
+                "LOCAL_WORLD_SIZE": str(self.local),
+                "MASTER_ADDR": master_addr,
+                # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE, as its own launcher
+                # sets it; unset, it runs `numactl --hardware` on every call (measured: 93 calls in a 3-step ZeRO-3 trial).
+                # The shared-memory comm op it would enable is switched off in the worker.
+                "LOCAL_SIZE": str(self.local),
+                "MASTER_PORT": str(master_port),
+                "AUTOTUNE_START": str(start),
+                "AUTOTUNE_THREADS": str(threads),
+                "OMP_NUM_THREADS": str(threads),
+                "AUTOTUNE_PARENT_PID": str(os.getpid()),
+                "PYTHONUNBUFFERED": "1",
+            }
             if cluster.gpu.is_cpu:
                 env["DS_ACCELERATOR"] = "cpu"
             if local_only:
@@ -146,12 +178,18 @@ class Group:
                 # measured: `getent hosts $(hostname)`) and NCCL any interface but lo and docker* (NCCL's
                 # documentation of NCCL_SOCKET_IFNAME), i.e. the network's.
                 ifname = loopback_interface()
-                env.update(TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME=ifname,
-                           NCCL_SOCKET_IFNAME=ifname)
+                env.update(TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
             group = _join_group(self.procs[0].pid if self.procs else 0)
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "autotune.trial.worker", str(payload)],
-                                               env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT, **group))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "autotune.trial.worker", str(payload)],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    **group,
+                )
+            )
             threading.Thread(target=self._read, args=(lr, rank), daemon=True).start()
         self.pids = [p.pid for p in self.procs]
 
@@ -160,7 +198,7 @@ class Group:
         for raw in self.procs[lr].stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             if MARK in line:
-                event, index = line[line.index(MARK):].split()[1:3]
+                event, index = line[line.index(MARK) :].split()[1:3]
                 self.current[lr] = int(index)
                 self.events.put((event, lr, int(index), time.monotonic()))
                 continue
@@ -176,8 +214,10 @@ class Group:
             except psutil.NoSuchProcess:
                 continue
             if rss > cap + RSS_ALLOWANCE_BYTES:
-                return (f"hard guard: local rank {lr} resident memory {rss:,} bytes exceeds the cap "
-                        f"{cap:,} + {RSS_ALLOWANCE_BYTES:,} allowed for the runtime; group killed")
+                return (
+                    f"hard guard: local rank {lr} resident memory {rss:,} bytes exceeds the cap "
+                    f"{cap:,} + {RSS_ALLOWANCE_BYTES:,} allowed for the runtime; group killed"
+                )
         return None
 
     def kill(self) -> list[int]:
@@ -201,8 +241,9 @@ class Group:
                 pass
         for p in self.procs:
             p.wait()
-        return [pid for pid in family if psutil.pid_exists(pid) and
-                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        return [
+            pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        ]
 
 
 def _join_group(pgid: int) -> dict:
@@ -217,8 +258,10 @@ def _join_group(pgid: int) -> dict:
 
 
 def read_ranks(req: TrialRequest) -> dict[int, RankReport]:
-    return {int(path.stem[4:]): RankReport.from_dict(json.loads(path.read_text()))
-            for path in Path(req.out_dir).glob("rank*.json")}
+    return {
+        int(path.stem[4:]): RankReport.from_dict(json.loads(path.read_text()))
+        for path in Path(req.out_dir).glob("rank*.json")
+    }
 
 
 def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES, rank: int | None = None) -> str:
@@ -230,8 +273,8 @@ def log_tail(req: TrialRequest, lines: int = LOG_TAIL_LINES, rank: int | None = 
     all_lines = path.read_text(errors="replace").splitlines()
     if rank is None:
         return "\n".join(all_lines[-lines:])
-    own = [ln for ln in all_lines if ln.startswith(f"[rank {rank}] ")][-(lines * 3 // 4):]
-    return "\n".join(own + ["--- last lines of all ranks ---"] + all_lines[-(lines // 4):])
+    own = [ln for ln in all_lines if ln.startswith(f"[rank {rank}] ")][-(lines * 3 // 4) :]
+    return "\n".join(own + ["--- last lines of all ranks ---"] + all_lines[-(lines // 4) :])
 
 
 def _parallel_runs(requests: list[TrialRequest]) -> list[list[TrialRequest]]:
@@ -246,9 +289,16 @@ def _parallel_runs(requests: list[TrialRequest]) -> list[list[TrialRequest]]:
     return runs
 
 
-def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int = 1,
-             master_addr: str = "127.0.0.1", master_port: int | None = None,
-             threads: int | None = None, fresh: bool = True) -> list[NodeOutcome]:
+def run_node(
+    requests: list[TrialRequest],
+    *,
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    threads: int | None = None,
+    fresh: bool = True,
+) -> list[NodeOutcome]:
     """Run `requests` on this node's ranks; one NodeOutcome per config.
 
     Single node: a config that kills the group is recorded and a new group (new port) starts at
@@ -278,8 +328,16 @@ def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int
         else:
             store, port = loopback_store(requests[0].cluster.world_size)
             addr = LOOPBACK
-        group = Group(requests, i, node_rank=node_rank, num_nodes=num_nodes, master_addr=addr,
-                      master_port=port, threads=threads, local_only=store is not None)
+        group = Group(
+            requests,
+            i,
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            master_addr=addr,
+            master_port=port,
+            threads=threads,
+            local_only=store is not None,
+        )
         try:
             i = _watch(group, requests, i, outcomes)
         except BaseException:  # KeyboardInterrupt in a caller that lives on: leave no rank behind
@@ -290,8 +348,7 @@ def run_node(requests: list[TrialRequest], *, node_rank: int = 0, num_nodes: int
         master_port = None
         if num_nodes > 1 and i < len(requests):
             for j in range(i, len(requests)):
-                outcomes[j] = NodeOutcome(status="crashed", reason="not run: the group was killed by an "
-                                                                   "earlier config")
+                outcomes[j] = NodeOutcome(status="crashed", reason="not run: the group was killed by an earlier config")
             break
     return outcomes
 
@@ -330,8 +387,10 @@ def _watch(group: Group, requests: list[TrialRequest], i: int, outcomes: list) -
             left = group.kill()
             if i == n:
                 return n
-            reason = (f"timed out after {requests[i].timeout_s:g} s; process group {group.pids[0]} killed"
-                      f"{f', still alive: {left}' if left else ', no process left'}")
+            reason = (
+                f"timed out after {requests[i].timeout_s:g} s; process group {group.pids[0]} killed"
+                f"{f', still alive: {left}' if left else ', no process left'}"
+            )
             return _record(requests, i, outcomes, "timeout", reason, t - t_ready)
         if i < n and event is None and (guard := group.rss_over(requests[i].cluster.capacity_bytes)):
             group.kill()
@@ -345,8 +404,9 @@ def _failure(req: TrialRequest, group: Group, lr: int, code: int) -> tuple[str, 
     if died:
         lr, code = min(died.items())
     else:
-        reports = [(d.time if d.time is not None else math.inf, r, d) for r, d in read_ranks(req).items()
-                   if d.status != "ok"]
+        reports = [
+            (d.time if d.time is not None else math.inf, r, d) for r, d in read_ranks(req).items() if d.status != "ok"
+        ]
         if reports:
             _, rank, d = min(reports, key=lambda x: (x[0], x[1]))
             return d.status, f"rank {rank}: {d.reason}", rank
@@ -354,23 +414,32 @@ def _failure(req: TrialRequest, group: Group, lr: int, code: int) -> tuple[str, 
     return "crashed", f"rank {group.ranks[lr]} exited with {how}", group.ranks[lr]
 
 
-def _record(requests, i: int, outcomes: list, status: str, reason: str, wall_s: float,
-            rank: int | None = None) -> int:
+def _record(requests, i: int, outcomes: list, status: str, reason: str, wall_s: float, rank: int | None = None) -> int:
     outcomes[i] = _finish(requests[i], status, reason, wall_s, 0.0, rank)
     return i + 1
 
 
-def _finish(req: TrialRequest, status: str, reason: str, wall_s: float, spawn_s: float,
-            rank: int | None = None) -> NodeOutcome:
-    return NodeOutcome(ranks=read_ranks(req), status=status, reason=reason, log_tail=log_tail(req, rank=rank),
-                       wall_s=wall_s, timings_s={"spawn_s": spawn_s})
+def _finish(
+    req: TrialRequest, status: str, reason: str, wall_s: float, spawn_s: float, rank: int | None = None
+) -> NodeOutcome:
+    return NodeOutcome(
+        ranks=read_ranks(req),
+        status=status,
+        reason=reason,
+        log_tail=log_tail(req, rank=rank),
+        wall_s=wall_s,
+        timings_s={"spawn_s": spawn_s},
+    )
 
 
 # ---- results --------------------------------------------------------------------------------
 def _grows(xs: list[int], min_steps: int) -> bool:
     """At least min_steps values, never falling, ending more than LEAK_TOLERANCE_BYTES above the start."""
-    return (len(xs) >= min_steps and xs[-1] - xs[0] > LEAK_TOLERANCE_BYTES
-            and all(b >= a - LEAK_TOLERANCE_BYTES for a, b in zip(xs, xs[1:])))
+    return (
+        len(xs) >= min_steps
+        and xs[-1] - xs[0] > LEAK_TOLERANCE_BYTES
+        and all(b >= a - LEAK_TOLERANCE_BYTES for a, b in zip(xs, xs[1:]))
+    )
 
 
 def leaks(step_peaks: list[int], step_ends: list[int]) -> bool:
@@ -389,8 +458,14 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
     if not status:
         bad = [d for _, d in sorted(outcome.ranks.items()) if d.status != "ok"]
         status, reason = (bad[0].status, bad[0].reason) if bad else ("ok", "")
-    res = TrialResult(status=status, reason=reason, log_tail=outcome.log_tail, out_dir=str(req.out_dir),
-                      implementation=req.model.code_name, wall_s=outcome.wall_s + outcome.timings_s.get("exit_s", 0.0))
+    res = TrialResult(
+        status=status,
+        reason=reason,
+        log_tail=outcome.log_tail,
+        out_dir=str(req.out_dir),
+        implementation=req.model.code_name,
+        wall_s=outcome.wall_s + outcome.timings_s.get("exit_s", 0.0),
+    )
     timed = [d.step_times_s for d in ranks if d.step_times_s]
     if timed and len(timed) == len(ranks):
         cfg, world = req.config, req.cluster.world_size
@@ -431,9 +506,16 @@ def _timings(outcome: NodeOutcome, r0: RankReport) -> dict[str, float]:
     w = r0.timings
     if w:
         measured = sum(r0.step_times_s)
-        t.update(setup_s=w["setup_s"], build_s=w["build_s"], initialize_s=w["init_s"] - w["build_s"],
-                 warmup_s=w["train_s"] - measured, measured_s=measured, profiler_stop_s=w["profiler_stop_s"],
-                 analysis_s=w["analysis_s"], teardown_s=w["teardown_s"])
+        t.update(
+            setup_s=w["setup_s"],
+            build_s=w["build_s"],
+            initialize_s=w["init_s"] - w["build_s"],
+            warmup_s=w["train_s"] - measured,
+            measured_s=measured,
+            profiler_stop_s=w["profiler_stop_s"],
+            analysis_s=w["analysis_s"],
+            teardown_s=w["teardown_s"],
+        )
     return t
 
 
@@ -441,9 +523,20 @@ def write_result(req: TrialRequest, res: TrialResult, outcome: NodeOutcome) -> N
     """result.json and memory_per_step.json (every rank) in the trial's folder."""
     out = Path(req.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    per_rank = {str(r): {k: getattr(d, k) for k in ("step_peak_bytes", "step_end_bytes", "phase_peak_bytes",
-                                                     "init_peak_bytes", "peak_bytes", "baseline_bytes")}
-                for r, d in sorted(outcome.ranks.items())}
+    per_rank = {
+        str(r): {
+            k: getattr(d, k)
+            for k in (
+                "step_peak_bytes",
+                "step_end_bytes",
+                "phase_peak_bytes",
+                "init_peak_bytes",
+                "peak_bytes",
+                "baseline_bytes",
+            )
+        }
+        for r, d in sorted(outcome.ranks.items())
+    }
     (out / "memory_per_step.json").write_text(json.dumps({"leak": res.leak, "ranks": per_rank}, indent=2))
     (out / "result.json").write_text(json.dumps(res.to_dict(), indent=2, default=str))
 

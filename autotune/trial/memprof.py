@@ -85,9 +85,14 @@ class CpuCurve:
         allocs.sort(key=lambda a: a[0])
         for spans in ranges.values():
             spans.sort()
-        return cls(times_ns=[a[0] for a in allocs], live_bytes=[a[1] for a in allocs],
-                   sizes=[a[2] for a in allocs], ptrs=[a[3] for a in allocs], events=[a[4] for a in allocs],
-                   ranges=dict(ranges))
+        return cls(
+            times_ns=[a[0] for a in allocs],
+            live_bytes=[a[1] for a in allocs],
+            sizes=[a[2] for a in allocs],
+            ptrs=[a[3] for a in allocs],
+            events=[a[4] for a in allocs],
+            ranges=dict(ranges),
+        )
 
     @property
     def baseline_bytes(self) -> int:
@@ -149,21 +154,27 @@ class CpuCurve:
         groups = self._group(live.values())
         total = self.live_at(t_ns) - self.baseline_bytes
         attributed = sum(g[0] for g in groups.values())
-        lines = [f"live tensor bytes at the peak (relative to the baseline): {total:,}",
-                 f"baseline (live before the model was built): {self.baseline_bytes:,}",
-                 f"{'bytes':>16} {'tensors':>8}  allocated by (op < caller)"]
+        lines = [
+            f"live tensor bytes at the peak (relative to the baseline): {total:,}",
+            f"baseline (live before the model was built): {self.baseline_bytes:,}",
+            f"{'bytes':>16} {'tensors':>8}  allocated by (op < caller)",
+        ]
         for origin, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:limit]:
             lines.append(f"{size:>16,} {count:>8}  {origin}")
-        lines.append(f"{total - attributed:>16,} {'':>8}  difference: blocks freed or allocated where the "
-                     f"profiler records no event (gloo threads, the baseline)")
+        lines.append(
+            f"{total - attributed:>16,} {'':>8}  difference: blocks freed or allocated where the "
+            f"profiler records no event (gloo threads, the baseline)"
+        )
         return "\n".join(lines)
 
     def alloc_table(self, limit: int = 25) -> str:
         """The profiler's allocation table over the whole window: bytes allocated per op (a sum of
         allocations, not a peak), the same grouping as the live table."""
         groups = self._group(i for i, size in enumerate(self.sizes) if size > 0)
-        lines = ["allocations over the whole window (model build to the last step):",
-                 f"{'bytes allocated':>16} {'count':>8}  allocated by (op < caller)"]
+        lines = [
+            "allocations over the whole window (model build to the last step):",
+            f"{'bytes allocated':>16} {'count':>8}  allocated by (op < caller)",
+        ]
         for origin, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:limit]:
             lines.append(f"{size:>16,} {count:>8}  {origin}")
         return "\n".join(lines)

@@ -70,7 +70,7 @@ def import_muon_eagerly() -> None:
     (deepcompile) and any torch.compile in the model's own code compile as they would in training."""
     import importlib.util
 
-    if importlib.util.find_spec("deepspeed.runtime.zero.muon") is None:   # a DeepSpeed without it
+    if importlib.util.find_spec("deepspeed.runtime.zero.muon") is None:  # a DeepSpeed without it
         return
     before = os.environ.get("TORCHDYNAMO_DISABLE")
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -114,13 +114,16 @@ def main(argv: list[str]) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
     # torch.optim's add_param_group (and the meta-device init) import torch._dynamo at first use
     # (~1 s of CPU): import it now, before gc.freeze, so its objects are frozen with the rest.
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
 
     # What is alive now lives as long as the process: keep it out of every later gc.collect()
     # (measured: 0.2 s per collect on 2 cores without this; each config collects once at teardown).
     gc.freeze()
-    print(f"rank {rank}/{world}: torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
-          f"{torch.get_num_threads()} threads, ready in {time.perf_counter() - t_start:.2f} s", flush=True)
+    print(
+        f"rank {rank}/{world}: torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
+        f"{torch.get_num_threads()} threads, ready in {time.perf_counter() - t_start:.2f} s",
+        flush=True,
+    )
     for index in range(int(os.environ.get("AUTOTUNE_START", "0")), len(requests)):
         req = requests[index]
         emit("start", index)
@@ -130,7 +133,7 @@ def main(argv: list[str]) -> int:
         except torch.OutOfMemoryError as e:
             traceback.print_exc()
             result, abandon = failure("oom", e), True
-        except Exception as e:  # noqa: BLE001 - recorded with its traceback; the group is then killed
+        except Exception as e:
             traceback.print_exc()
             result, abandon = failure("crashed", e), True
         result.index = index
@@ -152,8 +155,12 @@ def main(argv: list[str]) -> int:
 def failure(status: str, e: BaseException):
     from autotune.trial.record import RankReport
 
-    return RankReport(status=status, reason=f"{type(e).__name__}: {e}".strip()[:2000],
-                      traceback=traceback.format_exc()[-4000:], time=time.time())
+    return RankReport(
+        status=status,
+        reason=f"{type(e).__name__}: {e}".strip()[:2000],
+        traceback=traceback.format_exc()[-4000:],
+        time=time.time(),
+    )
 
 
 # ---- one config ---------------------------------------------------------------------------------
@@ -183,8 +190,13 @@ def client_optimizer(req, model):
 
     from autotune.deepspeed_config import ADAMW
 
-    return bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]),
-                               eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+    return bnb.optim.AdamW8bit(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=ADAMW["lr"],
+        betas=tuple(ADAMW["betas"]),
+        eps=ADAMW["eps"],
+        weight_decay=ADAMW["weight_decay"],
+    )
 
 
 class Phases:
@@ -207,6 +219,7 @@ class Phases:
                 if self.gpu_mem is not None:
                     self.peaks[name] = max(self.peaks.get(name, 0), self.gpu_mem.peak())
                     self.reserved = max(self.reserved, self.gpu_mem.reserved())
+
         return phase()
 
 
@@ -247,8 +260,11 @@ def sequence_parallel_attention(req):
     # config would be taken for a hub name): made before the model, outside the trial's memory window
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=types.SimpleNamespace(config=config_object(req.model)),
-        core_attn_implementation=cfg.attention, sequence_parallel_size=cfg.sequence_parallel_size,
-        micro_batch_size=cfg.micro_batch, seq_length_is_variable=True)
+        core_attn_implementation=cfg.attention,
+        sequence_parallel_size=cfg.sequence_parallel_size,
+        micro_batch_size=cfg.micro_batch,
+        seq_length_is_variable=True,
+    )
     return mpu, (cfg.attention, own)
 
 
@@ -274,14 +290,21 @@ def sequence_parallel_batch(tokens, device, mpu):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
     x = tokens[:, :-1]
-    batch = {"input_ids": x, "labels": x.clone(),
-             "position_ids": torch.arange(x.shape[1], device=x.device).expand_as(x).contiguous()}
+    batch = {
+        "input_ids": x,
+        "labels": x.clone(),
+        "position_ids": torch.arange(x.shape[1], device=x.device).expand_as(x).contiguous(),
+    }
     # the groups of register_with_transformers' mpu (deepspeed.utils.groups returns the same once initialize has it)
-    adapter = UlyssesSPDataLoaderAdapter([batch], sp_rank=mpu.get_sequence_parallel_rank(),
-                                         sp_group=mpu.get_sequence_parallel_group(),
-                                         sp_world_size=mpu.get_sequence_parallel_world_size(), device=device)
+    adapter = UlyssesSPDataLoaderAdapter(
+        [batch],
+        sp_rank=mpu.get_sequence_parallel_rank(),
+        sp_group=mpu.get_sequence_parallel_group(),
+        sp_world_size=mpu.get_sequence_parallel_world_size(),
+        device=device,
+    )
     shard = next(iter(adapter))
-    return {k: v.to(device).contiguous() for k, v in shard.items() if torch.is_tensor(v)}   # cut: strided
+    return {k: v.to(device).contiguous() for k, v in shard.items() if torch.is_tensor(v)}  # cut: strided
 
 
 def sequence_parallel_loss(engine, shard):
@@ -300,8 +323,13 @@ def sequence_parallel_loss(engine, shard):
     labels = shard["shift_labels"]
     count = (labels != -100).sum().to(torch.float32)
     torch.distributed.all_reduce(count, group=groups._get_sequence_parallel_group())
-    return engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"], labels=labels,
-                  shift_labels=labels, num_items_in_batch=count).loss
+    return engine(
+        input_ids=shard["input_ids"],
+        position_ids=shard["position_ids"],
+        labels=labels,
+        shift_labels=labels,
+        num_items_in_batch=count,
+    ).loss
 
 
 def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dict:
@@ -348,7 +376,6 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
     return {"losses": losses, "step_times_s": times, "gpu_step_phase_peaks": step_peaks, "gpu_step_ends": step_ends}
 
 
-
 def run_config(req, *, rank: int, world: int, local_rank: int):
     """Build, initialise, train and measure one config on this rank; its RankReport."""
     import contextlib
@@ -378,15 +405,18 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     data = (batch.to(device),)  # (b, s+1): the implementation's loss takes inputs and targets from it
     del batch
     mpu = sp_saved = None
-    if sp > 1:   # before the window, as the plain batch is: this rank's share of it is not the step's memory
+    if sp > 1:  # before the window, as the plain batch is: this rank's share of it is not the step's memory
         mpu, sp_saved = sequence_parallel_attention(req)
         data = (sequence_parallel_batch(data[0], device, mpu), sequence_parallel_loss)
     # On CPU the profiler IS the memory measurement. torch.autograd.profiler.profile rather than
     # torch.profiler.profile: the latter's first start imports torch._inductor (measured: 1.2-4 s of
     # CPU per rank on 2 cores) for a CUDA-graphs flag a trial never uses.
     measuring = not on_gpu or req.profile
-    window = profile(use_cpu=True, use_device="cuda" if on_gpu else None, profile_memory=True) \
-        if measuring else contextlib.nullcontext()
+    window = (
+        profile(use_cpu=True, use_device="cuda" if on_gpu else None, profile_memory=True)
+        if measuring
+        else contextlib.nullcontext()
+    )
     gpu_mem = memprof.GpuPhases(device) if on_gpu else None
     phases = Phases(gpu_mem)
     t0 = time.perf_counter()
@@ -400,9 +430,10 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
             # A generator, as model.parameters() is: a list held here outlived the engine (measured: the
             # fp32 parameters, 5 MB, still live at the next config's start after a ZeRO-1 fp32 one).
             trainable = (p for p in model.parameters() if p.requires_grad)
-            engine = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg,
-                                          optimizer=client_optimizer(req, model), mpu=mpu)[0]
-            if cfg.deepcompile:   # DeepSpeed runs without DeepCompile until compile() is called (engine.forward)
+            engine = deepspeed.initialize(
+                model=model, model_parameters=trainable, config=ds_cfg, optimizer=client_optimizer(req, model), mpu=mpu
+            )[0]
+            if cfg.deepcompile:  # DeepSpeed runs without DeepCompile until compile() is called (engine.forward)
                 engine.compile()
         timings["init_s"] = time.perf_counter() - t0
         param_bytes = local_param_bytes(engine.module)
@@ -488,22 +519,35 @@ def cpu_memory(curve, req, rank: int) -> dict:
         best = max(best, (peak, t_peak))
     at = curve.phase_peak_times(f"autotune.step{req.warmup_steps + len(steps) - 1}") if steps else {}
     phase = {k: v for k, (v, _) in at.items()}
-    if steps:   # the step's peak, then each phase's of the last step, then what was allocated
-        tables = [curve.live_table(best[1])] + [f"{name} phase of the last step:\n{curve.live_table(t)}"
-                                               for name, (_, t) in at.items()]
+    if steps:  # the step's peak, then each phase's of the last step, then what was allocated
+        tables = [curve.live_table(best[1])] + [
+            f"{name} phase of the last step:\n{curve.live_table(t)}" for name, (_, t) in at.items()
+        ]
         Path(req.out_dir, "memory_summary.txt" if rank == 0 else f"memory_summary_rank{rank}.txt").write_text(
-            "\n\n".join(tables + [curve.alloc_table()]))
-    return {"init_peak_bytes": init_peak, "peak_bytes": best[0] if steps else None,
-            "step_peak_bytes": steps, "step_end_bytes": ends, "phase_peak_bytes": phase,
-            "baseline_bytes": curve.baseline_bytes, "reserved_bytes": None}
+            "\n\n".join(tables + [curve.alloc_table()])
+        )
+    return {
+        "init_peak_bytes": init_peak,
+        "peak_bytes": best[0] if steps else None,
+        "step_peak_bytes": steps,
+        "step_end_bytes": ends,
+        "phase_peak_bytes": phase,
+        "baseline_bytes": curve.baseline_bytes,
+        "reserved_bytes": None,
+    }
 
 
 def gpu_memory(init_peak: int | None, phases: Phases, step_phase_peaks: list[dict], gpu_mem) -> dict:
     steps = [max(p.values()) for p in step_phase_peaks if p]
-    return {"init_peak_bytes": init_peak, "peak_bytes": max(steps) if steps else None,
-            "step_peak_bytes": steps, "step_end_bytes": [],
-            "phase_peak_bytes": {k: v for k, v in (step_phase_peaks or [{}])[-1].items()},
-            "baseline_bytes": gpu_mem.baseline_bytes, "reserved_bytes": phases.reserved}
+    return {
+        "init_peak_bytes": init_peak,
+        "peak_bytes": max(steps) if steps else None,
+        "step_peak_bytes": steps,
+        "step_end_bytes": [],
+        "phase_peak_bytes": {k: v for k, v in (step_phase_peaks or [{}])[-1].items()},
+        "baseline_bytes": gpu_mem.baseline_bytes,
+        "reserved_bytes": phases.reserved,
+    }
 
 
 def classify(req, rec: dict, mem: dict, device) -> dict:
@@ -511,17 +555,21 @@ def classify(req, rec: dict, mem: dict, device) -> dict:
     import torch
 
     if not math.isfinite(rec["losses"][-1]):
-        return {"status": "diverged", "reason": f"non-finite loss {rec['losses'][-1]} at step "
-                                                f"{len(rec['losses']) - 1} (mean over ranks)"}
-    peaks = torch.tensor([mem["init_peak_bytes"] or 0, mem["peak_bytes"] or 0], dtype=torch.float64,
-                         device=device)
+        return {
+            "status": "diverged",
+            "reason": f"non-finite loss {rec['losses'][-1]} at step {len(rec['losses']) - 1} (mean over ranks)",
+        }
+    peaks = torch.tensor([mem["init_peak_bytes"] or 0, mem["peak_bytes"] or 0], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     cap = req.cluster.capacity_bytes
     for what, value in zip(("model build + deepspeed.initialize", "a training step"), peaks.tolist()):
         if value > cap:
-            return {"status": "oom", "reason": f"measured peak of {int(value):,} tensor bytes in {what} "
-                                               f"exceeds the per-rank cap of {cap:,} bytes "
-                                               f"(--gpus {req.cluster.text or req.cluster.gpu.name})"}
+            return {
+                "status": "oom",
+                "reason": f"measured peak of {int(value):,} tensor bytes in {what} "
+                f"exceeds the per-rank cap of {cap:,} bytes "
+                f"(--gpus {req.cluster.text or req.cluster.gpu.name})",
+            }
     return {"status": "ok", "reason": ""}
 
 
