@@ -1,35 +1,23 @@
-"""Traced programs kept on disk between runs, for code whose source cannot change under us.
+"""Traced programs kept on disk between runs, so that a second estimate of the same model reads what the
+first one traced (a 13B search's first grid traces 42 small programs, 15-19 s on 2 cores).
 
-Each estimate of Hugging Face code traces small programs of the module on fake tensors (about 0.2 s
-each on this 2-core machine; a 13B search's first grid traces 42 of them, 15-19 s). Their results
-depend only on the program's key (code_trace.trace_program: the model's config, precision,
-attention, shape, layers, LoRA) and on the code that ran: transformers, peft and torch, and
-autotune's own tracer. So they are stored under a fingerprint of those versions and of every
-autotune source file, and a later `autotune estimate` or `search` of the same model reads them
-back instead of tracing again. So is a program's family over a range of sequence lengths or
-micro batches (memory/seq_family.py), or the finding that it is not exact. Any change of those
-versions or of autotune's code starts a fresh folder; a user's own module (implementation
-`factory`) is never stored, as its file can change between runs without any version saying so.
+A program's result depends on its key (code_trace.trace_program: config, precision, attention, shape,
+layers, LoRA) and on the code that ran it: torch, transformers, peft and autotune's tracer. Entries live
+under `fingerprint()`: those library versions and `TRACE_FORMAT`, which a change to what autotune traces
+or how it reads a trace must bump. autotune's other sources are not in it, so editing a docstring or the
+CLI keeps every cache and the shipped traces valid; tests/test_trace_pack.py re-traces a sample of the
+shipped entries and fails, value by value, when the tracing changed without a new pack. A user's own
+module (implementation `factory`) is never stored: its file can change without any version saying so.
 
-Where: $AUTOTUNE_CACHE_DIR, else $XDG_CACHE_HOME/autotune, else ~/.cache/autotune; one JSON file
-per program, written to a temporary name and renamed, so a crash or a concurrent run never leaves
-half a file. An unreadable entry is traced again; a cache that cannot be written is skipped.
+Where: $AUTOTUNE_CACHE_DIR, else $XDG_CACHE_HOME/autotune, else ~/.cache/autotune; one JSON file per
+entry, written to a temporary name and renamed. An unreadable entry is traced again; a cache that cannot
+be written is skipped. `remembered` keeps the few facts an estimate reads from torch or transformers
+(attention kernels, parameter sizes, the optimizer step's peak, LoRA's layout), so that a later estimate
+imports neither. `in_parallel` traces in a forked process that hands its results over through this cache.
 
-Beside the programs, `remembered` keeps the few other facts an estimate of such code reads from
-torch or transformers (the class's attention kernels, the module's parameter sizes, the optimizer
-step's traced peak, LoRA's adapter layout), so that a later `autotune estimate` imports neither
-(tests/test_memory_hf.py runs one with those imports refused).
-
-`in_parallel` runs traces in a forked process that hands them over through this cache: how a first
-`autotune estimate` of transformers' code traces on two cores (cli/estimate.py).
-
-Shipped traces: where this cache lacks an entry, `load` reads it from autotune/data/shipped_traces.json.gz,
-the same entries written by `python -m autotune.trace_pack` from the estimates of every preset model
-(autotune/trace_pack.py). They hold under the same fingerprint only, so the file is used where the
-installed torch, transformers and peft and autotune's sources are the ones that wrote it (the
-versions `./run` installs, constraints.txt), and ignored otherwise: then everything is traced as
-above. AUTOTUNE_SHIPPED_TRACES=0 ignores it too (how benchmarks/estimate_speed.py times a run that
-traces).
+Shipped traces: where the cache lacks an entry, `load` reads autotune/data/shipped_traces.json.gz,
+written by `python -m autotune.trace_pack` from the estimates of every preset, when it was written under
+this fingerprint (the versions of constraints.txt). AUTOTUNE_SHIPPED_TRACES=0 ignores it.
 """
 
 from __future__ import annotations
@@ -65,16 +53,15 @@ def libraries() -> str:
     return "".join(out)
 
 
+TRACE_FORMAT = 1
+"""Bump when what autotune traces, or how it turns a trace into an entry, changes: every cache and the
+shipped traces then start afresh (`python -m autotune.trace_pack` writes the pack again)."""
+
+
 @cache
 def fingerprint() -> str:
-    """The libraries that run the traced code and autotune's own sources, hashed."""
-    h = hashlib.sha256()
-    h.update(libraries().encode())
-    package = Path(__file__).resolve().parent
-    for path in sorted(package.rglob("*.py")):
-        h.update(path.relative_to(package).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:20]
+    """The libraries that run the traced code and the trace format, hashed."""
+    return hashlib.sha256(f"{libraries()}format {TRACE_FORMAT}\n".encode()).hexdigest()[:20]
 
 
 def _path(key: tuple) -> Path:

@@ -113,6 +113,10 @@ class LoraImpl:
     callers build it as they build the base (hf under ZeRO-3: a live HfDeepSpeedConfig)."""
 
     def __init__(self, base, cfg) -> None:
+        # peft's import makes module-level tensors (peft.tuners.loha's `scale=torch.tensor(1)` defaults): made
+        # here, before a trace builds the model, a trace never counts them (16 B in a process's first program)
+        import peft  # noqa: F401
+
         self.base, self.cfg, self.name = base, cfg, base.name
 
     def build(self, spec: ModelSpec, *, dtype, attention: str, num_layers: int | None = None):

@@ -69,15 +69,16 @@ same per layer (q, k, v, the output and a fp32 log-sum-exp per head and token): 
 unmeasured here, not the exact code."""
 
 
-def build(spec: ModelSpec, precision: str, attention: str, num_layers: int, cfg: TrainConfig | None = None):
+def build(spec: ModelSpec, precision: str, attention: str, num_layers: int, cfg: TrainConfig | None = None, impl=None):
     """`impl.build` in the training dtype: fake parameters cannot be cast after construction
     (`.to(dtype)` fails on fakes), so the default dtype is set while the model is built. `cfg`:
-    the config whose LoRA adapters the module gets (None: the base alone)."""
+    the config whose LoRA adapters the module gets (None: the base alone); `impl`: impl_of's, made
+    before a trace starts."""
 
     import torch
 
     attention = TRACED_AS.get(attention, attention)
-    impl = impl_of(spec, cfg)
+    impl = impl or impl_of(spec, cfg)
     spec = _with_layer_types(spec, num_layers)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(precision))
@@ -272,8 +273,9 @@ def _run(
     from autotune.memory.tracer import adamw, tracing
 
     marks = {"measure": False, "backward": False, "shared": set()}
+    impl = impl_of(spec, cfg)  # outside the trace: what it imports is no part of the step
     with tracing(host_rng) as live, unpacked_sequences(), zero3_linear_function(zero3_linear(cfg)):
-        impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full, cfg)
+        impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full, cfg, impl)
         impl.checkpoint_first(model, ckpt)
         _hooks(impl, model, live, marks)
         params = [p for p in model.parameters() if p.requires_grad]
