@@ -21,6 +21,7 @@ import optuna
 
 from autotune import costmodel
 from autotune import memory as mem
+from autotune.pictures import pyplot, save
 from autotune.search import study as st
 from autotune.search.reads_memo import ReadsMemo
 from autotune.trial.record import FAILED
@@ -253,26 +254,10 @@ def pictures(study: optuna.Study, recs: list[st.TrialRecord] | None = None) -> P
 
 
 # ---- drawing ---------------------------------------------------------------------------------
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, no server
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
-    return path
-
-
 def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) -> Path | None:
     if not bars:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
     ys = list(range(len(bars)))[::-1]  # the winner on top
     for i, g in enumerate(GROUPS):
@@ -288,7 +273,7 @@ def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) ->
     ax.set_xlabel("memory per device, GiB")
     ax.set_title("peak memory per device by term (source and peak phase per bar)", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over a bar
-    return _save(fig, path)
+    return save(fig, path)
 
 
 _PRUNE_STYLE = {
@@ -305,7 +290,7 @@ def plot_frontier(
     throughput (never a run's mark); failed runs as crosses on the axis: they have no throughput."""
     if not points:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 6))
     groups: dict[tuple, list[FrontierPoint]] = {}
     for p in points:
@@ -354,7 +339,7 @@ def plot_frontier(
     ax.set_ylabel(f"{objective}/s (source in legend)")
     ax.set_title("every decided candidate: throughput against peak memory")
     ax.legend(fontsize=7, loc="best")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 _TIME_COLORS = {
@@ -370,7 +355,7 @@ _TIME_COLORS = {
 def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     if not bars:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
     ys = list(range(len(bars)))[::-1]
     names = [n for n in _TIME_COLORS if any(b.parts.get(n) for b in bars)] or ["measured step"]
@@ -381,7 +366,7 @@ def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     ax.set_xlabel(f"seconds per optimizer step ({bars[0].source})")
     ax.set_title("where the step time goes")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over a bar
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def write_pictures(
@@ -409,7 +394,7 @@ def plot_throughput(df, path: Path) -> Path | None:
     zero-size bars at x = 0 (a bar at x = 0 is 0.8 wide and pulled the axis to -0.5 samples/s), and
     the axis starts at 0: a throughput is never negative."""
     drawn = draw_throughput(df)
-    return _save(drawn[0], path) if drawn else None
+    return save(drawn[0], path) if drawn else None
 
 
 def draw_throughput(df):
@@ -419,7 +404,7 @@ def draw_throughput(df):
     ok = df[df["status"] == "ok"].sort_values("samples_per_s") if len(df) else df
     if not len(ok):
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(ok)))
     labels = [
         f"#{r.trial} z{r.zero_stage} {r.precision} mb{r.micro_batch} ga{r.grad_accum} ckpt{r.ckpt_layers}"
@@ -444,7 +429,7 @@ def plot_memory(df, path: Path) -> Path | None:
     runs = df[df["peak_bytes"].notna() & df["est_tensor_bytes"].notna() & (df["source"] == "measured")]
     if not len(runs):
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
     est, meas = runs["est_tensor_bytes"] / GiB, runs["peak_bytes"] / GiB
     for z in sorted(runs["zero_stage"].unique()):
@@ -456,4 +441,4 @@ def plot_memory(df, path: Path) -> Path | None:
     ax.set_ylabel("peak tensor memory per device, GiB (measured)")
     ax.set_title("memory model vs run (measured runs only)")
     ax.legend()
-    return _save(fig, path)
+    return save(fig, path)
