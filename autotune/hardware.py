@@ -98,12 +98,13 @@ class Cluster:
 
 
 @cache
-def _raw() -> dict:
+def gpu_table() -> dict:
+    """data/gpus.yaml's entries by preset name, as written there (`autotune gpus` lists them)."""
     return yaml.safe_load(resources.files("autotune").joinpath("data/gpus.yaml").read_text())["gpus"]
 
 
 def gpu_presets() -> dict[str, GpuSpec]:
-    return {name: _spec(name, e) for name, e in _raw().items()}
+    return {name: _spec(name, e) for name, e in gpu_table().items()}
 
 
 def _spec(name: str, e: dict, memory_bytes: int | None = None) -> GpuSpec:
@@ -122,17 +123,18 @@ def _spec(name: str, e: dict, memory_bytes: int | None = None) -> GpuSpec:
     )
 
 
-def _lookup(type_text: str) -> tuple[str, dict]:
+def lookup_gpu(type_text: str) -> tuple[str, dict]:
+    """(preset name, its gpus.yaml entry) of a type name or alias, any case; SpecError naming the known ones."""
     key = type_text.lower()
-    for name, e in _raw().items():
+    for name, e in gpu_table().items():
         if key == name.lower() or key in (str(a).lower() for a in e.get("aliases", [])):
             return name, e
     import difflib
 
-    names = list(_raw()) + [str(a) for e in _raw().values() for a in e.get("aliases", [])]
+    names = list(gpu_table()) + [str(a) for e in gpu_table().values() for a in e.get("aliases", [])]
     close = difflib.get_close_matches(type_text, names, n=3, cutoff=0.4)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
-    raise SpecError(f"unknown GPU type {type_text!r}.{hint} Known: {', '.join(_raw())} (run `autotune gpus`).")
+    raise SpecError(f"unknown GPU type {type_text!r}.{hint} Known: {', '.join(gpu_table())} (run `autotune gpus`).")
 
 
 def _parse_mem(text: str) -> int:
@@ -173,7 +175,7 @@ def parse_gpus(text: str) -> Cluster:
     count = int(count_txt)
     if count < 1 or (nodes_txt is not None and int(nodes_txt) < 1):
         raise SpecError(f"malformed --gpus {text!r}: counts must be at least 1; {GRAMMAR}")
-    name, entry = _lookup(type_txt)
+    name, entry = lookup_gpu(type_txt)
     per_node_max = entry["gpus_per_node"]
     if nodes_txt is not None:
         nodes, per_node = int(nodes_txt), count

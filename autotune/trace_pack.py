@@ -1,23 +1,21 @@
-"""Writes autotune/data/shipped_traces.json.gz: the trace cache's entries (autotune/trace_cache.py)
-that `autotune estimate` of every preset model needs, so that a first estimate of a preset reads
-them instead of importing torch and transformers and tracing (3-5 s on a 2-core machine).
+"""Writes autotune/data/shipped_traces.json.gz: the trace cache's entries (autotune/trace_cache.py) that
+`autotune estimate` of every preset model needs, so that a first estimate of a preset reads them instead of
+importing torch and transformers and tracing (3-5 s on a 2-core machine).
 
     python -m autotune.trace_pack        # 18-22 minutes on 2 cores (12-15 of them the two planned spaces)
 
-The estimates run are `commands()`: each preset, with transformers' code and with the stand-in, on
-1 to 64 A100s and V100s (powers of two; bf16 and fp16; the programs depend on the precision, not on the
-GPU), at ZeRO 0-3; on 4 GPUs also with --max-seq-len and --max-micro-batch (the families over
-sequence lengths and micro batches); LoRA and QLoRA on as many A100s at ZeRO 0-3; and the
-simulated 13B x 4xA100 search of search_spaces/lora.yaml and full.yaml (`PLANNED_SPACES`). They
-run here, in this process, against an empty cache folder; what they store there is the file.
-The entries are what a first run would trace, under the same fingerprint (trace_cache.fingerprint:
-torch, transformers, peft and every autotune source), so the file holds only until one of them
-changes: run this again after changing autotune's code or the versions in constraints.txt
-(tests/test_trace_pack.py says so when it is stale, and re-traces a sample of its entries).
+The work is `jobs()`, each a library call (autotune.estimate, autotune.search.open_search) with the command
+that does the same (`commands()`, stored in the pack): each preset, with transformers' code and the stand-in,
+on 1 to 64 A100s and V100s at ZeRO 0-3 (`GPUS`, `COUNTS`); on 4 GPUs also the largest sequence length and
+micro batch (their families); LoRA and QLoRA on as many A100s; and the simulated 13B x 4xA100 searches of
+`PLANNED_SPACES`. They run in this process against an empty cache folder; what they store there is the file.
+Its entries hold under trace_cache.fingerprint() (the torch, transformers and peft versions and TRACE_FORMAT):
+run this again after a change to what is traced or to constraints.txt (tests/test_trace_pack.py fails then).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gzip
 import io
@@ -26,9 +24,12 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
-GPUS = (("A100", []), ("V100", ["--precision", "fp16"]))
+GPUS = (("A100", None), ("V100", "fp16"))
 """A GPU with bf16 (its default precision) and one without, at fp16: the programs depend on the
 precision, not on the GPU."""
 COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -42,7 +43,55 @@ should answer without tracing: every candidate's estimate and cost-model profile
 one trial asks them all)."""
 
 
-def commands() -> list[list[str]]:
+@dataclass(frozen=True)
+class Job:
+    """One library call of the pack and the command that does the same."""
+
+    argv: list[str]
+    """The command that does the same (`autotune ARGV`): the pack's record of what it ran."""
+    run: Callable[[], object]
+
+
+def _breakdown(model: str, gpus: str, impl: str | None, config: dict, largest: tuple[str, ...]) -> None:
+    from autotune.estimate import breakdown, resolve
+
+    breakdown(*resolve(model, gpus, impl=impl, **config), largest=largest)
+
+
+def estimate_job(
+    model: str, gpus: str, zero: int, *, precision: str | None = None, impl: str | None = None, method=None, largest=()
+) -> Job:
+    """autotune.estimate.breakdown of one configuration; `largest`: ("seq_len",) or ("micro_batch",) or ()."""
+    argv = ["estimate", "--model", model, "--gpus", gpus]
+    argv += ["--precision", precision] if precision else []
+    argv += ["--impl", impl] if impl else []
+    argv += ["--method", method] if method else []
+    argv += ["--zero", str(zero), *(f"--max-{n.replace('_', '-')}" for n in largest)]
+    config = {
+        "zero_stage": zero,
+        **({"precision": precision} if precision else {}),
+        **({"method": method} if method else {}),
+    }
+    return Job(argv, partial(_breakdown, model, gpus, impl, config, tuple(largest)))
+
+
+def _search(space: str, study: str) -> None:
+    from autotune.search import open_search
+
+    with open_search(model="13b", gpus="4xA100", space=space, executor="simulated", study=study) as s:
+        s.run(n_trials=1, progress=False)
+
+
+def search_job(space: str) -> Job:
+    """One simulated trial of 13B x 4xA100 over a shipped space: every candidate estimated and priced."""
+    path, study = str(SPACES / space), f"pack-{Path(space).stem}"
+    argv = ["search", "--model", "13b", "--gpus", "4xA100", "--space", path, "--executor", "simulated"]
+    argv += ["--n-trials", "1", "--no-progress", "--study", study]
+    return Job(argv, partial(_search, path, study))
+
+
+def jobs() -> list[Job]:
+    """Everything the pack runs, in order (module docstring)."""
     from autotune.models import presets
 
     out = []
@@ -52,58 +101,20 @@ def commands() -> list[list[str]]:
                 for impl in ("hf", "builtin"):
                     for zero in (0, 1, 2, 3):
                         # the families over lengths and micro batches hold for any count: traced at 4
-                        for extra in ([], ["--max-seq-len"], ["--max-micro-batch"]) if n == 4 else ([],):
+                        for largest in ((), ("seq_len",), ("micro_batch",)) if n == 4 else ((),):
                             out.append(
-                                [
-                                    "estimate",
-                                    "--model",
-                                    name,
-                                    "--gpus",
-                                    f"{n}x{gpu}",
-                                    *precision,
-                                    "--impl",
-                                    impl,
-                                    "--zero",
-                                    str(zero),
-                                    *extra,
-                                ]
+                                estimate_job(name, f"{n}x{gpu}", zero, precision=precision, impl=impl, largest=largest)
                             )
         for n in COUNTS:
             for method in ("lora", "qlora"):
                 for zero in (0, 1, 2, 3):
-                    out.append(
-                        [
-                            "estimate",
-                            "--model",
-                            name,
-                            "--gpus",
-                            f"{n}x{GPUS[0][0]}",
-                            "--method",
-                            method,
-                            "--zero",
-                            str(zero),
-                        ]
-                    )
-    for space in PLANNED_SPACES:
-        out.append(
-            [
-                "search",
-                "--model",
-                "13b",
-                "--gpus",
-                "4xA100",
-                "--space",
-                str(SPACES / space),
-                "--executor",
-                "simulated",
-                "--n-trials",
-                "1",
-                "--no-progress",
-                "--study",
-                f"pack-{Path(space).stem}",
-            ]
-        )
-    return out
+                    out.append(estimate_job(name, f"{n}x{GPUS[0][0]}", zero, method=method))
+    return out + [search_job(space) for space in PLANNED_SPACES]
+
+
+def commands() -> list[list[str]]:
+    """The jobs as the commands a user would type (the pack's "commands")."""
+    return [j.argv for j in jobs()]
 
 
 def entries_of(folder: Path) -> dict[str, dict]:
@@ -115,11 +126,15 @@ def entries_of(folder: Path) -> dict[str, dict]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from autotune import trace_cache
-    from autotune.cli import main as cli
+    from autotune.errors import SpecError
 
-    todo = commands()
+    p = argparse.ArgumentParser(prog="python -m autotune.trace_pack")
+    # a check that it runs: the first N jobs only, the pack written to a temporary file, never the shipped one
+    p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    todo = jobs()[: args.limit] if args.limit else jobs()
     with (
         tempfile.TemporaryDirectory(prefix="autotune-pack-") as root,
         tempfile.TemporaryDirectory(prefix="autotune-pack-studies-") as studies,
@@ -128,11 +143,12 @@ def main() -> int:
         os.environ["AUTOTUNE_TRIALS_DIR"] = studies  # the searches' studies, thrown away
         os.environ["AUTOTUNE_SHIPPED_TRACES"] = "0"  # what a first run traces, not what the old file holds
         t0 = time.perf_counter()
-        for i, argv in enumerate(todo, 1):
-            with contextlib.redirect_stdout(io.StringIO()):
-                rc = cli(argv)
-            if rc != 0:
-                print(f"`autotune {' '.join(argv)}` exited {rc}", file=sys.stderr)
+        for i, job in enumerate(todo, 1):
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    job.run()
+            except SpecError as e:
+                print(f"`autotune {' '.join(job.argv)}`: {e}", file=sys.stderr)
                 return 1
             print(f"\r[{i}/{len(todo)}] {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
@@ -140,16 +156,21 @@ def main() -> int:
     pack = {
         "fingerprint": trace_cache.fingerprint(),
         "libraries": trace_cache.libraries(),
-        "commands": [" ".join(c) for c in todo],
+        "commands": [" ".join(j.argv) for j in todo],
         "entries": entries,
     }
-    tmp = trace_cache.SHIPPED.with_suffix(".tmp")
+    out = trace_cache.SHIPPED
+    if args.limit:
+        fd, name = tempfile.mkstemp(prefix="autotune-pack-", suffix=".json.gz")
+        os.close(fd)
+        out = Path(name)
+    tmp = out.with_suffix(".tmp")
     with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
         f.write(json.dumps(pack, sort_keys=True, separators=(",", ":")).encode())  # the same bytes each time
-    os.replace(tmp, trace_cache.SHIPPED)
+    os.replace(tmp, out)
     print(
-        f"{trace_cache.SHIPPED}: {len(entries)} entries from {len(todo)} estimates, "
-        f"{trace_cache.SHIPPED.stat().st_size:,} bytes, fingerprint {pack['fingerprint']}"
+        f"{out}: {len(entries)} entries from {len(todo)} commands, {out.stat().st_size:,} bytes, "
+        f"fingerprint {pack['fingerprint']}"
     )
     return 0
 

@@ -289,12 +289,12 @@ def print_plan(entries: list[dict], model: ModelSpec, cluster: Cluster) -> None:
 def preset_for(device: str) -> str:
     """The gpus.yaml preset whose name or alias the device's name contains, the longest such
     (so "NVIDIA A100-SXM4-40GB" is A100-40GB, not the A100 alias of the 80 GB part)."""
-    from autotune.hardware import _raw
+    from autotune.hardware import gpu_table
 
     key = device.upper()
     found = [
         (len(a), n)
-        for n, e in _raw().items()
+        for n, e in gpu_table().items()
         if n != "cpu"
         for a in (n, *map(str, e.get("aliases", [])))
         if a.upper() in key

@@ -15,6 +15,7 @@ from autotune.report import pictures as rp
 from autotune.search import study as st
 from autotune.search.session import open_search
 from autotune.trial.record import FAILED
+from autotune.units import GiB
 
 PICTURES = ("memory_terms.png", "frontier.png", "step_time.png")
 
@@ -223,3 +224,90 @@ def test_estimate_vs_run_only_for_measured_runs(tmp_path):
     mixed = _frame("measured")
     mixed.loc[0, "source"] = "simulated"
     assert rp.plot_memory(mixed, tmp_path / "mixed.png") is not None
+
+
+# ---- the report reads the study only (issue 48) ---------------------------------------------------------
+SMALL_SPACE = "zero_stage: [0, 1, 2, 3]\nmicro_batch: [1, 2, 4]\nckpt_layers: [0, L]\n"
+"""13B on 4 x A100: ZeRO 0 and 1 are pruned by memory at every micro batch, ZeRO 2 and 3 run some."""
+
+
+def _refuse_the_models(monkeypatch) -> None:
+    """memory.estimate and costmodel.simulate raise, wherever a module of autotune holds them by name."""
+    import sys
+
+    from autotune import costmodel, memory
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the report estimated or simulated: it must read the study only")
+
+    for name, fn in (("estimate", memory.estimate), ("simulate", costmodel.simulate)):
+        for mod in [m for n, m in sys.modules.items() if n.startswith("autotune") and m is not None]:
+            if getattr(mod, name, None) is fn:
+                monkeypatch.setattr(mod, name, refuse)
+
+
+def test_the_report_reads_the_study_only(tmp_path, monkeypatch):
+    """Every file and format of the report from what the search stored, with the memory model and the cost
+    model made to raise: a simulated search's study draws the stored figures (the same the models give), and
+    a study from before the search stored them (test_report_export.make_study: no terms, no throughput of a
+    pruned candidate, no next micro batch) still gives a report, saying what was not recorded."""
+    from test_report_export import make_study
+
+    from autotune.costmodel import simulate
+
+    study = _search(
+        tmp_path / "sim",
+        monkeypatch,
+        20,
+        model="13b",
+        impl="builtin",
+        gpus="4xA100",
+        executor="simulated",
+        space=_space_file(tmp_path),
+        exhaustive=True,
+    )
+    model, cluster, _ = st.specs_of(study)
+    with monkeypatch.context() as m:
+        _refuse_the_models(m)
+        p = rp.pictures(study)
+        for fmt in ("table", "csv", "json", "markdown"):
+            assert report.render(study, fmt)
+        check_files(study, tmp_path / "out")
+        md = (tmp_path / "out" / "report.md").read_text()
+    assert "not recorded" not in md and "would need" in md and "ZeRO 0 needs at least" in md
+    recs = {r.number: r for r in st.records(study)}
+    pruned = [b for b in p.memory if b.status == "pruned"]
+    assert sorted(recs[b.trial].config.zero_stage for b in pruned) == [0, 1, 2, 3]
+    for b in pruned:  # the stored terms are the memory model's, and the closest of their stage to fitting
+        e = mem.estimate(model, cluster, recs[b.trial].config)
+        assert b.terms == e.terms and b.total_bytes == e.total_bytes > b.capacity_bytes
+        z = recs[b.trial].config.zero_stage
+        stage = [r for r in recs.values() if r.pruned_by == "memory" and r.config.zero_stage == z]
+        assert b.trial == min(stage, key=lambda r: r.estimate["total_bytes"]).number
+    for f in p.frontier:
+        if f.status == "pruned":
+            assert f.throughput_source == "simulated (not run)"
+            assert f.throughput == simulate(model, cluster, recs[f.trial].config).samples_per_s
+    for t in p.time:
+        assert t.source == "simulated (cost model)" and t.step_time_s == pytest.approx(recs[t.trial].result.step_time_s)
+
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path / "old"))
+    old = make_study("old")
+    with monkeypatch.context() as m:
+        _refuse_the_models(m)
+        p = rp.pictures(old)
+        for fmt in ("table", "csv", "json", "markdown"):
+            assert report.render(old, fmt)
+        paths = report.write_outputs(old, tmp_path / "old-out")
+    assert {"memory_terms.png", "frontier.png", "step_time.png", "report.md", "report.html"} <= {x.name for x in paths}
+    assert [b.source for b in p.memory] == ["estimated (terms not recorded)"] * 3  # the three runs, no pruned bar
+    assert all(b.total_bytes == recs_total for b, recs_total in zip(p.memory, (72 * GiB, 58 * GiB, 49 * GiB)))
+    assert {f.throughput_source for f in p.frontier if f.status == "pruned"} == {"not run: throughput not recorded"}
+    md = (tmp_path / "old-out" / "report.md").read_text()
+    assert "micro batch 5: not recorded" in md and "**Ruled out**: not recorded" in md
+
+
+def _space_file(tmp_path: Path) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(SMALL_SPACE)
+    return path

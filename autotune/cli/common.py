@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from autotune.hardware import Cluster, parse_gpus
+from autotune.hardware import Cluster
 from autotune.models import ModelSpec, resolve_model
-from autotune.models.hf_config import default_attention
-from autotune.train_config import TrainConfig, check_config, choices, kind
+from autotune.train_config import TrainConfig, choices, kind
 
 
 def add_model_gpus(p: argparse.ArgumentParser) -> None:
@@ -72,19 +71,14 @@ def add_train_config(p: argparse.ArgumentParser) -> None:
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, TrainConfig]:
-    from autotune.models import default_seq_len
+    """--model, --impl, --model-factory, --gpus and the training-config flags as specs (autotune.estimate.resolve)."""
+    from autotune.estimate import resolve
 
-    model = model_from_args(args)
-    cluster = parse_gpus(args.gpus)
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    if values["seq_len"] is None:
-        values["seq_len"] = default_seq_len(model)
-    pick = values["attention"] is None  # what transformers picks for the class, once the rest is valid
-    # fast: looks up no class for eager; Ulysses refuses eager (autotune/parallel.py), so sdpa stands in there
-    stand_in = "sdpa" if values["sequence_parallel_size"] > 1 else "eager"
-    cfg = TrainConfig(**{**values, "attention": stand_in if pick else values["attention"]})
-    check_config(cfg, model, cluster)
-    if pick:
-        cfg = dataclasses.replace(cfg, attention=default_attention(model))
-        check_config(cfg, model, cluster)
-    return model, cluster, cfg
+    config = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    return resolve(
+        args.model,
+        args.gpus,
+        impl=getattr(args, "impl", None),
+        model_factory=getattr(args, "model_factory", None),
+        **config,
+    )

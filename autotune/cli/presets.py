@@ -31,11 +31,11 @@ def run_models(args) -> int:
 
 
 def run_gpus(args) -> int:
-    from autotune.hardware import GRAMMAR, _raw
+    from autotune.hardware import GRAMMAR, gpu_table
     from autotune.units import GiB, MiB
 
     print(f"{'name':<10} {'memory':>10} {'bf16':>5} {'peak bf16/fp16/fp32 TFLOPS':>27}  aliases")
-    for name, e in _raw().items():
+    for name, e in gpu_table().items():
         pk = e.get("peak_tflops") or {}
         peaks = "/".join(str(pk.get(k, "-")) for k in ("bf16", "fp16", "fp32"))
         mem = f"{e['memory_mib'] * MiB / GiB:.1f} GiB" if e["memory_mib"] else "host RAM"

@@ -15,7 +15,9 @@ GPU type (`--calibrate`, `calibration_from_study`). Prices are inputs (autotune/
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from autotune.errors import SpecError
 from autotune.hardware import Cluster, gpu_presets, parse_gpus
@@ -262,3 +264,127 @@ def _budgeted(
     over = [Unfit(o.gpus, f"over budget: {o.hours:.3g} h, ${o.usd:,.0f}") for o in priced if o not in within]
     key = (lambda o: (o.usd, o.hours)) if by == "usd" else (lambda o: (o.hours, o.usd))
     return PlanResult(sorted(within, key=key), unfit + over, sp.path, by, tokens)
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What `autotune plan` shows: the ranked plan, for which model and length, and where its picture is."""
+
+    result: PlanResult
+    model: str
+    seq_len: int
+    picture: Path
+
+    def to_json(self) -> dict:
+        """`autotune plan --json`'s object."""
+        from autotune.plan.prices import NOTE
+
+        result = self.result
+        return {
+            "model": self.model,
+            "tokens": result.tokens,
+            "seq_len": self.seq_len,
+            "by": result.by,
+            "space": result.space,
+            "source": "simulated",
+            "options": [o.to_json() for o in result.options],
+            "left_out": [{"gpus": u.gpus, "reason": u.reason} for u in result.unfit],
+            "picture": str(self.picture),
+            "prices_note": NOTE,
+        }
+
+    def render(self) -> str:
+        """`autotune plan`'s table: options ranked, the front starred, what was left out and why, the prices."""
+        from autotune.plan.prices import NOTE
+
+        result = self.result
+        lines = [
+            f"plan: {self.model}, {result.tokens:.4g} tokens at seq len {self.seq_len}, ranked by {result.by} "
+            f"(every throughput simulated by the cost model; * = on the hours-vs-dollars Pareto front)",
+            f"space: {result.space}",
+            "",
+            f"{'':2}{'gpus':<12} {'tokens/s (sim)':>15} {'hours':>9} {'USD':>10} {'$/M tok':>8} {'$/GPU-h':>8}  "
+            f"config (ZeRO, micro batch, grad accum, ckpt layers, precision)",
+        ]
+        for o in result.options:
+            c = o.config
+            lines.append(
+                f"{'*' if o.pareto else ' ':2}{o.gpus:<12} {o.tokens_per_s:>15,.0f} {o.hours:>9.3g} {o.usd:>10,.2f} "
+                f"{o.usd_per_m_tokens:>8.3f} {o.price.usd_per_gpu_hour:>8.2f}  z{c.zero_stage} mb{c.micro_batch} "
+                f"ga{c.grad_accum} ck{c.ckpt_layers} {c.precision}"
+                + (f" {c.method}" if c.method != "full" else "")
+                + (f"  [{o.source}]" if o.source != "simulated" else "")
+            )
+        if result.unfit:
+            lines += ["", "left out:"] + [f"  {u.gpus}: {u.reason}" for u in result.unfit]
+        lines += [
+            "",
+            "prices: "
+            + "; ".join(
+                sorted({f"{o.gpu_type} {o.price.usd_per_gpu_hour:.2f} ({o.price.describe()})" for o in result.options})
+            ),
+            NOTE,
+            f"picture (simulated): {self.picture}",
+        ]
+        return "\n".join(lines)
+
+
+def plan_gpus(
+    model: str,
+    tokens: float,
+    *,
+    impl: str | None = None,
+    model_factory: str | None = None,
+    gpus: str | list[str] | None = None,
+    method: str | None = None,
+    seq_len: int | None = None,
+    space: str | Path | None = None,
+    price: list[str] | None = None,
+    prices_file: str | None = None,
+    max_hours: float | None = None,
+    max_usd: float | None = None,
+    by: str = "usd",
+    calibrate: list[str] | None = None,
+    picture: str | Path | None = None,
+    progress: bool = False,
+) -> PlanReport:
+    """`autotune plan` as a library: resolve the inputs as the command line gives them, price every option
+    (make_plan), draw the picture (default trials/plan_MODEL.png). `gpus`: "8xA100,8xH100" or a list (default:
+    default_options()); `price`: ["H100=2.49", ...] over `prices_file` over data/prices.yaml; `calibrate`: measured
+    study names; `progress`: say each option on stderr as it is priced."""
+    from autotune.models import default_seq_len, resolve_model
+    from autotune.plan.calibrate import calibration_from_studies
+    from autotune.plan.picture import draw_plan, plan_points
+    from autotune.plan.prices import prices_for
+    from autotune.search.space import load_space
+    from autotune.search.study import trials_root
+
+    spec = resolve_model(model, implementation=impl or "hf", factory=model_factory)
+    seq_len = seq_len if seq_len is not None else default_seq_len(spec)
+    if isinstance(gpus, str):
+        gpus = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else None
+    options = list(gpus) if gpus is not None else default_options()
+    if not options:
+        raise SpecError("--gpus: no option given; e.g. --gpus 8xA100,8xH100")
+    prices = prices_for(price, prices_file)
+    calibration = calibration_from_studies(calibrate or [])
+    sp = load_space(space) if space else None
+    say = (lambda g: print(f"[plan] pricing {g} ...", file=sys.stderr)) if progress else None
+    result = make_plan(
+        spec,
+        tokens,
+        options,
+        seq_len=seq_len,
+        method=method,
+        space=sp,
+        prices=prices,
+        max_hours=max_hours,
+        max_usd=max_usd,
+        by=by,
+        calibration=calibration,
+        progress=say,
+    )
+    path = Path(picture) if picture else trials_root() / f"plan_{Path(spec.name).stem}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    draw_plan(plan_points(result), path, spec.name, tokens)
+    return PlanReport(result, spec.name, seq_len, path)

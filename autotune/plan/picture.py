@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from autotune.pictures import pyplot, save
+
 
 @dataclass(frozen=True)
 class PlanPoint:
@@ -31,9 +33,7 @@ def front(points: list[PlanPoint]) -> list[PlanPoint]:
 def draw_plan(points: list[PlanPoint], path: Path, model: str, tokens: float) -> Path | None:
     if not points:
         return None
-    from autotune.report.pictures import _pyplot, _save
-
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 6))
     rest = [p for p in points if not p.pareto]
     if rest:
@@ -65,4 +65,4 @@ def draw_plan(points: list[PlanPoint], path: Path, model: str, tokens: float) ->
     ax.set_ylabel("USD (simulated hours x GPUs x $/GPU-hour; prices are inputs)")
     ax.set_title(f"{model}, {tokens:.3g} tokens: which GPUs to rent (simulated)", fontsize=10)
     ax.legend(fontsize=8, loc="best")
-    return _save(fig, path)
+    return save(fig, path)

@@ -50,9 +50,9 @@ def default_prices() -> dict[str, Price]:
 
 
 def _type_name(text: str) -> str:
-    from autotune.hardware import _lookup
+    from autotune.hardware import lookup_gpu
 
-    return _lookup(text.strip())[0]  # an unknown type: SpecError naming the known ones
+    return lookup_gpu(text.strip())[0]  # an unknown type: SpecError naming the known ones
 
 
 def _usd(text, where: str) -> float:

@@ -128,24 +128,14 @@ def _lora_lines(cfg: TrainConfig, path: Path) -> list[str]:
 
 
 def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) -> str:
-    """An `accelerate launch --config_file` YAML (accelerate/commands/config/config_args.py ClusterConfig,
-    the file `accelerate config` writes) that starts the exported JSON with DeepSpeed on `cluster`.
-
-    - deepspeed_config_file is the JSON's absolute path: the ranks read it from their working directory.
-    - No mixed_precision key: the JSON's bf16 / fp16 section decides it. `accelerate config` leaves it out
-      beside a deepspeed_config_file (commands/config/cluster.py), and one given in the file is refused at
-      launch (commands/launch.py launch_command adds it to ACCELERATE_CONFIG_DS_FIELDS, which
-      utils/dataclasses.py DeepSpeedPlugin._deepspeed_config_checks rejects: "When using
-      `deepspeed_config_file`, the following accelerate config variables will be ignored").
-    - zero3_init_flag at ZeRO-3: the model is built under deepspeed.zero.Init, as the trials built it.
-    - Several nodes: the `standard` (torchrun) multi-node launcher; main_process_ip and each node's
-      machine_rank are the user's to fill in.
-    - Ulysses (sequence_parallel_size > 1): a `parallelism_config` section (parallelism_config_yaml), which
-      `accelerate launch` turns into the PARALLELISM_CONFIG_* environment an Accelerator built without a
-      ParallelismConfig reads.
-    """
+    """An `accelerate launch --config_file` YAML (accelerate/commands/config/config_args.py ClusterConfig) that
+    starts the exported JSON with DeepSpeed on `cluster`; why each key is (or is not) there, with the accelerate
+    1.16 sources: docs/measurements/report.md, "Export: the accelerate config file"."""
     import yaml
 
+    # absolute: the ranks read it from their own working directory; zero3_init_flag: the model built under
+    # deepspeed.zero.Init, as the trials built it; no mixed_precision key: accelerate refuses one beside a
+    # deepspeed_config_file (commands/launch.py ACCELERATE_CONFIG_DS_FIELDS), the JSON's bf16 / fp16 decides
     ds: dict = {"deepspeed_config_file": str(Path(ds_path).resolve()), "zero3_init_flag": cfg.zero_stage == 3}
     conf: dict = {
         "compute_environment": "LOCAL_MACHINE",
@@ -160,7 +150,7 @@ def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) ->
         "use_cpu": cluster.gpu.is_cpu,
         "debug": False,
     }
-    if cluster.num_nodes > 1:
+    if cluster.num_nodes > 1:  # torchrun's launcher; main_process_ip and machine_rank are the user's to fill in
         ds["deepspeed_multinode_launcher"] = "standard"
         conf.update(main_process_ip="MAIN_NODE_IP", main_process_port=29500)
     if cfg.sequence_parallel_size > 1:
@@ -190,17 +180,9 @@ def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) ->
 
 
 def parallelism_config_yaml(cfg: TrainConfig, cluster: Cluster) -> dict:
-    """The `parallelism_config` section of an accelerate config file for Ulysses, with the keys accelerate 1.16 reads:
-    `accelerate launch` copies each key of the file's sections onto its arguments (commands/launch.py
-    _validate_launch_command: "Copy defaults.somedict.somearg to args.somearg"), whose names are these
-    (launch_command_parser's --parallelism_config_* options, the keys `accelerate config` writes:
-    commands/config/cluster.py), and a non-empty section sets use_parallelism_config. For DeepSpeed,
-    utils/launch.py prepare_deepspeed_cmd_env then calls prepare_extend_env_parallelism_config, which exports
-    ACCELERATE_USE_PARALLELISM_CONFIG and PARALLELISM_CONFIG_SP_SIZE, _SP_BACKEND, _DP_SHARD_SIZE,
-    _SP_SEQ_LENGTH_IS_VARIABLE, _SP_ATTN_IMPLEMENTATION; Accelerator(parallelism_config=None) builds
-    ParallelismConfig() from them (accelerator.py), and DeepSpeedSequenceParallelConfig reads its three from the
-    same environment (utils/dataclasses.py). `accelerate launch --use_parallelism_config` on the command line is
-    refused without FSDP2; the file's section is not (the check runs before the file is read)."""
+    """The `parallelism_config` section of an accelerate config file for Ulysses, with the keys accelerate 1.16
+    reads (commands/launch.py copies them onto its --parallelism_config_* arguments; the path to the ranks'
+    environment: docs/measurements/report.md, "Export: Ulysses through accelerate launch")."""
     sp = cfg.sequence_parallel_size
     p = "parallelism_config_"
     return {
@@ -273,20 +255,9 @@ def _sp_lines(cfg: TrainConfig, cluster: Cluster, accelerate_config: Path | None
 
 
 def _compile_lines(cfg: TrainConfig, accelerate_config: Path | None) -> list[str]:
-    """What DeepCompile asks of the training script: the JSON's "compile" section alone does nothing until
-    engine.compile() is called (deepspeed 0.19.8 runtime/engine.py forward: "DeepCompile is enabled but
-    engine.compile() has not been called; executing without DeepCompile until compile() runs"). Who calls it, read
-    from transformers 5.24 and accelerate 1.16:
-    - the Hugging Face Trainer only with TrainingArguments(torch_compile=True): trainer.py hands accelerate
-      TorchDynamoPlugin(backend=args.torch_compile_backend), "inductor" by default (training_args.py), and
-      accelerator.py _prepare_deepspeed calls engine.compile(backend=..., compile_kwargs=...) after
-      deepspeed.initialize when that backend is not "no" (deepspeed >= 0.14.4), unless regional compilation is on
-      (then compile_regions_deepspeed compiles the blocks with module.compile and engine.compile is never called);
-    - accelerate without the Trainer the same way, from Accelerator(dynamo_backend=...) or ACCELERATE_DYNAMO_BACKEND;
-    - `accelerate launch` never for DeepSpeed: utils/launch.py prepare_deepspeed_cmd_env exports no ACCELERATE_DYNAMO_*
-      variable (prepare_multi_gpu_env does), so a config file's dynamo_config does not reach the ranks
-      (tests/test_export_parallel.py checks it).
-    DeepCompile takes the "inductor" and "eager" backends only (engine.py get_deepspeed_compile_backend asserts)."""
+    """What DeepCompile asks of the training script: the JSON's "compile" section does nothing until
+    engine.compile() is called (deepspeed 0.19.8 runtime/engine.py forward); who calls it in transformers 5.24 and
+    accelerate 1.16: docs/measurements/report.md, "Export: who calls engine.compile()"."""
     if not cfg.deepcompile:
         return []
     lines = [

@@ -8,14 +8,11 @@ pruning (autotune.report.render's Markdown, without its title).
 from __future__ import annotations
 
 import base64
-import dataclasses
 import html
 import re
 from pathlib import Path
 
-from autotune import memory as mem
-from autotune.errors import SpecError
-from autotune.report.pictures import Pictures
+from autotune.report.pictures import NOT_RECORDED, Pictures
 from autotune.search import study as st
 from autotune.units import GiB
 
@@ -37,7 +34,6 @@ def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
     runs = [b for b in p.memory if b.status == "ok"]
     if not runs:
         return ["No configuration ran successfully: see the reasons for pruning and failure below."]
-    model, cluster, _ = st.specs_of(study)
     recs = {r.number: r for r in (st.records(study) if recs is None else recs)}
     win, speed = recs[runs[0].trial], {f.trial: f.throughput for f in p.frontier}
     c, s = win.config, speed[win.number]
@@ -56,11 +52,13 @@ def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
         share = ", ".join(f"{k} {100 * v / t.step_time_s:.0f}%" for k, v in t.parts.items() if v > 0)
         line1 += f"; its step: {share} ({t.source})"
     b = runs[0]
+    largest = max(b.groups, key=b.groups.get)
     line2 = (
         f"**Memory**: peak {_gib(b.total_bytes)} of {_gib(b.capacity_bytes)} "
         f"({100 * b.total_bytes / b.capacity_bytes:.1f}%, headroom {_gib(b.capacity_bytes - b.total_bytes)}) "
-        f"in {b.phase}, largest: {max(b.groups, key=b.groups.get)} {_gib(max(b.groups.values()))}"
-        f"; {_next_micro_batch(model, cluster, c)}"
+        f"in {b.phase}, "
+        + (f"largest: {largest} {_gib(b.groups[largest])}" if largest != NOT_RECORDED else "its terms not recorded")
+        + f"; {next_micro_batch(p.shown, c.micro_batch, win.number)}"
     )
     ran = {recs[x.trial].config.zero_stage for x in runs}
     ruled = [
@@ -73,6 +71,8 @@ def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
         f"{'that stage' if len(ruled) == 1 else 'those stages'} fits)"
         if ruled
         else "no ZeRO stage entirely by memory"
+        if "closest_pruned" in p.shown
+        else "not recorded (the search stores the closest candidate each ZeRO stage pruned when it ends)"
     )
     return [line1, line2, line3]
 
@@ -93,15 +93,16 @@ def within_noise(margin: float, result) -> str:
     )
 
 
-def _next_micro_batch(model, cluster, cfg) -> str:
-    try:
-        nxt = dataclasses.replace(cfg, micro_batch=cfg.micro_batch + 1)
-    except (SpecError, ValueError) as e:  # a config the settings refuse has no estimate
-        return f"one more micro batch is not a valid config ({e})"
-    e = mem.estimate(model, cluster, nxt)
+def next_micro_batch(shown: dict, micro_batch: int, trial: int) -> str:
+    """What one more micro batch would need, as the search stored it for its best run (shown: Pictures.shown)."""
+    nxt = shown.get("next_micro_batch") or {}
+    if nxt.get("trial") != trial:
+        return f"micro batch {micro_batch + 1}: not recorded (the search estimates it for its best run when it ends)"
+    if "invalid" in nxt:  # a config the settings refuse has no estimate
+        return f"one more micro batch is not a valid config ({nxt['invalid']})"
     return (
-        f"micro batch {nxt.micro_batch} would need {_gib(e.total_bytes)} "
-        f"({'fits' if e.fits else 'does not fit'}, estimated)"
+        f"micro batch {nxt['micro_batch']} would need {_gib(nxt['total_bytes'])} "
+        f"({'fits' if nxt['fits'] else 'does not fit'}, estimated)"
     )
 
 

@@ -9,7 +9,8 @@ check what is drawn) and then drawn with matplotlib:
             optimizer (cost model) or the measured step, unsplit where no profiler trace exists.
 
 Every number carries its source: estimated / traced (memory model), simulated (cost model),
-measured (a real run).
+measured (a real run). Every number is read from the study: what its search stored (Search._est_attrs per
+trial, SearchSession.run's study attr "report"); what an older study lacks is drawn as "not recorded".
 """
 
 from __future__ import annotations
@@ -19,19 +20,30 @@ from pathlib import Path
 
 import optuna
 
-from autotune import costmodel
-from autotune import memory as mem
+from autotune.pictures import pyplot, save
 from autotune.search import study as st
-from autotune.search.reads_memo import ReadsMemo
 from autotune.trial.record import FAILED
 from autotune.units import GiB
 
-GROUPS = ("parameters", "gradients", "optimizer states", "activations", "logits", "buffers", "framework allowance")
+NOT_RECORDED = "terms not recorded"
+"""The one part of a run's bar whose terms its study did not store (runs before they were): its tensor peak."""
+GROUPS = (
+    "parameters",
+    "gradients",
+    "optimizer states",
+    "activations",
+    "logits",
+    "buffers",
+    "framework allowance",
+    NOT_RECORDED,
+)
 
 
 def term_group(term: str) -> str:
     """The picture's group of one memory-model term. Master weights count as optimizer state (the
     fp32 copy the optimizer owns, as in the ZeRO paper's K=12); anything unknown is a buffer."""
+    if term == NOT_RECORDED:
+        return NOT_RECORDED
     if "logits" in term:
         return "logits"
     if "grad" in term:
@@ -115,6 +127,9 @@ class Pictures:
     """The study's run source: measured or simulated."""
     objective: str = "samples"
     """What the study ranked by, per second: samples or tokens (autotune search --objective)."""
+    shown: dict = field(default_factory=dict)
+    """The study's user attr "report" (autotune/search/session.py): closest_pruned, next_micro_batch; {} when its
+    search did not store it (a study from before it did, or one searched without open_search)."""
 
 
 def _label(r: st.TrialRecord) -> str:
@@ -132,51 +147,75 @@ def _ranked_runs(recs: list[st.TrialRecord], objective: str) -> list[st.TrialRec
     return sorted(ok, key=lambda r: -_speed(r, objective))
 
 
-def memory_bars(recs, model, cluster, source: str, objective: str = "samples") -> list[MemoryBar]:
-    """Ranked runs (their recorded estimate), then per ZeRO stage the memory-pruned candidate
-    closest to fitting (its estimate recomputed: pruned trials store no terms)."""
+def memory_bars(recs, shown: dict | None, source: str, objective: str = "samples") -> list[MemoryBar]:
+    """Ranked runs (their recorded estimate), then per ZeRO stage the memory-pruned candidate closest to
+    fitting, as the search stored it (`shown`: the study's user attr "report", autotune/search/session.py).
+    A run without its recorded terms (a study from before they were stored) is drawn from its stored
+    totals, its terms "not recorded"; nothing is estimated again."""
     bars = []
     for r in _ranked_runs(recs, objective):
-        d = r.estimate.get("detail") or mem.estimate(model, cluster, r.config).to_json()
         measured = r.result.peak_bytes if source == "measured" else None
+        d = r.estimate.get("detail")
+        if d:
+            bars.append(
+                MemoryBar(
+                    _label(r),
+                    r.number,
+                    "ok",
+                    d.get("source", "estimated"),
+                    d["phase"],
+                    d["terms"],
+                    d["overhead"],
+                    d["capacity_bytes"],
+                    measured,
+                )
+            )
+            continue
+        e = r.estimate
+        total, tensor = e.get("model_total_bytes", e["total_bytes"]), e["tensor_bytes"]
         bars.append(
             MemoryBar(
                 _label(r),
                 r.number,
                 "ok",
-                d.get("source", "estimated"),
+                "estimated (terms not recorded)",
+                e.get("phase") or "a phase not recorded",
+                {NOT_RECORDED: tensor},
+                {"framework allowance": total - tensor},
+                e["capacity_bytes"],
+                measured,
+            )
+        )
+    pruned = {_config_key(r.config.to_dict()): r for r in recs if r.status == "pruned" and r.config}
+    for _, p in sorted(((shown or {}).get("closest_pruned") or {}).items(), key=lambda kv: int(kv[0])):
+        r, d = pruned.get(_config_key(p["config"])), p["detail"]
+        if r is None:  # not a trial of this study: never the case for what its search stored
+            continue
+        bars.append(
+            MemoryBar(
+                _label(r) + " (pruned)",
+                r.number,
+                "pruned",
+                "estimated",
                 d["phase"],
                 d["terms"],
                 d["overhead"],
                 d["capacity_bytes"],
-                measured,
-            )
-        )
-    pruned = [r for r in recs if r.status == "pruned" and r.pruned_by == "memory" and r.config]
-    for z in sorted({r.config.zero_stage for r in pruned}):
-        best = min((r for r in pruned if r.config.zero_stage == z), key=lambda r: r.estimate["total_bytes"])
-        e = mem.estimate(model, cluster, best.config)
-        bars.append(
-            MemoryBar(
-                _label(best) + " (pruned)",
-                best.number,
-                "pruned",
-                "estimated",
-                e.phase,
-                dict(e.terms),
-                dict(e.overhead),
-                e.capacity_bytes,
             )
         )
     return bars
 
 
-def frontier_points(recs, model, cluster, source: str, objective: str = "samples") -> list[FrontierPoint]:
-    """Every decided trial once. Pruned trials sit at the cost model's throughput, marked as such;
-    on a CPU cluster the cost model has no calibrated device, so they sit on the axis."""
+def _config_key(config: dict) -> tuple:
+    return tuple(sorted(config.items()))
+
+
+def frontier_points(recs, cpu: bool, source: str, objective: str = "samples") -> list[FrontierPoint]:
+    """Every decided trial once. Pruned trials sit at the cost model's throughput the search stored for them
+    (Search._est_attrs), marked as such; where none is stored (CPU ranks, which the cost model does not
+    price, or a study from before it was stored) on the axis, saying why."""
     ranked = _ranked_runs(recs, objective)
     winner = ranked[0].number if ranked else None
-    simulate = ReadsMemo(costmodel.simulate)  # pruned candidates that differ only in what it does not read
     pts = []
     for r in recs:
         if r.status not in ("ok", "pruned", *FAILED) or r.config is None:
@@ -189,7 +228,7 @@ def frontier_points(recs, model, cluster, source: str, objective: str = "samples
                 )
             )
         elif r.status == "pruned":
-            sim = _simulated_samples(model, cluster, r.config, simulate)
+            sim = r.estimate.get("simulated_samples_per_s")
             if sim is not None and objective == "tokens":
                 sim *= r.config.seq_len
             pts.append(
@@ -199,7 +238,11 @@ def frontier_points(recs, model, cluster, source: str, objective: str = "samples
                     r.pruned_by or "",
                     peak,
                     sim,
-                    "simulated (not run)" if sim is not None else "not run: no cost model on cpu",
+                    "simulated (not run)"
+                    if sim is not None
+                    else "not run: no cost model on cpu"
+                    if cpu
+                    else "not run: throughput not recorded",
                 )
             )
         else:
@@ -207,17 +250,12 @@ def frontier_points(recs, model, cluster, source: str, objective: str = "samples
     return pts
 
 
-def _simulated_samples(model, cluster, cfg, simulate) -> float | None:
-    if cluster.gpu.is_cpu:  # the cost model prices GPU kernels and links only
-        return None
-    return simulate(model, cluster, cfg).samples_per_s
-
-
-def time_bars(recs, model, cluster, source: str, objective: str = "samples") -> list[TimeBar]:
+def time_bars(recs, source: str, objective: str = "samples") -> list[TimeBar]:
+    """Per ranked run, the cost model's split the search stored (simulated runs), else the step whole."""
     bars = []
     for r in _ranked_runs(recs, objective):
-        if source == "simulated":
-            b = costmodel.simulate(model, cluster, r.config).breakdown_s
+        b = r.estimate.get("simulated_breakdown_s") if source == "simulated" else None
+        if b:
             parts = {
                 "compute": b["compute"] + b["attention"] + b["elementwise"],
                 "recompute": b["recompute"],
@@ -228,6 +266,11 @@ def time_bars(recs, model, cluster, source: str, objective: str = "samples") -> 
                 "host": b.get("host", 0.0),
             }
             bars.append(TimeBar(_label(r), r.number, "simulated (cost model)", parts, sum(parts.values())))
+        elif source == "simulated":  # a study from before the split was stored: the step whole
+            s = r.result.step_time_s or 0.0
+            bars.append(
+                TimeBar(_label(r), r.number, "simulated (step, not split: not recorded)", {"simulated step": s}, s)
+            )
         else:
             # A search records no profiler trace (TrialRequest.profile is off), so a measured step
             # cannot be split; it is drawn whole rather than split by a guess.
@@ -239,44 +282,32 @@ def time_bars(recs, model, cluster, source: str, objective: str = "samples") -> 
 
 
 def pictures(study: optuna.Study, recs: list[st.TrialRecord] | None = None) -> Pictures:
-    model, cluster, attrs = st.specs_of(study)
+    """The three pictures' data, read from the study alone: its trials and its user attr "report"."""
+    _, cluster, attrs = st.specs_of(study)
     recs = st.records(study) if recs is None else recs
     source, objective = attrs.get("source", "measured"), attrs.get("objective", "samples")
+    shown = study.user_attrs.get("report")
     return Pictures(
-        memory_bars(recs, model, cluster, source, objective),
-        frontier_points(recs, model, cluster, source, objective),
-        time_bars(recs, model, cluster, source, objective),
+        memory_bars(recs, shown, source, objective),
+        frontier_points(recs, cluster.gpu.is_cpu, source, objective),
+        time_bars(recs, source, objective),
         cluster.capacity_bytes,
         source,
         objective,
+        shown or {},
     )
 
 
 # ---- drawing ---------------------------------------------------------------------------------
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, no server
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
-    return path
-
-
 def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) -> Path | None:
     if not bars:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
     ys = list(range(len(bars)))[::-1]  # the winner on top
-    for i, g in enumerate(GROUPS):
-        left = [sum(list(b.groups.values())[:i]) / GiB for b in bars]
+    drawn = [g for g in GROUPS if g != NOT_RECORDED or any(b.groups[g] for b in bars)]
+    for i, g in enumerate(drawn):
+        left = [sum(b.groups[h] for h in drawn[:i]) / GiB for b in bars]
         ax.barh(ys, [b.groups[g] / GiB for b in bars], left=left, color=f"C{i}", label=g)
     meas = [(y, b.measured_peak_bytes / GiB) for y, b in zip(ys, bars) if b.measured_peak_bytes]
     if meas:
@@ -288,7 +319,7 @@ def plot_memory_terms(bars: list[MemoryBar], capacity_bytes: int, path: Path) ->
     ax.set_xlabel("memory per device, GiB")
     ax.set_title("peak memory per device by term (source and peak phase per bar)", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over a bar
-    return _save(fig, path)
+    return save(fig, path)
 
 
 _PRUNE_STYLE = {
@@ -305,7 +336,7 @@ def plot_frontier(
     throughput (never a run's mark); failed runs as crosses on the axis: they have no throughput."""
     if not points:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 6))
     groups: dict[tuple, list[FrontierPoint]] = {}
     for p in points:
@@ -354,7 +385,7 @@ def plot_frontier(
     ax.set_ylabel(f"{objective}/s (source in legend)")
     ax.set_title("every decided candidate: throughput against peak memory")
     ax.legend(fontsize=7, loc="best")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 _TIME_COLORS = {
@@ -364,13 +395,14 @@ _TIME_COLORS = {
     "optimizer": "C2",
     "offload": "C4",
     "measured step": "C7",
+    "simulated step": "C8",
 }
 
 
 def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     if not bars:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 2 + 0.5 * len(bars)))
     ys = list(range(len(bars)))[::-1]
     names = [n for n in _TIME_COLORS if any(b.parts.get(n) for b in bars)] or ["measured step"]
@@ -381,7 +413,7 @@ def plot_time(bars: list[TimeBar], path: Path) -> Path | None:
     ax.set_xlabel(f"seconds per optimizer step ({bars[0].source})")
     ax.set_title("where the step time goes")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over a bar
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def write_pictures(
@@ -409,7 +441,7 @@ def plot_throughput(df, path: Path) -> Path | None:
     zero-size bars at x = 0 (a bar at x = 0 is 0.8 wide and pulled the axis to -0.5 samples/s), and
     the axis starts at 0: a throughput is never negative."""
     drawn = draw_throughput(df)
-    return _save(drawn[0], path) if drawn else None
+    return save(drawn[0], path) if drawn else None
 
 
 def draw_throughput(df):
@@ -419,7 +451,7 @@ def draw_throughput(df):
     ok = df[df["status"] == "ok"].sort_values("samples_per_s") if len(df) else df
     if not len(ok):
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(ok)))
     labels = [
         f"#{r.trial} z{r.zero_stage} {r.precision} mb{r.micro_batch} ga{r.grad_accum} ckpt{r.ckpt_layers}"
@@ -444,7 +476,7 @@ def plot_memory(df, path: Path) -> Path | None:
     runs = df[df["peak_bytes"].notna() & df["est_tensor_bytes"].notna() & (df["source"] == "measured")]
     if not len(runs):
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
     est, meas = runs["est_tensor_bytes"] / GiB, runs["peak_bytes"] / GiB
     for z in sorted(runs["zero_stage"].unique()):
@@ -456,4 +488,4 @@ def plot_memory(df, path: Path) -> Path | None:
     ax.set_ylabel("peak tensor memory per device, GiB (measured)")
     ax.set_title("memory model vs run (measured runs only)")
     ax.legend()
-    return _save(fig, path)
+    return save(fig, path)

@@ -284,6 +284,24 @@ class Search:
             "dominant_term": c.est.dominant_term,
             "phase": c.est.phase,
         }
+        # What the report draws besides the estimate (autotune/report/pictures.py), priced here so that it reads the
+        # study and recomputes nothing: a pruned candidate's simulated samples/s (one number a row; the frontier), a
+        # simulated run's split of its step (the step-time picture). The cost model prices GPUs only; ReadsMemo
+        # prices full.yaml's 13B x 4xA100 candidates in ~2.4 s (docs/measurements/report.md).
+        if not self.cluster.gpu.is_cpu and (not detail or self.executor.source == "simulated"):
+            if not hasattr(self, "_simulate"):
+                from autotune.costmodel import simulate
+                from autotune.search.reads_memo import ReadsMemo
+
+                self._simulate = ReadsMemo(simulate)
+            try:
+                sim = self._simulate(self.model, self.cluster, c.cfg)
+            except SpecError:  # a GPU without a datasheet peak for the precision: nothing to draw
+                sim = None
+            if sim is not None and detail:
+                e["simulated_breakdown_s"] = {k: float(v) for k, v in sim.breakdown_s.items()}
+            elif sim is not None:
+                e["simulated_samples_per_s"] = float(sim.samples_per_s)
         return {"estimate": {**e, "detail": st.jsonable(c.est.to_json())} if detail else e}
 
     def _count(self, status: str, value: float | None = None, number: int | None = None) -> None:

@@ -47,10 +47,43 @@ class SearchSession:
     correction: Correction
 
     def run(self, *, n_trials: int | None = None, timeout_s: float | None = None, progress: bool = True) -> Summary:
+        ended = False
         try:
-            return self.search.run(n_trials=n_trials, timeout_s=timeout_s, progress=progress)
+            summary = self.search.run(n_trials=n_trials, timeout_s=timeout_s, progress=progress)
+            ended = True
+            return summary
         finally:
             self.study.set_user_attr("memory_correction", self.correction.summary())
+            # What the report shows beyond each trial's attrs (autotune/report/), so that it reads the study and
+            # recomputes nothing; one study attr: per ZeRO stage the memory-pruned candidate closest to fitting, with
+            # its terms, and, when the search ended by itself (not on Ctrl-C), the best run's next micro batch.
+            plan, closest = self.search.plan, {}
+            for c in plan.by_key.values():
+                if plan.closed.get(c.cfg.key()) == "pruned" and c.est.host_fits and not plan.fits(c):
+                    z, total = str(c.cfg.zero_stage), int(self.correction(c.est, c.cfg))
+                    if z not in closest or total < closest[z][0]:
+                        closest[z] = (total, c)
+            shown = dict(self.study.user_attrs.get("report") or {})
+            shown["closest_pruned"] = {
+                z: {"config": c.cfg.to_dict(), "total_bytes": t, "detail": st.jsonable(c.est.to_json())}
+                for z, (t, c) in sorted(closest.items())
+            }
+            if ended and self.search.summary.best_trial is not None:
+                import dataclasses
+
+                from autotune.memory import estimate
+
+                best = self.study.best_trial
+                cfg = st.record_of(best).config
+                nxt = shown["next_micro_batch"] = {"trial": best.number, "micro_batch": cfg.micro_batch + 1}
+                try:
+                    e = estimate(
+                        self.inputs.model, self.inputs.cluster, dataclasses.replace(cfg, micro_batch=nxt["micro_batch"])
+                    )
+                    nxt.update(total_bytes=int(e.total_bytes), fits=bool(e.fits))
+                except (SpecError, ValueError) as err:  # a config the settings refuse has no estimate
+                    nxt["invalid"] = str(err)
+            self.study.set_user_attr("report", shown)
 
     def close(self) -> None:
         self.executor.close()
