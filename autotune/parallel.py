@@ -59,6 +59,13 @@ def data_parallel_size(cfg, world_size: int) -> int:
     return world_size // (cfg.autotp_size * cfg.sequence_parallel_size)
 
 
+def data_parallel_rank(cfg, rank: int) -> int:
+    """The data-parallel group `rank` belongs to, rank // (tp x sp): a tp group's ranks are consecutive (DeepSpeed's
+    mesh puts tp innermost, utils/groups.py _init_tp_mesh_device), and so are a Ulysses group's
+    (sequence_parallel/parallel_state_sp.py initialize_sequence_parallel)."""
+    return rank // (cfg.autotp_size * cfg.sequence_parallel_size)
+
+
 def global_batch(cfg, world_size: int) -> int:
     """Sequences per optimizer step: micro batch x dp x grad accum."""
     return cfg.micro_batch * data_parallel_size(cfg, world_size) * cfg.grad_accum

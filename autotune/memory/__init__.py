@@ -25,6 +25,7 @@ from autotune.memory.analytic import MemoryEstimate, builtin
 from autotune.memory.analytic import phases as _phases
 from autotune.memory.buffers import allgather_phase
 from autotune.memory.host import host_bytes_per_node
+from autotune.memory.layout import Layout
 from autotune.memory.overhead import overhead_terms
 from autotune.memory.sequence_parallel import (
     all_to_all_terms,
@@ -35,10 +36,15 @@ from autotune.memory.sequence_parallel import (
 from autotune.memory.sequence_parallel import (
     local_view as sp_local_view,
 )
-from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_world_gathered
+from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_largest_group, zero3_world_gathered
 from autotune.memory.traced import trace
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
+
+
+def layout(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> Layout:
+    """`cfg`'s layout on `cluster` (memory/layout.py), worked out once per estimate before the local view."""
+    return Layout.of(model, cluster, cfg, zero3_largest_group=zero3_largest_group(model, cfg))
 
 
 def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEstimate:
@@ -52,11 +58,12 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
     # the whole model at seq / sp tokens, ZeRO over the world (memory/sequence_parallel.py; tp and sp are not
     # combined, autotune/parallel.py). The host side counts every rank of a node (no offload with either), the
     # report the whole model's parameters
+    lay = layout(model, cluster, cfg)
     shard, dp, local = local_view(*sp_local_view(model, cluster, cfg))
     if builtin(shard):
-        phases = _phases(shard, dp, local)
+        phases = _phases(shard, dp, local, lay)
     else:
-        phases = trace(shard, dp, local).phases
+        phases = trace(shard, dp, local, lay).phases
     phases = sharded_head(model, cfg, phases)
     if held := zero3_world_gathered(model, cluster, cfg):
         phases = {
@@ -67,7 +74,7 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
         if name in phases:
             phases = {**phases, name: {**phases[name], **extra}}
     phases = zero3_fp32_head_phase(model, cfg, phases)
-    phases = zero1_fp32_reduce_phase(shard, dp, cfg, phases)  # ZeRO-1's fp32 reduction under Ulysses
+    phases = zero1_fp32_reduce_phase(shard, dp, cfg, lay, phases)  # ZeRO-1's fp32 reduction under Ulysses
     # gloo's all-gather after stages 1-2's update (CPU ranks; memory/buffers.py gloo_allgather_bytes)
     phases = allgather_phase(shard, dp, local, trainable_params(shard, local), phases)
     totals = {name: sum(t.values()) for name, t in phases.items()}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from functools import cache
 
-from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
 from autotune.memory.activations import dtype_bytes
 from autotune.memory.code_trace import layer_numels, param_numels
+from autotune.memory.layout import Layout
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 
@@ -28,7 +28,7 @@ def bf16_optimizer(cfg: TrainConfig) -> bool:
     )
 
 
-def stage1_reduces_in_backward(spec: ModelSpec, cfg: TrainConfig) -> bool:
+def stage1_reduces_in_backward(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> bool:
     """ZeRO-1 with overlap_comm reduces during backward, as stage 2 does (stage_1_and_2.py
     process_gradients: `partition_gradients or overlap_comm`), on the accumulation boundary's micro
     step: each gradient is copied into the reduce bucket and its .grad becomes a view of the bucket
@@ -46,11 +46,11 @@ def stage1_reduces_in_backward(spec: ModelSpec, cfg: TrainConfig) -> bool:
         and cfg.overlap_comm
         and not bf16_optimizer(cfg)
         and cfg.method == "full"
-        and bucket_sizes(spec, cfg)["reduce_bucket_size"] < spec.num_params
+        and layout.reduce_bucket_size < spec.num_params
     )
 
 
-def stage2_reduces_at_end(spec: ModelSpec, cfg: TrainConfig) -> bool:
+def stage2_reduces_at_end(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> bool:
     """Stage 2 with one reduce bucket that holds every gradient (reduce_bucket_size >= P): the bucket
     never fills, so nothing is reduced before the boundary's epilogue (stage_1_and_2.py
     reduce_independent_p_g_buckets_and_remove_grads reduces only when the next gradient does not fit;
@@ -61,14 +61,10 @@ def stage2_reduces_at_end(spec: ModelSpec, cfg: TrainConfig) -> bool:
     2e7, 2 CPU ranks: the peak is in the layers' backward, the two buckets (80,000,000 B) and the
     saved activations, no partition; priced with the partition from the head's gradient on it was
     +2.31%, without it -0.39%. Not with offload (its own buffers, `offload_fp32_partition`)."""
-    return (
-        cfg.zero_stage == 2
-        and not cfg.offload_optimizer
-        and bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params
-    )
+    return cfg.zero_stage == 2 and not cfg.offload_optimizer and layout.reduce_bucket_size >= spec.num_params
 
 
-def buckets_in_backward(spec: ModelSpec, cfg: TrainConfig) -> int:
+def buckets_in_backward(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
     """The reduce bucket(s) through the layers' backward where nothing is reduced there (the
     reductions price their own): process_gradients calls setup_buckets at the first gradient hook
     (the LM head's), which allocates the bucket, two with overlap_comm, whether or not anything is
@@ -79,14 +75,19 @@ def buckets_in_backward(spec: ModelSpec, cfg: TrainConfig) -> int:
     (AccumulateGrad rows) beside the saved activations; -2.27% under without them, -0.34% with.
     At stage 1 with grad_accum > 1 they are carried from the micro steps before
     (`carried_reduce_bucket`)."""
-    if stage2_reduces_at_end(spec, cfg):
-        return reduce_bucket_bytes(spec, cfg)
-    if cfg.zero_stage != 1 or cfg.grad_accum > 1 or bf16_optimizer(cfg) or stage1_reduces_in_backward(spec, cfg):
+    if stage2_reduces_at_end(spec, cfg, layout):
+        return reduce_bucket_bytes(spec, cfg, layout)
+    if (
+        cfg.zero_stage != 1
+        or cfg.grad_accum > 1
+        or bf16_optimizer(cfg)
+        or stage1_reduces_in_backward(spec, cfg, layout)
+    ):
         return 0
-    return reduce_bucket_bytes(spec, cfg)
+    return reduce_bucket_bytes(spec, cfg, layout)
 
 
-def stage1_gradients_in_bucket(spec: ModelSpec, cfg: TrainConfig) -> bool:
+def stage1_gradients_in_bucket(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> bool:
     """Stage 1 with overlap_comm and one bucket that holds every gradient, at the boundary
     (grad_accum 1): each gradient is copied into the bucket as it arrives and its .grad becomes a
     view of it (reduce_ready_partitions_and_remove_grads -> reduce_independent_p_g_buckets_and_remove_grads,
@@ -98,7 +99,7 @@ def stage1_gradients_in_bucket(spec: ModelSpec, cfg: TrainConfig) -> bool:
         and cfg.overlap_comm
         and cfg.grad_accum == 1
         and not bf16_optimizer(cfg)
-        and not stage1_reduces_in_backward(spec, cfg)
+        and not stage1_reduces_in_backward(spec, cfg, layout)
     )
 
 
@@ -144,11 +145,11 @@ def offload_accumulates_on_host(cfg: TrainConfig) -> bool:
     )
 
 
-def whole_gradient_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
+def whole_gradient_bytes(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
     """Under `stage1_reduces_in_backward`: the gradients larger than the reduce bucket, which
     bypass it and stay whole in .grad until the step (stage_1_and_2.py extra_large_param_to_reduce),
     in the dtype stage 1 holds whole gradients in (`stage1_grad_bytes`)."""
-    bucket = bucket_sizes(spec, cfg)["reduce_bucket_size"]
+    bucket = layout.reduce_bucket_size
     return stage1_grad_bytes(cfg) * sum(n for n in param_numels(spec) if n > bucket)
 
 
@@ -233,7 +234,7 @@ def _whole_parameter_partition(spec: ModelSpec, ranks: int) -> int:
     return most
 
 
-def held_extra_large_gradient(spec: ModelSpec, cfg: TrainConfig) -> int:
+def held_extra_large_gradient(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
     """A layer's gradient larger than the reduce bucket, held while backward goes on: at stage 2 with
     contiguous gradients such a gradient bypasses the bucket and is reduced in place only when the
     next parameter's gradient arrives (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads,
@@ -244,11 +245,11 @@ def held_extra_large_gradient(spec: ModelSpec, cfg: TrainConfig) -> int:
     (adapters are smaller than the bucket)."""
     if cfg.zero_stage != 2 or cfg.method != "full":
         return 0
-    bucket = bucket_sizes(spec, cfg)["reduce_bucket_size"]
+    bucket = layout.reduce_bucket_size
     return dtype_bytes(cfg.precision) * max((n for n in layer_numels(spec) if n > bucket), default=0)
 
 
-def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
+def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
     """Stages 1-2's contiguous-gradients bucket(s): reduce_bucket_size elements each, allocated at
     the first gradient of every backward (stage_1_and_2.py setup_buckets), a second one with
     overlap_comm ("double buffers", same function). Their dtype is the model's
@@ -257,10 +258,10 @@ def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig) -> int:
     if cfg.zero_stage not in (1, 2) or bf16_optimizer(cfg):
         return 0
     eb = partition_grad_bytes(cfg) if cfg.zero_stage == 1 else dtype_bytes(cfg.precision)
-    return eb * bucket_sizes(spec, cfg)["reduce_bucket_size"] * (2 if cfg.overlap_comm else 1)
+    return eb * layout.reduce_bucket_size * (2 if cfg.overlap_comm else 1)
 
 
-def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> int:
     """Buffers live at the end of backward, when gradients are reduced.
 
     - Stage 0 (world > 1): the flattened copy of the gradients being all-reduced.
@@ -280,10 +281,10 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
     if cfg.zero_stage == 1:
         if bf16_optimizer(cfg):
             return 0
-        if stage1_reduces_in_backward(spec, cfg):  # the partition is a gradient there (backward_gradients)
-            return reduce_bucket_bytes(spec, cfg)
+        if stage1_reduces_in_backward(spec, cfg, layout):  # the partition is a gradient there (backward_gradients)
+            return reduce_bucket_bytes(spec, cfg, layout)
         part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
-        if bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params:
+        if layout.reduce_bucket_size >= spec.num_params:
             # One bucket holds every gradient: the epilogue copies each whole gradient into it and
             # makes its .grad a view of the bucket, which frees the whole one
             # (reduce_independent_p_g_buckets_and_remove_grads: `grad_reduc.data = new_grad_tensor...`),
@@ -293,29 +294,29 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int
             # ZeRO-1 bf16, bucket 4e6, 2 CPU ranks): steady steps 20,635,424 B, the states, the whole
             # gradients and the bucket to 8 KB; one step of one rank in one run held the partition
             # as well (+1,262,876 B), gloo's late free, the race stage2_end_of_one_bucket leaves unpriced.
-            return reduce_bucket_bytes(spec, cfg)
-        return part + reduce_bucket_bytes(spec, cfg)
+            return reduce_bucket_bytes(spec, cfg, layout)
+        return part + reduce_bucket_bytes(spec, cfg, layout)
     if cfg.zero_stage == 2:
-        return reduce_bucket_bytes(spec, cfg)
+        return reduce_bucket_bytes(spec, cfg, layout)
     return 0
 
 
-def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> dict[str, int]:
     """What the end of backward holds besides states and gradients. At stages 0-1 the embedding
     gradient's transient is over before the reduction starts, so the larger of the two counts
     (measured: a tied GPT-2 peaks at the former, an untied Llama at the latter); at stages 2-3
     the reduction runs during backward and the two add up."""
-    comm = backward_buffers(spec, cluster, cfg)
+    comm = backward_buffers(spec, cluster, cfg, layout)
     emb = embedding_gradient_transient(spec, cluster, cfg)
-    if stage1_gradients_in_bucket(spec, cfg):  # the partition is not among `gradients` there
+    if stage1_gradients_in_bucket(spec, cfg, layout):  # the partition is not among `gradients` there
         part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
-        return {"gradient_partition": part, **stage2_end_of_one_bucket(spec, cluster, cfg)}
-    if cfg.zero_stage <= 1 and not stage1_reduces_in_backward(spec, cfg):
+        return {"gradient_partition": part, **stage2_end_of_one_bucket(spec, cluster, cfg, layout)}
+    if cfg.zero_stage <= 1 and not stage1_reduces_in_backward(spec, cfg, layout):
         return {"comm_buffers": comm} if comm >= emb else {"embedding_gradient": emb}
     if cfg.zero_stage == 1:
         return {"comm_buffers": comm, "embedding_gradient": emb}
-    if stage2_reduces_at_end(spec, cfg) and cfg.grad_accum == 1:
-        return stage2_end_of_one_bucket(spec, cluster, cfg)
+    if stage2_reduces_at_end(spec, cfg, layout) and cfg.grad_accum == 1:
+        return stage2_end_of_one_bucket(spec, cluster, cfg, layout)
     out = {"comm_buffers": comm, "embedding_gradient": emb}
     if cfg.zero_stage == 2 and cfg.grad_accum > 1 and not cfg.offload_optimizer:
         # With grad_accum > 1 stage 2's epilogue keeps the gradients accumulated so far
@@ -334,7 +335,7 @@ def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> d
     return out
 
 
-def stage2_end_of_one_bucket(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+def stage2_end_of_one_bucket(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> dict[str, int]:
     """The end of backward where one bucket holds every gradient (`stage2_reduces_at_end`, and stage 1
     with overlap_comm, `stage1_gradients_in_bucket`, which runs the same reduction): the
     epilogue reduces the bucket into the partition copy_grads_in_partition allocates (`gradients`),
@@ -350,7 +351,7 @@ def stage2_end_of_one_bucket(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig
     schedule is priced, not the race: with it priced as held, Llama's ZeRO-2 fp32 run with a 2e6
     bucket and every layer checkpointed read +7.9% (benchmarks/knobs_on_hf.py), without it +0.4%."""
     part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
-    out = {"comm_buffers": reduce_bucket_bytes(spec, cfg), "epilogue_partition": part}
+    out = {"comm_buffers": reduce_bucket_bytes(spec, cfg, layout), "epilogue_partition": part}
     if cfg.grad_accum_dtype == "fp32" and dtype_bytes(cfg.precision) != 4:
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     return out
@@ -373,7 +374,7 @@ def accumulated_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     return pb * partition_elements(spec, cluster, cfg)
 
 
-def carried_reduce_bucket(spec: ModelSpec, cfg: TrainConfig) -> int:
+def carried_reduce_bucket(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
     """Stage 1's reduce bucket(s) between micro steps when grad_accum > 1: setup_buckets allocates
     them at every backward, and only the accumulation boundary's epilogue releases them
     (stage_1_and_2.py independent_gradient_partition_epilogue -> _release_ipg_buffers; stage 1
@@ -384,19 +385,21 @@ def carried_reduce_bucket(spec: ModelSpec, cfg: TrainConfig) -> int:
     Stage 2 reduces, and releases them, on every micro step."""
     if cfg.zero_stage != 1 or cfg.grad_accum == 1:
         return 0
-    return reduce_bucket_bytes(spec, cfg)
+    return reduce_bucket_bytes(spec, cfg, layout)
 
 
-def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+def backward_gradients(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> int:
     """Gradients alive at the end of backward (before the step converts them).
 
     Stage 0: the full gradients. Stage 1 (measured on CPU, DeepSpeed 0.19.8): the full gradients
     too, until the step (stage_1_and_2.py, partition_gradients=False); the reduced partition is
     filled beside them at the end (see `backward_end_extra`). Stage 2: the reduced partition.
     """
-    if stage1_reduces_in_backward(spec, cfg):
-        return whole_gradient_bytes(spec, cfg) + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
-    if stage1_gradients_in_bucket(spec, cfg):
+    if stage1_reduces_in_backward(spec, cfg, layout):
+        return whole_gradient_bytes(spec, cfg, layout) + partition_grad_bytes(cfg) * partition_elements(
+            spec, cluster, cfg
+        )
+    if stage1_gradients_in_bucket(spec, cfg, layout):
         return 0  # views of the bucket (comm_buffers)
     if cfg.zero_stage <= 1:
         return stage1_grad_bytes(cfg) * spec.num_params
@@ -423,7 +426,9 @@ def embedding_gradient_transient(spec: ModelSpec, cluster: Cluster, cfg: TrainCo
     return n
 
 
-def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layers_done: int) -> int:
+def gradients_during_backward(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout, layers_done: int
+) -> int:
     """Gradients held once the LM head and `layers_done` blocks have run backward: those blocks'
     and the head's at stages 0-1 (full gradients are kept), the partition and the reduce bucket
     at stage 2, nothing beyond the persistent buffers at stage 3. Stage 1 with overlap_comm reduces
@@ -431,22 +436,22 @@ def gradients_during_backward(spec: ModelSpec, cluster: Cluster, cfg: TrainConfi
     if cfg.zero_stage <= 1:
         head = spec.vocab_size * spec.hidden_size + spec.norm_params
         done = stage1_grad_bytes(cfg) * (head + layers_done * spec.layer_params)
-        if stage1_reduces_in_backward(spec, cfg):
-            buckets = reduce_bucket_bytes(spec, cfg) if cfg.grad_accum == 1 else 0  # else carried
+        if stage1_reduces_in_backward(spec, cfg, layout):
+            buckets = reduce_bucket_bytes(spec, cfg, layout) if cfg.grad_accum == 1 else 0  # else carried
             return (
-                min(done, whole_gradient_bytes(spec, cfg))
+                min(done, whole_gradient_bytes(spec, cfg, layout))
                 + buckets
                 + partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
             )
-        return 0 if stage1_gradients_in_bucket(spec, cfg) else done  # the buckets: buckets_in_backward
-    if cfg.zero_stage == 2 and stage2_reduces_at_end(spec, cfg):
+        return 0 if stage1_gradients_in_bucket(spec, cfg, layout) else done  # the buckets: buckets_in_backward
+    if cfg.zero_stage == 2 and stage2_reduces_at_end(spec, cfg, layout):
         return 0  # views of the bucket (buckets_in_backward); the partition comes at the end
     if cfg.zero_stage == 2:
-        return reduced_partition_bytes(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg)
+        return reduced_partition_bytes(spec, cluster, cfg) + reduce_bucket_bytes(spec, cfg, layout)
     return 0
 
 
-def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> dict[str, int]:
     """The LM head's weight gradient right after the loss's backward, while every layer's
     activations are still saved. Stage 3 reduce-scatters it from a copy (measured:
     aten::clone < c10d::_reduce_scatter_base_), so it counts twice there. Stage 2's first
@@ -456,12 +461,12 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
     pb = dtype_bytes(cfg.precision)
     vh = pb * spec.vocab_size * spec.hidden_size
     out = {"head_gradient": 2 * vh if cfg.zero_stage == 3 else vh}
-    if stage1_reduces_in_backward(spec, cfg):
+    if stage1_reduces_in_backward(spec, cfg, layout):
         # the partition from the first reduction on, priced from the head's gradient on (where the
         # bucket is larger than it, the first reduction comes a few layers later: priced as here);
         # the buckets, unless carried from the micro steps before (carried_reduce_bucket)
         out["gradient_partition"] = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
-        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg) if cfg.grad_accum == 1 else 0
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout) if cfg.grad_accum == 1 else 0
     if cfg.zero_stage == 2 and offload_fp32_partition(spec, cluster, cfg):
         # the compact fp32 partition, made here at the first micro step (later ones carry it:
         # `accumulated_gradients`), and the 16-bit staging beside it on the rank that owns the head
@@ -469,15 +474,15 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> 
         # 1,195,532 B above the phase without the staging partition; rank 0's is the loss's)
         compact = offload_fp32_partition(spec, cluster, cfg) if cfg.grad_accum == 1 else 0
         out["gradient_partition"] = compact + dtype_bytes(cfg.precision) * partition_elements(spec, cluster, cfg)
-        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
-    elif stage2_reduces_at_end(spec, cfg):
-        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)  # the partition only at the end of backward
+    elif stage2_reduces_at_end(spec, cfg, layout):
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)  # the partition only at the end of backward
     elif cfg.zero_stage == 2:
         part = partition_elements(spec, cluster, cfg)
         out["gradient_partition"] = partition_grad_bytes(cfg) * part
-        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg)
-        if bucket_sizes(spec, cfg)["reduce_bucket_size"] >= spec.num_params:
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)
+        if layout.reduce_bucket_size >= spec.num_params:
             # One bucket holds every gradient: in some runs a second partition is live at this point
             # of one step (measured on tiny-llama with reduce_bucket_size 4e6, with and without
             # overlap_comm: +P/N x 2 B in one run of two); priced as held, since a peak is a maximum.

@@ -29,10 +29,10 @@ from dataclasses import replace
 from functools import cache
 
 from autotune import trace_cache
-from autotune.deepspeed_config import bucket_sizes
 from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.memory import code_trace
+from autotune.memory.layout import Layout
 from autotune.models import ModelSpec
 from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, dtype_bytes
@@ -153,7 +153,9 @@ def adapter_view(spec: ModelSpec, cfg: TrainConfig) -> ModelSpec:
     return replace(spec, param_count=adapter_params(spec, cfg))
 
 
-def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, stepping: bool = False) -> dict[str, int]:
+def held_parameters(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout, stepping: bool = False
+) -> dict[str, int]:
     """Parameter bytes on one GPU: the frozen base (16-bit, or NF4 for QLoRA) and the adapters.
     ZeRO-3 partitions both and keeps the small ones (< stage3_param_persistence_threshold
     elements) whole on every rank, but while the optimizer is `stepping` (model_states.
@@ -167,7 +169,7 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         q, _ = quantized_weights(spec, cfg)
         base = (spec.num_params - q) * pb + q * qlora_bytes_per_weight()
     if cfg.zero_stage == 3:
-        threshold = bucket_sizes(spec, cfg)["stage3_param_persistence_threshold"]
+        threshold = layout.stage3_param_persistence_threshold
         keep_base = 0 if stepping else code_trace.persistent_params(spec, threshold)
         keep_adapters = 0 if stepping else sum(x for x in adapter_numels(spec, cfg) if x < threshold)
         out["frozen_parameters"] = int(base / n + pb * keep_base)
@@ -186,7 +188,7 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         # zero3_held): the same coordinator releases a frozen module whose backward is further away
         # in the trace (a 70B's base was held whole: 128 GiB gathered per GPU at ZeRO-3 on 8 GPUs)
         elements = spec.num_params - keep_base - released + adapters - keep_adapters
-        reuse = bucket_sizes(spec, cfg)["stage3_max_reuse_distance"]
+        reuse = layout.stage3_max_reuse_distance
         out["_gathered"] = int(gathered * min(1.0, reuse / elements)) if n > 1 and elements > 0 else 0
         # ... less, once its backward has run, an untied frozen LM head: no module after it in the
         # step's trace uses its weight, so DeepSpeed's post-backward hook releases it (parameter_
@@ -224,19 +226,23 @@ FROZEN_DROPPED = ("embedding_gradient", "head_gradient")
 """Full fine-tuning terms with no LoRA counterpart: the frozen embedding and LM head make no gradient."""
 
 
-def lora_phases(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, full_phases) -> dict[str, dict[str, int]]:
+def lora_phases(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout, full_phases
+) -> dict[str, dict[str, int]]:
     """autotune.memory's phases for a LoRA/QLoRA config: full fine-tuning's phases of the adapter
     view (`full_phases(view, cluster, cfg with method full)`), with the held parameters of the whole
     module instead of the adapters' alone, ZeRO-3's gathered base, no embedding or head gradient,
     and (QLoRA) the dequantised weight of the largest linear layer in forward and backward."""
     view = adapter_view(spec, cfg)
     plain = replace(cfg, method="full")
-    phases = full_phases(view, cluster, plain)
-    held = held_parameters(spec, cluster, cfg)
+    phases = full_phases(view, cluster, plain, layout)
+    held = held_parameters(spec, cluster, cfg, layout)
     gathered = held.pop("_gathered", 0)
     after_head = held.pop("_gathered_after_head", gathered)
     stepping = {
-        k: v for k, v in held_parameters(spec, cluster, cfg, stepping=True).items() if not k.startswith("_gathered")
+        k: v
+        for k, v in held_parameters(spec, cluster, cfg, layout, stepping=True).items()
+        if not k.startswith("_gathered")
     }
     dequant = dtype_bytes(cfg.precision) * quantized_weights(spec, cfg)[1] if cfg.method == "qlora" else 0
     out = {}

@@ -32,7 +32,7 @@ from autotune.memory.buffers import (
     offload_fp32_partition,
     partition_elements,
 )
-from autotune.memory.tensor_parallel import ZERO3_LARGEST_GROUP
+from autotune.memory.layout import Layout
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, dtype_bytes
 
@@ -207,7 +207,9 @@ def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tupl
     return {"offload_grad_buffer": pb * largest}, host
 
 
-def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimizer: bool) -> dict[str, int]:
+def step_terms(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimizer: bool, layout: Layout | None = None
+) -> dict[str, int]:
     """Gradients and temporaries alive at the peak of the optimizer step, on top of `states`.
 
     - Stage 0: the full gradients in the model dtype, plus their fp32 copy for the master weights
@@ -240,8 +242,9 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
         }
     stepped = largest_param(spec) if z == 0 else p / n
     if z == 3:
-        # an AutoTP shard's larger group (memory/tensor_parallel.py ZERO3_LARGEST_GROUP), else the partition
-        stepped = min(ZERO3_LARGEST_GROUP.get(spec, p) / n, STAGE3_SUB_GROUP_SIZE)
+        # an AutoTP shard's larger group (memory/tensor_parallel.py zero3_largest_group), else the partition
+        group = layout.zero3_largest_group if layout else None
+        stepped = min((p if group is None else group) / n, STAGE3_SUB_GROUP_SIZE)
     if fused_optimizer or cfg.optimizer == "adamw8bit":
         temps = 0
     elif z == 0:
@@ -261,34 +264,33 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     return {"gradients": compact + fp32_partition, "optimizer_temporaries": temps}
 
 
-def zero3_held(spec: ModelSpec, cfg: TrainConfig, persistence_threshold: int, persistent: int | None = None) -> int:
+def zero3_held(spec: ModelSpec, layout: Layout, persistent: int | None = None) -> int:
     """Elements stage 3 holds gathered at the end of forward: every partitioned one, up to
     stage3_max_reuse_distance. From the second step on (a complete trace) a module's parameters are
     released only if their next use is further than max_reuse_distance elements of the trace away
     (partitioned_param_coordinator.py __params_to_release); stage3_max_live_parameters releases
     nothing (measured: the same peak with 1 and with 1e9, tests/test_knobs.py)."""
-    from autotune.deepspeed_config import bucket_sizes
-
-    p = spec.num_params - (persistent_params(spec, persistence_threshold) if persistent is None else persistent)
-    return min(p, bucket_sizes(spec, cfg)["stage3_max_reuse_distance"])
+    threshold = layout.stage3_param_persistence_threshold
+    p = spec.num_params - (persistent_params(spec, threshold) if persistent is None else persistent)
+    return min(p, layout.stage3_max_reuse_distance)
 
 
 def zero3_gathered(
-    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int, persistent: int | None = None
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout, persistent: int | None = None
 ) -> int:
     """Stage 3 parameters gathered for forward/backward and kept live (`zero3_held`; measured: with
     the default reuse distance 1e9 a small model keeps every gathered parameter from forward
     through backward)."""
     if cfg.zero_stage != 3 or cluster.world_size == 1:
         return 0
-    return int(dtype_bytes(cfg.precision) * zero3_held(spec, cfg, persistence_threshold, persistent))
+    return int(dtype_bytes(cfg.precision) * zero3_held(spec, layout, persistent))
 
 
 def zero3_prefetch(
     spec: ModelSpec,
     cluster: Cluster,
     cfg: TrainConfig,
-    persistence_threshold: int,
+    layout: Layout,
     persistent: int | None = None,
     on_demand: int = 0,
 ) -> int:
@@ -317,12 +319,9 @@ def zero3_prefetch(
     docs/memory.md "Known open error")."""
     if cfg.zero_stage != 3 or cluster.world_size == 1:
         return 0
-    from autotune.deepspeed_config import bucket_sizes
-
-    b = bucket_sizes(spec, cfg)
-    held, last = zero3_held(spec, cfg, persistence_threshold, persistent), largest_param(spec)
-    live = b["stage3_max_live_parameters"]
+    held, last = zero3_held(spec, layout, persistent), largest_param(spec)
+    live = layout.stage3_max_live_parameters
     if held > live + last:
         return 0
     rest = max(0, held - on_demand)
-    return int(dtype_bytes(cfg.precision) * min(rest, min(b["stage3_prefetch_bucket_size"], live) + last))
+    return int(dtype_bytes(cfg.precision) * min(rest, min(layout.stage3_prefetch_bucket_size, live) + last))

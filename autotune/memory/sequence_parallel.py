@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from autotune.hardware import Cluster
+from autotune.memory.layout import Layout
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 
@@ -151,7 +152,7 @@ BACKWARD_END_GRADIENT_TERMS = ("gradients", "comm_buffers", "embedding_gradient"
 
 
 def zero1_fp32_reduce_phase(
-    model: ModelSpec, cluster: Cluster, cfg: TrainConfig, phases: dict[str, dict[str, int]]
+    model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout, phases: dict[str, dict[str, int]]
 ) -> dict[str, dict[str, int]]:
     """`phases` with "backward (end, fp32 reduce)": ZeRO-1's reduction at the end of backward under Ulysses,
     where each bucket of gradient slices is all-reduced in fp32. Stage 1 reduces at the accumulation boundary
@@ -180,7 +181,6 @@ def zero1_fp32_reduce_phase(
     BF16_Optimizer, overlap_comm or one bucket for every gradient: memory/buffers.py). Stage 2 makes the same
     copies while it reduces during backward; not priced there (its recorded sp runs, bf16 on 2 ranks, are
     within +0.33% without them)."""
-    from autotune.deepspeed_config import bucket_sizes
     from autotune.memory import buffers
     from autotune.train_config import dtype_bytes
 
@@ -193,28 +193,27 @@ def zero1_fp32_reduce_phase(
         or buffers.bf16_optimizer(cfg)
         or cluster.world_size == 1
         or "backward (end)" not in phases
-        or bucket_sizes(model, cfg)["reduce_bucket_size"] >= model.num_params
+        or layout.reduce_bucket_size >= model.num_params
     ):
         return phases
-    held = _stage1_reduction(model, cluster, cfg)
+    held = _stage1_reduction(model, cluster, cfg, layout)
     rest = {k: v for k, v in phases["backward (end)"].items() if k not in BACKWARD_END_GRADIENT_TERMS}
     return {**phases, "backward (end, fp32 reduce)": {**rest, **held}}
 
 
-def _stage1_reduction(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
+def _stage1_reduction(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> dict[str, int]:
     """The highest point of stage 1's end-of-backward reduction over the ranks, by term (see
     `zero1_fp32_reduce_phase`)."""
-    from autotune.deepspeed_config import bucket_sizes
     from autotune.memory import buffers
     from autotune.memory.code_trace import param_numels
     from autotune.train_config import dtype_bytes
 
     numels = param_numels(model)
-    ranks, bucket = cluster.world_size, bucket_sizes(model, cfg)["reduce_bucket_size"]
+    ranks, bucket = cluster.world_size, layout.reduce_bucket_size
     part = buffers._padded_partition(sum(numels), ranks)
     starts = [sum(numels[:i]) for i in range(len(numels))]
     grad_b, part_b, pb = buffers.stage1_grad_bytes(cfg), buffers.partition_grad_bytes(cfg), dtype_bytes(cfg.precision)
-    fixed = buffers.reduce_bucket_bytes(model, cfg)
+    fixed = buffers.reduce_bucket_bytes(model, cfg, layout)
 
     def owners(i: int) -> list[tuple[int, int]]:
         """(rank, elements) of parameter i's slices, in flat order."""

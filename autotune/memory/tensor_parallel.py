@@ -40,19 +40,21 @@ def local_view(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[Mo
         return model, cluster, cfg
     local = local_model(model, tp)
     if cfg.zero_stage == 3:
-        r = replicated_params(model, local, tp)
         local = dataclasses.replace(local, param_count=zero3_partitioned(model, local, tp))
-        ZERO3_LARGEST_GROUP[local] = local.num_params - -(-r // tp)
     return local, dp_cluster(cluster, tp), dataclasses.replace(cfg, autotp_size=1)
 
 
-ZERO3_LARGEST_GROUP: dict[ModelSpec, int] = {}
-"""ZeRO-3 shard spec (local_view) -> the elements of its larger flat partition group, priced by model_states.step_terms.
-Stage 3 keeps the parameters AutoTP shards (partitioned over dp) and those it leaves whole (partitioned over the
-world) in separate groups and steps them one after the other, so AdamW's temporaries and the fp32 gradient copy are
-those of the larger group, not of the whole partition (measured: Llama tp 2 ZeRO-3 on 2 CPU ranks, the optimizer
-phase's sqrt and div 1,884,160 B each = 4 B x 471,040, the shard without its replicated 131,648 elements).
-A side table, not a ModelSpec field: only this module makes such specs, and only estimate() reads them."""
+def zero3_largest_group(model: ModelSpec, cfg: TrainConfig) -> int | None:
+    """Elements of the larger flat group of a ZeRO-3 shard (memory/layout.py Layout; model_states.step_terms
+    prices its step); None without AutoTP at ZeRO-3. Stage 3 keeps the parameters AutoTP shards (partitioned over
+    dp) and those it leaves whole (over the world) in separate groups and steps them one after the other, so the
+    update's temporaries are the larger group's (measured: Llama tp 2 ZeRO-3 on 2 CPU ranks, sqrt and div
+    1,884,160 B each = 4 B x 471,040, the shard without its replicated 131,648 elements)."""
+    tp = cfg.autotp_size
+    if tp == 1 or cfg.zero_stage != 3:
+        return None
+    local = local_model(model, tp)
+    return zero3_partitioned(model, local, tp) - -(-replicated_params(model, local, tp) // tp)
 
 
 def zero3_world_gathered(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:

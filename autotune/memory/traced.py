@@ -24,6 +24,7 @@ from autotune.hardware import Cluster
 from autotune.memory import buffers, code_trace, model_states
 from autotune.memory.analytic import MemoryEstimate, builtin
 from autotune.memory.analytic import phases as _phases
+from autotune.memory.layout import Layout
 from autotune.memory.lora import adapter_numels
 from autotune.memory.segments import CATEGORIES, PHASE_POINTS, classify, segment_points  # noqa: F401 - re-exported
 from autotune.models import ModelSpec
@@ -105,7 +106,7 @@ def _fit_programs(traces: dict[tuple[int, int], dict[str, dict[str, int]]]) -> d
     return out
 
 
-def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[int, str] | None:
+def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> tuple[int, str] | None:
     """Peak temporaries of AdamW's update on the tensors DeepSpeed steps (model_states.step_terms'
     layout): fp32 master weights, or bf16 ones with `bf16_master_weights_and_grads` (whose states
     are then bf16 too, TrainConfig's check; measured on transformers' Llama, ZeRO 1-3: priced in
@@ -139,8 +140,9 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     elif cfg.zero_stage in (1, 2):
         sizes, what = [part], f"the flat {master} partition ({part:,} elements)"
     else:
-        # an AutoTP shard steps its larger group (memory/tensor_parallel.py ZERO3_LARGEST_GROUP)
-        part = math.ceil(model_states.ZERO3_LARGEST_GROUP.get(spec, trained) / cluster.world_size)
+        # an AutoTP shard steps its larger group (memory/tensor_parallel.py zero3_largest_group)
+        group = trained if layout.zero3_largest_group is None else layout.zero3_largest_group
+        part = math.ceil(group / cluster.world_size)
         sizes = [min(part, model_states.STAGE3_SUB_GROUP_SIZE)]
         what = f"one {master} sub-group ({sizes[0]:,} elements)"
     kind = "fused=True (in place, as FusedAdam)" if fused else "foreach=False"
@@ -404,23 +406,26 @@ def trace_jobs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> list[Cal
     return [p for p in _programs(model, cluster, cfg).values() if p(only_cached=True) is None]
 
 
-def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimate:
-    """Trace one training step of `model` under `cfg` on fake tensors; see the module docstring."""
+def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout | None = None) -> TracedEstimate:
+    """Trace one training step of `model` under `cfg` on fake tensors; see the module docstring. `layout`:
+    memory.estimate's (memory/layout.py), else that of (model, cluster, cfg)."""
     t0 = time.perf_counter()
+    layout = layout or Layout.of(model, cluster, cfg)
     ckpt, full = cfg.ckpt_layers, model.num_layers - cfg.ckpt_layers
     traces = {km: program() for km, program in _programs(model, cluster, cfg).items()}
     fits, points = _fit(traces, ckpt, full)
-    analytic = _phases(model, cluster, cfg)
-    held = buffers.held_extra_large_gradient(model, cfg)
-    at_end = buffers.stage2_reduces_at_end(model, cfg)
-    reduces = (cfg.zero_stage == 2 and not at_end) or buffers.stage1_reduces_in_backward(model, cfg)  # in backward
-    buckets = buffers.buckets_in_backward(model, cfg)
+    analytic = _phases(model, cluster, cfg, layout)
+    held = buffers.held_extra_large_gradient(model, cfg, layout)
+    at_end = buffers.stage2_reduces_at_end(model, cfg, layout)
+    in_backward = buffers.stage1_reduces_in_backward(model, cfg, layout)
+    reduces = (cfg.zero_stage == 2 and not at_end) or in_backward  # in backward
+    buckets = buffers.buckets_in_backward(model, cfg, layout)
     fixed = (
         (
             buffers.partition_grad_bytes(cfg) * buffers.partition_elements(model, cluster, cfg),
-            buffers.reduce_bucket_bytes(model, cfg),
+            buffers.reduce_bucket_bytes(model, cfg, layout),
         )
-        if buffers.stage1_reduces_in_backward(model, cfg)
+        if in_backward
         else (0, 0)
     )
     step_key = (
@@ -436,9 +441,10 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
         cfg.lora_rank,
         cfg.lora_targets,
         cfg.bf16_master_weights_and_grads,
+        layout.zero3_largest_group,
     )
     if step_key not in _STEPS:  # the update depends on none of the activation inputs
-        _STEPS[step_key] = _trace_step(model, cluster, cfg)
+        _STEPS[step_key] = _trace_step(model, cluster, cfg, layout)
     step = _STEPS[step_key]
     phases, raw = {}, {}
     for phase, names in PHASE_POINTS.items():
