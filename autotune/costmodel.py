@@ -95,15 +95,11 @@ class Constants:
     """The fitted constants (benchmarks/fit_costmodel.py; docs/costmodel.md, "Calibration")."""
 
     sustained: tuple[tuple[str, float], ...] = tuple(SUSTAINED_FIT.items())
-    """Per GPU generation, the share of the GEMM benchmark's efficiency (MAMF, a maximum over a
-    sweep of shapes) that a training step's GEMMs keep. Attention kernels are priced at
-    FlashAttention-2's benchmark as it is, taken at a training step's shapes (costops.attention_s).
-    It is a property of the GPU, not of the model: the MAMF benchmark runs one GEMM alone, while a
-    training step runs the same GEMMs with HBM traffic and NVLink collectives beside them under the
-    same power cap. An H100 SXM delivers 3.2x an A100's dense FLOPs within 700 W against 400 W
-    (datasheets), so it is the one held furthest below its benchmark clock: one global share
-    overrated the H100 against the A100 by 13-26% on llm-foundry's paired runs (docs/costmodel.md).
-    Memory-bound kernels are not scaled."""
+    """Per GPU generation, the share of the GEMM benchmark's efficiency (MAMF, a maximum over a sweep of shapes) that a
+    training step's GEMMs keep; attention kernels are priced at FlashAttention-2's own benchmark, taken at a step's
+    shapes (costops.attention_s), and memory-bound kernels are not scaled. A property of the GPU (the same GEMMs
+    beside HBM traffic and collectives under one power cap), so one share per generation: one global share overrated
+    the H100 against the A100 by 13-26% on llm-foundry's paired runs (docs/measurements/costmodel.md)."""
 
     def for_gpu(self, gpu_name: str) -> float:
         return dict(self.sustained)[generation(gpu_name)]
@@ -340,17 +336,13 @@ def stage3_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> flo
 
 
 def stage3_prefetched(model: ModelSpec, cfg: TrainConfig, layout: Layout) -> float:
-    """Fraction of ZeRO-3's gathers issued ahead of use, so able to hide behind compute; the rest
-    the coordinator fetches on demand and waits for (partitioned_param_coordinator.py
-    fetch_sub_module: "block on parameters in immediately required sub module").
-
-    Prefetch stops once the gathered parameters reach stage3_max_live_parameters (it issues
-    min(max_live - available, bucket)), and the parameters held gathered grow to what the reuse
-    distance keeps (memory/model_states.zero3_held): so the first max_live of those are prefetched.
-    stage3_prefetch_bucket_size has no term here: whatever its size the coordinator keeps at least
-    one parameter of the next module in flight (its loop takes one past the limit), which at this
-    model's layer granularity hides as much as a deeper queue; what a one-parameter bucket loses on
-    modules of several parameters and uneven modules is not priced."""
+    """Fraction of ZeRO-3's gathers issued ahead of use, so able to hide behind compute; the rest the coordinator
+    fetches on demand and waits for (partitioned_param_coordinator.py fetch_sub_module: "block on parameters in
+    immediately required sub module"). Prefetch stops once the gathered parameters reach stage3_max_live_parameters
+    (it issues min(max_live - available, bucket)), and the parameters held gathered grow to what the reuse distance
+    keeps (memory/model_states.zero3_held), so the first max_live of those are prefetched. The prefetch bucket has no
+    term: the coordinator keeps at least one parameter of the next module in flight whatever its size
+    (docs/measurements/costmodel.md)."""
     if cfg.zero_stage != 3:
         return 1.0
     from autotune.memory.model_states import zero3_held

@@ -1,21 +1,9 @@
 """The per-GPU memory model: `estimate(model, cluster, cfg)` -> MemoryEstimate.
 
-The peak is the maximum over the points of a training step where memory is highest, not the sum
-of all terms:
-- forward: states + (stage-3 gathered params) + carried gradients + everything saved + the logits'
-  transient during cross entropy;
-- forward, before the LM head (ZeRO-3): the same without the logits, + the prefetched head's bucket;
-- backward at the loss: the same saved set + the fp32 gradients of log-softmax;
-- backward at the head: the layers' saved set + the LM head's weight gradient;
-- backward end: states + gradients + reduce buffers + the embedding gradient's transient;
-- backward recompute (k > 0), first and last checkpointed block: the inputs still held + one
-  recomputed block + the gradients made so far;
-- optimizer: states + step gradients + the update's temporaries;
-- optimizer, after the update (ZeRO 1-2 on CPU ranks): states + gloo's all-gather output, the whole
-  flat model (buffers.gloo_allgather_bytes);
-- with Ulysses sp, phases of its own for the fp32 gradient reductions (sequence_parallel.py).
-Each phase's terms sum to its total; the estimate reports the terms of the peak phase.
-Framework overhead (GPU only) is added on top, reported apart (memory/overhead.py).
+The peak is the largest of a few points of a training step (phases: forward, backward at the loss, the head, the
+recomputed blocks and the end, the optimizer step, and the phases ZeRO-1/2 on CPU ranks and Ulysses add), each priced as
+a sum of terms; the estimate reports the terms of the peak phase and a GPU's framework overhead apart
+(memory/overhead.py). docs/memory.md has the table of phases and terms, docs/measurements/memory.md what was measured.
 """
 
 from __future__ import annotations
