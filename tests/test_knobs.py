@@ -114,7 +114,7 @@ def _measured_requests(tmp_path_factory):
     root = tmp_path_factory.mktemp("knobs")
     # The knob terms were measured on the stand-in, whose activations the analytic model prices
     # exactly. With transformers' Llama (the default code) 1 of these misses, +14.3% over (the
-    # persistence threshold; benchmarks/knobs_on_hf.py; docs/memory.md, "Known open error"): open,
+    # persistence threshold; benchmarks/knobs_on_hf.py; docs/memory.md, "Known open errors"): open,
     # stated there, not hidden by a wider tolerance here.
     model = resolve_model("tiny-llama", implementation="builtin")
     return [

@@ -273,7 +273,7 @@ def zero3_prefetch(
     parameter, and no more than the held parameters less `on_demand`, those fetched before the first prefetch (the
     stand-in's embedding; none for transformers' code). With everything held (`zero3_held`) the head is prefetched
     only under max_live + one parameter. Run to run variation with mid-sized buckets is open (docs/memory.md, "Known
-    open error"; measured: docs/measurements/memory.md)."""
+    open errors"; measured: docs/measurements/memory.md)."""
     if cfg.zero_stage != 3 or cluster.world_size == 1:
         return 0
     held, last = zero3_held(spec, layout, persistent), largest_param(spec)
