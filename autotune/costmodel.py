@@ -26,7 +26,9 @@ import yaml
 from autotune.costops.parallel import sequence_parallel_size, shard_price, tp_comm_s, ulysses_comm_s
 from autotune.errors import SpecError
 from autotune.hardware import Cluster, GpuSpec
+from autotune.memory.layout import Layout
 from autotune.models import ModelSpec
+from autotune.parallel import data_parallel_size
 from autotune.train_config import TrainConfig, dtype_bytes
 from autotune.units import GB_PER_S, TFLOPS
 
@@ -93,15 +95,11 @@ class Constants:
     """The fitted constants (benchmarks/fit_costmodel.py; docs/costmodel.md, "Calibration")."""
 
     sustained: tuple[tuple[str, float], ...] = tuple(SUSTAINED_FIT.items())
-    """Per GPU generation, the share of the GEMM benchmark's efficiency (MAMF, a maximum over a
-    sweep of shapes) that a training step's GEMMs keep. Attention kernels are priced at
-    FlashAttention-2's benchmark as it is, taken at a training step's shapes (costops.attention_s).
-    It is a property of the GPU, not of the model: the MAMF benchmark runs one GEMM alone, while a
-    training step runs the same GEMMs with HBM traffic and NVLink collectives beside them under the
-    same power cap. An H100 SXM delivers 3.2x an A100's dense FLOPs within 700 W against 400 W
-    (datasheets), so it is the one held furthest below its benchmark clock: one global share
-    overrated the H100 against the A100 by 13-26% on llm-foundry's paired runs (docs/costmodel.md).
-    Memory-bound kernels are not scaled."""
+    """Per GPU generation, the share of the GEMM benchmark's efficiency (MAMF, a maximum over a sweep of shapes) that a
+    training step's GEMMs keep; attention kernels are priced at FlashAttention-2's own benchmark, taken at a step's
+    shapes (costops.attention_s), and memory-bound kernels are not scaled. A property of the GPU (the same GEMMs
+    beside HBM traffic and collectives under one power cap), so one share per generation: one global share overrated
+    the H100 against the A100 by 13-26% on llm-foundry's paired runs (docs/measurements/costmodel.md)."""
 
     def for_gpu(self, gpu_name: str) -> float:
         return dict(self.sustained)[generation(gpu_name)]
@@ -337,26 +335,20 @@ def stage3_gather_s(model: ModelSpec, cfg: TrainConfig, cluster: Cluster) -> flo
     return fwd + bwd
 
 
-def stage3_prefetched(model: ModelSpec, cfg: TrainConfig) -> float:
-    """Fraction of ZeRO-3's gathers issued ahead of use, so able to hide behind compute; the rest
-    the coordinator fetches on demand and waits for (partitioned_param_coordinator.py
-    fetch_sub_module: "block on parameters in immediately required sub module").
-
-    Prefetch stops once the gathered parameters reach stage3_max_live_parameters (it issues
-    min(max_live - available, bucket)), and the parameters held gathered grow to what the reuse
-    distance keeps (memory/model_states.zero3_held): so the first max_live of those are prefetched.
-    stage3_prefetch_bucket_size has no term here: whatever its size the coordinator keeps at least
-    one parameter of the next module in flight (its loop takes one past the limit), which at this
-    model's layer granularity hides as much as a deeper queue; what a one-parameter bucket loses on
-    modules of several parameters and uneven modules is not priced."""
+def stage3_prefetched(model: ModelSpec, cfg: TrainConfig, layout: Layout) -> float:
+    """Fraction of ZeRO-3's gathers issued ahead of use, so able to hide behind compute; the rest the coordinator
+    fetches on demand and waits for (partitioned_param_coordinator.py fetch_sub_module: "block on parameters in
+    immediately required sub module"). Prefetch stops once the gathered parameters reach stage3_max_live_parameters
+    (it issues min(max_live - available, bucket)), and the parameters held gathered grow to what the reuse distance
+    keeps (memory/model_states.zero3_held), so the first max_live of those are prefetched. The prefetch bucket has no
+    term: the coordinator keeps at least one parameter of the next module in flight whatever its size
+    (docs/measurements/costmodel.md)."""
     if cfg.zero_stage != 3:
         return 1.0
-    from autotune.deepspeed_config import bucket_sizes
     from autotune.memory.model_states import zero3_held
 
-    b = bucket_sizes(model, cfg)
-    held = zero3_held(model, cfg, b["stage3_param_persistence_threshold"])
-    return min(1.0, b["stage3_max_live_parameters"] / held) if held else 1.0
+    held = zero3_held(model, layout)
+    return min(1.0, layout.stage3_max_live_parameters / held) if held else 1.0
 
 
 def hidden_s(comm_s: float, window_s: float, num_layers: int, overlap: bool) -> float:
@@ -470,9 +462,8 @@ def simulate(
     # reduce_ready_partitions_and_remove_grads).
     reduce = grad_reduce_s(trained, cfg, zc, rt)
     # the part of the stage-3 gathers fetched on demand stays on the critical path (stage3_prefetched)
-    per_micro = stage3_gather_s(gathered, cfg, zc) * stage3_prefetched(gathered, cfg) + (
-        reduce if cfg.zero_stage >= 2 else 0.0
-    )
+    prefetched = stage3_prefetched(gathered, cfg, Layout.of(model, cluster, cfg))
+    per_micro = stage3_gather_s(gathered, cfg, zc) * prefetched + (reduce if cfg.zero_stage >= 2 else 0.0)
     boundary_reduce = reduce if cfg.zero_stage < 2 else 0.0
     # A micro step's collectives hide under its forward+backward; the boundary reduction only under
     # the last backward (2/3 of it); ZeRO-1/2's gather after the step under nothing.
@@ -505,7 +496,7 @@ def simulate(
     ) * tok_s
     if cfg.method != "full":  # frozen weights: 4N, not 6N (no weight gradients), plus the adapters' 6
         flops += (6.0 * trained.num_params - 2.0 * model.num_params) * tok_s
-    dp = cluster.world_size // (tp * sp)
+    dp = data_parallel_size(cfg, cluster.world_size)
     return SimulatedStep(
         step_time_s=step_s,
         samples_per_s=cfg.micro_batch * ga * dp / step_s,

@@ -45,18 +45,19 @@ under-states a rank's memory is the side that crashes a run (`python benchmarks/
 
 
 def data_parallel_size(cfg, world_size: int) -> int:
-    """Ranks ZeRO shards over and that see different batches: world / (tp x sp).
-
-    The tp ranks of one group see one batch (DeepSpeed checks it: engine.py _configure_tensor_parallel_states,
-    check_dataloader_inputs_same_across_ranks). The sp ranks of one Ulysses group share one micro batch too:
-    `UlyssesSPDataLoaderAdapter` (runtime/sequence_parallel/ulysses_sp.py refill) gathers one batch from each of
-    the sp ranks and hands them out one per micro step, each split along the sequence, so one micro step of a
-    group covers micro_batch sequences, each rank holding micro_batch x seq / sp tokens of them (and a rank's
-    data loader advances once per sp micro steps: sp batches of micro_batch samples per sp micro steps).
-    DeepSpeed counts the same way: its config divides the world by sequence_parallel_size for the batch
-    arithmetic (runtime/config.py DeepSpeedConfig.__init__: world / mpu.get_sequence_parallel_world_size()).
-    So the global batch is micro x dp x grad accum."""
+    """Ranks that see different batches: world / (tp x sp). A tp group's ranks see one batch (engine.py
+    check_dataloader_inputs_same_across_ranks); an sp group's share one micro batch, each rank holding seq / sp of
+    its tokens (runtime/sequence_parallel/ulysses_sp.py UlyssesSPDataLoaderAdapter refill), and DeepSpeed's batch
+    arithmetic divides the world by sp too (runtime/config.py DeepSpeedConfig.__init__). So the global batch is micro
+    x dp x grad accum."""
     return world_size // (cfg.autotp_size * cfg.sequence_parallel_size)
+
+
+def data_parallel_rank(cfg, rank: int) -> int:
+    """The data-parallel group `rank` belongs to, rank // (tp x sp): a tp group's ranks are consecutive (DeepSpeed's
+    mesh puts tp innermost, utils/groups.py _init_tp_mesh_device), and so are a Ulysses group's
+    (sequence_parallel/parallel_state_sp.py initialize_sequence_parallel)."""
+    return rank // (cfg.autotp_size * cfg.sequence_parallel_size)
 
 
 def global_batch(cfg, world_size: int) -> int:
@@ -232,14 +233,9 @@ def check_sequence_parallel(cfg, model, cluster) -> None:
             "_configure_tensor_parallel_states: `self.mpu = groups`), so the engine and the loss find no "
             "sequence-parallel group; use one of the two"
         )
-    # method lora/qlora: peft wraps the projections, not the attention function, and Ulysses wraps the attention
-    # function only (measured: LoRA on the Llama of benchmarks/hf_memory.py at sp 2, ZeRO-0 bf16, trains)
-    # ZeRO offload: ZeRO-3 with offload_optimizer and/or offload_param cpu trains under Ulysses and is measured at
-    # sp 2 on 2 ranks and sp 2 x dp 2 on 4 (benchmarks/parallel_memory.py SP_OFFLOAD, Llama and Qwen2: -0.56% to
-    # -0.04%); its estimate is offload's terms beside Ulysses' (memory/sequence_parallel.py), nothing new. Stages
-    # 1-2 train too and meet the bar on 2 ranks (+0.15%, +0.19%), not on 4, and the same runs without sp miss as much
-    # (ZeRO-1 bf16 Llama, with sp or without: rank 0's backward peak holds 3,647,616 B of gradient casts,
-    # aten::_to_copy < aten::to, against 2,417,792 B on rank 2; not priced), so they stay refused with sp.
+    # method lora/qlora is allowed: peft wraps the projections and Ulysses the attention function only. ZeRO-3
+    # offload is priced with sp (offload's terms beside Ulysses'); stage 1-2 offload misses past 2 ranks with or
+    # without sp, so it stays refused (measured: docs/measurements/memory.md, `parallel.check_sequence_parallel`)
     offload = cfg.offload_param != "none" or cfg.offload_optimizer
     if offload and cfg.zero_stage in (1, 2):
         raise SpecError(
@@ -343,11 +339,9 @@ def _sliding_window(conf) -> int | None:
 
 def _check_layer_kinds(sp: int, cfg, conf, model_type: str) -> None:
     """Refuse sp for a model whose layers are not all softmax attention (or token-wise), and sliding-window attention
-    through sdpa on sequences longer than the window. Measured at sp 2 on 2 CPU ranks (gloo), the logits of each
-    rank's half against the same model on the whole sequence (`test_ulysses_logits_against_the_whole_sequence`):
-    full attention equal; Bamba (Mamba-2), Qwen3-Next (gated delta) and LFM2 (short convolutions) equal on rank 0
-    (its tokens need no earlier ones) and different on rank 1; Mistral with a window of 8 at seq 32 different on both
-    ranks, and with a window of 32 equal."""
+    through sdpa on sequences longer than the window: Ulysses exchanges tokens only inside the attention function, so
+    any other mixer runs on each rank's slice alone (measured at sp 2 on 2 CPU ranks, each rank's logits against the
+    whole sequence's: `test_ulysses_logits_against_the_whole_sequence`; measured: docs/measurements/memory.md)."""
     kinds = _layer_kinds(conf) or ()
     odd = [k for k in dict.fromkeys(kinds) if k not in SP_ATTENTION_KINDS + SP_TOKENWISE_KINDS]
     if odd:

@@ -9,7 +9,7 @@ and optimizer offload; at ZeRO-3 offload and a prefetch bucket; sometimes fp32 a
 LoRA. Configurations autotune refuses are drawn again. All run on 2 CPU ranks (gloo) in one process
 group (autotune.trial.run_trials); each measured peak (the largest rank's) is set against
 `autotune.memory.estimate`, flagged UNDER below -1% and OVER above +3% (tests/test_trial.py's
-tolerance). docs/memory.md ("Known open error") lists what the draws of 2026-12-02 found.
+tolerance). docs/measurements/memory.md ("Known open errors") lists what the draws of 2026-12-02 found.
 """
 
 from __future__ import annotations

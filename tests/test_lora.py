@@ -476,7 +476,7 @@ def test_lora_at_zero_3_with_every_layer_checkpointed_and_all_linear_adapters(lo
     every layer checkpointed nothing is released after the forward (enable_input_require_grads gives
     the embedding's output a gradient), DeepSpeed's linear saves every frozen layer's input in the
     recompute, and the adapters of every linear layer are gathered with it. Measured within -0.01% to
-    +0.83% on nine shapes (docs/memory.md, "Issue 30"); here one real run, at most 1% under, 3% over."""
+    +0.83% on nine shapes (docs/measurements/memory.md, "Issue 30"); here one real run, at most 1% under, 3% over."""
     s, gpus = spec("hf-llama"), parse_gpus("2xcpu")
     cfg = TrainConfig(
         method="lora",

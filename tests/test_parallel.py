@@ -89,6 +89,20 @@ def test_zero_shards_over_dp():
     assert small.tensor_peak_bytes < big.tensor_peak_bytes and small.num_params == big.num_params
 
 
+def test_the_layout_carries_the_zero3_shards_larger_group():
+    """memory.layout, worked out once per estimate: the buckets of deepspeed_config.bucket_sizes, dp = world / tp,
+    and at ZeRO-3 the shard's larger flat group, which its step prices (measured: Llama tp 2 ZeRO-3 on 2 CPU ranks,
+    sqrt and div 4 B x 471,040 each); no group without AutoTP at ZeRO-3."""
+    from autotune.deepspeed_config import bucket_sizes
+    from autotune.memory import layout
+
+    cfg = TrainConfig(autotp_size=2, zero_stage=3)
+    lay = layout(spec_of("llama"), FOUR, cfg)
+    assert (lay.tp, lay.sp, lay.dp, lay.zero_ranks, lay.zero3_largest_group) == (2, 1, 2, 2, 471_040)
+    assert lay.reduce_bucket_size == bucket_sizes(spec_of("llama"), cfg)["reduce_bucket_size"]
+    assert layout(spec_of("llama"), FOUR, replace(cfg, zero_stage=2)).zero3_largest_group is None
+
+
 @pytest.mark.slow  # the 21 AutoTP rows, each estimated with today's memory model
 def test_recorded_tp_runs_meet_the_bar():
     """benchmarks/data/parallel_memory_runs.csv's AutoTP rows (tp 2 on 2 ranks under ZeRO 0-3, tp 2 x dp 2 on 4 ranks

@@ -34,8 +34,8 @@ def profile_for(
     autotune's stand-in; hf: transformers' own modeling code; factory: the user's module), built
     and run through the same seam trials and the memory model use. The profile of transformers'
     code and of the stand-in is also kept on disk between runs, beside the memory traces
-    (autotune/trace_cache.py: under a fingerprint of the libraries and of autotune's own
-    sources); a user's module is not, as its file can change between runs."""
+    (autotune/trace_cache.py: under a fingerprint of the libraries and TRACE_FORMAT); a user's
+    module is not, as its file can change between runs."""
     from autotune import trace_cache
     from autotune.impl import impl_for
     from autotune.memory.code_trace import spec_key
@@ -117,10 +117,8 @@ and up to 63% in the backward pass" (Dao 2023, "FlashAttention-2", arXiv:2307.08
 a published kernel benchmark, attention alone, not a training-throughput table). H100 forward: "only
 35% utilization" for FlashAttention-2 on H100 (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608,
 abstract); backward 0.334, what makes forward + 2.5 x forward at (0.35, b) the 33.9% forward+backward
-that FlashAttention-2 measured on H100 (H100_FA2_FWD_BWD). Until 2026-12-03 the H100 backward was
-0.30, A100's 63/73 applied to 35%: an extrapolation where the same paper has an H100 measurement.
-PyTorch's sdpa runs FlashAttention-2 for 16-bit inputs on sm80+. Other GPUs take the row of their
-generation (Hopper: H100; the rest: A100)."""
+that FlashAttention-2 measured on H100 (H100_FA2_FWD_BWD). PyTorch's sdpa runs FlashAttention-2 for
+16-bit inputs on sm80+. Other GPUs take the row of their generation (Hopper: H100; the rest: A100)."""
 
 ATTENTION_KERNELS = {"flash2": (1.0, 1.0), "triton": (1.4, 2.0)}
 """(forward, backward) time of a flash-attention kernel relative to FlashAttention-2's (FLASH_EFFICIENCY).
@@ -211,9 +209,7 @@ def attention_s(op: Op, key: tuple, sustained: float, kernel: str = "flash2") ->
     `sustained` is not applied. FLASH_EFFICIENCY is the kernel benchmarked at a training step's own
     shapes (FlashAttention-2 sec. 4.1: 16k tokens per batch, hidden 2048, head dim 128: MPT-1B's
     attention), so it already is what a step gets; `sustained` is the share of MAMF, a maximum over
-    a sweep of GEMM shapes, that a step's GEMMs keep. Until 2026-12-03 both were scaled by it, and
-    long-sequence steps, where attention is most of the time, came out too slow on H100 once the
-    kernel that ran was priced (docs/costmodel.md, "Long sequences")."""
+    a sweep of GEMM shapes, that a step's GEMMs keep (docs/measurements/costmodel.md)."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel {kernel!r}: one of {', '.join(ATTENTION_KERNELS)}")
     b, h, s_q, s_kv, d, causal = op.shape

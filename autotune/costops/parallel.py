@@ -1,48 +1,19 @@
-"""Tensor and sequence parallelism in the cost model: what one rank computes, and the collectives the
-parallelism adds. costmodel.simulate prices a micro step's compute with `shard_price` and adds `tp_comm_s`
-and `ulysses_comm_s` to its breakdown as `tp_comm` and `sp_comm`.
+"""Tensor and sequence parallelism in the cost model: what one rank computes (`shard_price`) and the collectives the
+parallelism adds (`tp_comm_s`, `ulysses_comm_s`, costmodel.simulate's `tp_comm` and `sp_comm`); the reasoning in full
+is in docs/measurements/costmodel.md ("costops.parallel").
 
-Compute of one rank (`shard_price`):
-
-- **Tensor parallelism (DeepSpeed AutoTP, tp ranks).** A rank runs the model autotune.memory.tensor_parallel
-  `local_model` describes (measured parameter shapes, docs/parallelism.md): q, k, v, up and gate column-wise and
-  o and down row-wise, so heads / tp, KV heads / tp and intermediate / tp with hidden whole; its GEMMs and
-  attention are those of that narrower model, its norms, residuals and rotary run on the whole hidden size
-  (replicated). An untied head is column-parallel with its output gathered (tp_plan `colwise_rep`): its three
-  GEMMs are V / tp wide, the loss runs on the gathered, whole logits. A tied head and embedding are
-  vocabulary-parallel: the local model's vocabulary is V / tp and its loss DeepSpeed's vocabulary-parallel one.
-- **Ulysses sequence parallelism (sp ranks).** Each rank holds seq / sp tokens of a sequence
-  (UlyssesSPDataLoaderAdapter shards each batch on the sequence dimension) and runs every op outside attention
-  on them; before attention an all-to-all gives each rank the whole sequence for heads / sp of the heads, and one
-  after gives back its own tokens (UlyssesSPAttentionHF, deepspeed/runtime/sequence_parallel/ulysses_sp.py;
-  Jacobs et al. 2023, DeepSpeed-Ulysses, arXiv:2309.14509, sec. 3, fig. 1: "attention computation is head
-  parallelism with full attention per head but just with fewer heads"). So the attention kernels are those of
-  the full sequence over sp: a flash kernel's time is linear in its heads (FLOPs 4 b h s_q s_kv d, efficiency
-  independent of h: costops.attention_s), so heads / sp of the full sequence is the full-sequence price / sp.
-
-Collectives (on the critical path: each waits for the op before it, nothing overlaps them here):
-
-- `tp_comm_s`: per layer and micro step, Megatron-style tensor parallelism all-reduces the activations twice in
-  forward (after the attention's output projection and after the MLP's down projection: AutoTP's row-parallel
-  LinearAllreduce, deepspeed/module_inject/layers.py) and twice in backward (the input gradients of the column-
-  parallel q/k/v and up/gate projections: LinearLayer's backward all-reduce) (Shoeybi et al. 2019, Megatron-LM,
-  arXiv:1909.08053, sec. 3 and fig. 4: "two all-reduce operations in the forward path and two in the backward
-  path"), each of micro batch x the rank's tokens x hidden elements in the training dtype. A checkpointed layer
-  reruns its forward in backward (torch.utils.checkpoint), its two forward all-reduces with it. An untied head
-  is column-parallel with its output gathered (tp_plan `colwise_rep`): one all-gather of the logits in forward;
-  a tied head is vocabulary-parallel (no gather; its loss all-reduces three b x s fp32 vectors, priced as
-  nothing).
-- `ulysses_comm_s`: per layer and micro step, all-to-alls of q, k and v before attention and of its output
-  after, in forward (ulysses_sp.py `_combine_local_sequences`, `_partition_global_sequence`), the same again in
-  backward (the all-to-all's gradient is the inverse all-to-all, deepspeed/sequence/layer.py `_DimZeroAllToAll`),
-  and once more in a checkpointed layer's recomputed forward. DeepSpeed-Ulysses sec. 3.2: "the communication
-  volume transmitted per link for an all-to-all for aggregate message of size M over P GPUs is M/P ...
-  all-to-all for the QKV projections with an aggregate message size of 3Nh ... and another all-2-all for output
-  context projection with a size Nh for each transformer layer ... an aggregate communication volume per link of
-  4Nh/P". With grouped-query attention k and v are KV heads x head dim wide, not h, and DeepSpeed repeats the
-  KV heads up to sp when there are fewer (ulysses_sp.py `kv_replication_factor`); the sizes below are those of
-  the tensors it sends.
-"""
+- AutoTP: a rank runs memory/tensor_parallel.py's `local_model` (heads, KV heads and intermediate / tp, hidden whole; an
+untied head V / tp wide with its logits gathered, `colwise_rep`; a tied one vocabulary-parallel). Per layer and micro
+step two all-reduces of b x s x h in forward (AutoTP's row-parallel LinearAllreduce, deepspeed/module_inject/layers.py)
+and two in backward (LinearLayer's input gradients), again in a checkpointed layer's recompute (Shoeybi et al. 2019,
+Megatron-LM, arXiv:1909.08053, sec. 3 and fig. 4); an untied head's one all-gather of the logits. - Ulysses: each rank
+runs every op outside attention on seq / sp tokens (UlyssesSPDataLoaderAdapter) and attention on the whole sequence for
+heads / sp of the heads (UlyssesSPAttentionHF, runtime/sequence_parallel/ulysses_sp.py; Jacobs et al. 2023,
+DeepSpeed-Ulysses, arXiv:2309.14509, sec. 3, fig. 1), which for a flash kernel linear in its heads is the full-sequence
+price / sp. Per layer all-to-alls of q, k, v and the output in forward (`_combine_local_sequences`,
+`_partition_global_sequence`), again in backward (deepspeed/sequence/layer.py `_DimZeroAllToAll`) and in a recompute,
+each rank sending M / P of an aggregate M (sec. 3.2: 4Nh/P per layer); k and v at KV heads x head dim, repeated up to sp
+(`kv_replication_factor`)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """The per-GPU memory model: `estimate(model, cluster, cfg)` -> MemoryEstimate.
 
-The peak is the maximum over the points of a training step where memory is highest, not the sum
-of all terms:
-- forward: states + (stage-3 gathered params) + carried gradients + everything saved + the logits'
-  transient during cross entropy;
-- forward, before the LM head (ZeRO-3): the same without the logits, + the prefetched head's bucket;
-- backward at the loss: the same saved set + the fp32 gradients of log-softmax;
-- backward at the head: the layers' saved set + the LM head's weight gradient;
-- backward end: states + gradients + reduce buffers + the embedding gradient's transient;
-- backward recompute (k > 0), first and last checkpointed block: the inputs still held + one
-  recomputed block + the gradients made so far;
-- optimizer: states + step gradients + the update's temporaries;
-- optimizer, after the update (ZeRO 1-2 on CPU ranks): states + gloo's all-gather output, the whole
-  flat model (buffers.gloo_allgather_bytes);
-- with Ulysses sp, phases of its own for the fp32 gradient reductions (sequence_parallel.py).
-Each phase's terms sum to its total; the estimate reports the terms of the peak phase.
-Framework overhead (GPU only) is added on top, reported apart (memory/overhead.py).
+The peak is the largest of a few points of a training step (phases: forward, backward at the loss, the head, the
+recomputed blocks and the end, the optimizer step, and the phases ZeRO-1/2 on CPU ranks and Ulysses add), each priced as
+a sum of terms; the estimate reports the terms of the peak phase and a GPU's framework overhead apart
+(memory/overhead.py). docs/memory.md has the table of phases and terms, docs/measurements/memory.md what was measured.
 """
 
 from __future__ import annotations
@@ -25,6 +13,7 @@ from autotune.memory.analytic import MemoryEstimate, builtin
 from autotune.memory.analytic import phases as _phases
 from autotune.memory.buffers import allgather_phase
 from autotune.memory.host import host_bytes_per_node
+from autotune.memory.layout import Layout
 from autotune.memory.overhead import overhead_terms
 from autotune.memory.sequence_parallel import (
     all_to_all_terms,
@@ -35,10 +24,15 @@ from autotune.memory.sequence_parallel import (
 from autotune.memory.sequence_parallel import (
     local_view as sp_local_view,
 )
-from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_world_gathered
+from autotune.memory.tensor_parallel import local_view, sharded_head, zero3_largest_group, zero3_world_gathered
 from autotune.memory.traced import trace
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
+
+
+def layout(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> Layout:
+    """`cfg`'s layout on `cluster` (memory/layout.py), worked out once per estimate before the local view."""
+    return Layout.of(model, cluster, cfg, zero3_largest_group=zero3_largest_group(model, cfg))
 
 
 def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEstimate:
@@ -52,11 +46,12 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
     # the whole model at seq / sp tokens, ZeRO over the world (memory/sequence_parallel.py; tp and sp are not
     # combined, autotune/parallel.py). The host side counts every rank of a node (no offload with either), the
     # report the whole model's parameters
+    lay = layout(model, cluster, cfg)
     shard, dp, local = local_view(*sp_local_view(model, cluster, cfg))
     if builtin(shard):
-        phases = _phases(shard, dp, local)
+        phases = _phases(shard, dp, local, lay)
     else:
-        phases = trace(shard, dp, local).phases
+        phases = trace(shard, dp, local, lay).phases
     phases = sharded_head(model, cfg, phases)
     if held := zero3_world_gathered(model, cluster, cfg):
         phases = {
@@ -67,7 +62,7 @@ def estimate(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> MemoryEsti
         if name in phases:
             phases = {**phases, name: {**phases[name], **extra}}
     phases = zero3_fp32_head_phase(model, cfg, phases)
-    phases = zero1_fp32_reduce_phase(shard, dp, cfg, phases)  # ZeRO-1's fp32 reduction under Ulysses
+    phases = zero1_fp32_reduce_phase(shard, dp, cfg, lay, phases)  # ZeRO-1's fp32 reduction under Ulysses
     # gloo's all-gather after stages 1-2's update (CPU ranks; memory/buffers.py gloo_allgather_bytes)
     phases = allgather_phase(shard, dp, local, trainable_params(shard, local), phases)
     totals = {name: sum(t.values()) for name, t in phases.items()}

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
 from autotune.memory import activations as act
 from autotune.memory import buffers, model_states
 from autotune.memory.code_trace import persistent_params
+from autotune.memory.layout import Layout
 from autotune.memory.lora import lora_phases
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
@@ -100,28 +100,31 @@ def builtin(model: ModelSpec) -> bool:
     return getattr(model, "implementation", "builtin") == "builtin"
 
 
-def phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, dict[str, int]]:
+def phases(
+    model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout | None = None
+) -> dict[str, dict[str, int]]:
     """The analytic phases. For code other than the builtin model the activation terms here are
     placeholders that traced.trace replaces; ZeRO-3's persistent parameters are then counted on the
     module itself (a Qwen2 has biases on q, k, v only, which the shape does not say). LoRA/QLoRA:
-    memory/lora.py's phases, built from these for the adapters."""
+    memory/lora.py's phases, built from these for the adapters. `layout`: memory.estimate's
+    (memory/layout.py), else that of (model, cluster, cfg)."""
+    layout = layout or Layout.of(model, cluster, cfg)
     if cfg.method != "full":
-        return lora_phases(model, cluster, cfg, phases)
-    buckets = bucket_sizes(model, cfg)
-    threshold = buckets["stage3_param_persistence_threshold"]
+        return lora_phases(model, cluster, cfg, layout, phases)
+    threshold = layout.stage3_param_persistence_threshold
     fused = not cluster.gpu.is_cpu
     kw = dict(micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, precision=cfg.precision)
     keep = None
     if not builtin(model) and cfg.zero_stage == 3:
         keep = persistent_params(model, threshold)
-    static = model_states.states(model, cluster, cfg, threshold, buckets["reduce_bucket_size"], keep)
-    gathered = {"zero3_gathered_params": model_states.zero3_gathered(model, cluster, cfg, threshold, keep)}
+    static = model_states.states(model, cluster, cfg, threshold, layout.reduce_bucket_size, keep)
+    gathered = {"zero3_gathered_params": model_states.zero3_gathered(model, cluster, cfg, layout, keep)}
     carried = {
         "accumulated_gradients": buffers.accumulated_gradients(model, cluster, cfg),
-        "carried_reduce_bucket": buffers.carried_reduce_bucket(model, cfg),
+        "carried_reduce_bucket": buffers.carried_reduce_bucket(model, cfg, layout),
     }
     saved = act.activation_bytes(model, ckpt_layers=cfg.ckpt_layers, attention=cfg.attention, **kw)
-    grads = {"gradients": buffers.backward_gradients(model, cluster, cfg)}
+    grads = {"gradients": buffers.backward_gradients(model, cluster, cfg, layout)}
     out = {
         "forward": {
             **static,
@@ -142,17 +145,17 @@ def phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, di
             **gathered,
             **carried,
             **{k: v for k, v in saved.items() if k != "logits_and_loss"},
-            **buffers.head_gradient_bytes(model, cluster, cfg),
+            **buffers.head_gradient_bytes(model, cluster, cfg, layout),
         },
-        "backward (end)": {**static, **gathered, **grads, **buffers.backward_end_extra(model, cluster, cfg)},
+        "backward (end)": {**static, **gathered, **grads, **buffers.backward_end_extra(model, cluster, cfg, layout)},
         "optimizer": {
             **static,
-            **model_states.step_terms(model, cluster, cfg, fused),
+            **model_states.step_terms(model, cluster, cfg, fused, layout),
             **model_states.zero3_step_parameters(model, cluster, cfg),
         },
     }
     prefetch = model_states.zero3_prefetch(
-        model, cluster, cfg, threshold, keep, on_demand=model.vocab_size * model.hidden_size if builtin(model) else 0
+        model, cluster, cfg, layout, keep, on_demand=model.vocab_size * model.hidden_size if builtin(model) else 0
     )
     if prefetch:  # ZeRO-3 from the second step: the head's prefetched bucket, just before the head runs
         before_head = {
@@ -175,8 +178,8 @@ def phases(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, di
                 **static,
                 **gathered,
                 **carried,
-                "gradients": buffers.gradients_during_backward(model, cluster, cfg, done),
-                "comm_buffers": buffers.buckets_in_backward(model, cfg),
+                "gradients": buffers.gradients_during_backward(model, cluster, cfg, layout, done),
+                "comm_buffers": buffers.buckets_in_backward(model, cfg, layout),
                 "checkpointed_inputs": inputs * one_input,
                 "rotary_tables": saved["rotary_tables"],
                 "recomputed_layer": layer,

@@ -1,25 +1,12 @@
-"""The memory of the code a trial really runs (Hugging Face, a user's factory module, or the builtin
-stand-in), traced through autotune/impl/'s one seam: `impl.build`, `impl.layers`, `impl.loss`,
-`impl.checkpoint_first`.
+"""The memory of the code a trial really runs (Hugging Face, a user's factory module, or the builtin stand-in), traced
+through autotune/impl/'s one seam: `impl.build`, `impl.layers`, `impl.loss`, `impl.checkpoint_first`.
 
-`trace_program(spec, cfg, ckpt=, full=, ...)` is tracer.py's `builtin_program` for any
-implementation: the model of `ckpt + full` layers is built on CPU fake tensors in the training
-dtype, a first AdamW step makes the optimizer states, then one step (forward, backward, step) runs
-under `tracer.LiveBytes`, which counts every storage until its last reference dies. Module hooks on
-the decoder layers (`impl.layers`) and gradient hooks on their outputs cut the step into the same
-segments traced.py uses (fwd.start, fwd.block<i>, fwd.head, fwd.end, bwd.head, bwd.block<i>,
-bwd.end, opt); each segment's peak is kept by category (parameters, gradients, optimizer states,
-batch and loss, the tensors every layer is handed, activations, temporaries). traced.trace then
-extrapolates the peaks to L layers (affine in checkpointed and full layers) and accounts ZeRO on top.
-
-Nothing here knows a family: what a Hugging Face layer saves (dropout masks, the attention
-probabilities of the math path, RMSNorm's fp32 upcast, the eager path's 4-D mask, the loss's fp32
-logits) is whatever its code allocates. Traces are cached per (model, implementation, precision,
-attention, sequence length, micro batch, layer counts); the same small program serves every ZeRO
-stage, cluster and grad_accum, since the stage is accounted analytically on top. Within
-`families(...)` (`autotune estimate --max-seq-len` / `--max-micro-batch`), a program at any length
-or micro batch of a range is replayed from one build stepped at three of them (seq_family.py).
-"""
+`trace_program(spec, cfg, ckpt=, full=, ...)` builds the model of `ckpt + full` layers on CPU fake tensors, makes
+AdamW's states with a first step, and runs one step under `tracer.LiveBytes`; hooks on the decoder layers and their
+output gradients cut it into traced.py's segments, each peak kept by category. Nothing here knows a family: what a layer
+saves is whatever its code allocates. A program serves every ZeRO stage, cluster and grad_accum (the stage is accounted
+analytically on top); `families(...)` replays a range of lengths or micro batches from one build (seq_family.py).
+docs/memory.md ("Code other than the stand-in") explains the rest."""
 
 from __future__ import annotations
 
@@ -170,14 +157,11 @@ def _hooks(impl, model, live, marks: dict) -> None:
 
 @contextlib.contextmanager
 def unpacked_sequences():
-    """transformers takes another branch on fake tensors than on real ones: masking_utils'
-    `find_packed_sequence_indices` reads the position ids to tell packed sequences apart, and on a
-    fake tensor (`is_tracing`) it cannot, so it returns the packing index and the model builds a
-    4-D mask where a real run passes none and lets SDPA use is_causal (measured, Llama GQA fp32
-    sdpa, 3 layers, b 2, s 64: the mask and SDPA's expanded k and v, 288 KiB over a real CPU step).
-    The trial's positions are 0..s-1 in every row (impl.loss passes no position ids), so the answer
-    a real run reads is "not packed": the function still runs (its small int64 temporaries are
-    allocated as in a real run) and None is returned."""
+    """transformers takes another branch on fake tensors: masking_utils' `find_packed_sequence_indices` cannot read fake
+    position ids (`is_tracing`), so it returns a packing index and the model builds a 4-D mask where a real run
+    passes none and lets SDPA use is_causal (measured: docs/measurements/memory.md). The trial's positions are 0..s-1
+    in every row (impl.loss passes none), so a real run reads "not packed": the function still runs (its small int64
+    temporaries are real) and None is returned."""
     try:
         from transformers import masking_utils
     except ImportError:  # no transformers: nothing to correct
@@ -559,19 +543,14 @@ on the batch's shape, so the shortest that every traced family runs will do."""
 
 
 def released_after_forward(spec: ModelSpec, cfg: TrainConfig) -> list[int]:
-    """Element counts of the frozen parameters ZeRO-3 releases after their module's forward under
-    LoRA (those before the layers, each layer's, those after; the parameters kept are left out):
-    those whose every owning module's output needs no gradient. DeepSpeed fetches a module again in
-    backward from a hook on its outputs that fires only when their gradient is computed
-    (parameter_offload.py _pre_backward_module_hook); a module upstream of every adapter (the frozen
-    embedding, a hybrid's layers before its first adapted one, the frozen base of the first adapted
-    layer's projections, whose input needs no gradient) never gets one, so its parameters are not
-    in the trace again and are released (partitioned_param_coordinator.py __params_to_release).
-    Found by running the model's own forward on fake tensors with a hook on every module, after
-    `checkpoint_first` (with checkpointing the embedding's output requires grad, and nothing is
-    released). A uniform stack's second layer stands for every later one. Kept in the trace cache
-    where the model's programs are, and for this process (a user's module too: a search asks once
-    per candidate)."""
+    """Element counts of the frozen parameters ZeRO-3 releases after their module's forward under LoRA (those before the
+    layers, each layer's, those after): those whose every owning module's output needs no gradient. DeepSpeed fetches
+    a module again in backward from a hook on its outputs that fires only when their gradient is computed
+    (parameter_offload.py _pre_backward_module_hook), so a module upstream of every adapter is not in the trace again
+    and is released (partitioned_param_coordinator.py __params_to_release). Found by running the forward on fake
+    tensors with a hook on every module after `checkpoint_first` (with checkpointing the embedding's output requires
+    grad, and nothing is released); a uniform stack's second layer stands for every later one. Kept in the trace
+    cache beside the model's programs, and for this process."""
     depth = min(spec.num_layers, 2) if spec.uniform_blocks else spec.num_layers
     key = (
         "released after forward",

@@ -1,21 +1,12 @@
 """Price a whole (micro batch x checkpointed layers) grid at once, exactly.
 
-For a fixed model, cluster, ZeRO stage, precision and sequence length, every phase total of
-`estimate` is bilinear in the micro batch b and the checkpointed-layer count k:
-    total(b, k) = a + c_b * b + c_k * k + c_bk * b * k
-(activations and logits are b times a per-token constant; checkpointing swaps (L-k) full layers
-for k inputs; the eager mask and all model states do not depend on b). Four calls of `estimate`
-give the coefficients of each phase; numpy then prices thousands of candidates in microseconds.
-tests/test_memory.py checks the grid against `estimate` point by point.
-
-Traced code (hf, factory: memory/code_trace.py) is bilinear in b and affine in k for k >= 1, but
-k = 0 is off that line by what a checkpointed run adds once (measured, GPT-2 eager: one b x s x s
-mask more from k = 1 on), so its k = 0 column is priced apart and k >= 1 is fitted on k = 1, 2;
-`backward (layers)`, the backward of the blocks that are not checkpointed, exists only for k < L.
-tests/test_memory_hf.py checks that grid against traces at the exact micro batch and k. A stack of
-mixed layers (ModelSpec.uniform_blocks False: DeepSeek's dense layers, then MoE) is not affine in k,
-as checkpointing a dense layer saves other bytes than an MoE one: each k is priced, bilinear in b.
-"""
+For a fixed model, cluster, stage, precision and sequence length every phase total of `estimate` is bilinear in the
+micro batch b and the checkpointed-layer count k: total(b, k) = a + c_b b + c_k k + c_bk b k (activations are b times a
+per-token constant; checkpointing swaps L - k full layers for k inputs; the states do not depend on b). Four estimates
+give each phase's coefficients (tests/test_memory.py checks them point by point). Traced code is affine in k from k = 1
+only (a checkpointed run adds one mask once; measured: docs/measurements/memory.md), so k = 0 is priced apart and k >= 1
+fitted on 1 and 2; a stack of mixed layers is not affine in k and each k is priced, bilinear in b
+(tests/test_memory_hf.py)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,13 @@
-"""The largest sequence length or micro batch that fits, for the rest of a configuration:
-`autotune estimate --max-seq-len` / `--max-micro-batch`.
+"""The largest sequence length or micro batch that fits, for the rest of a configuration: `autotune estimate
+--max-seq-len` / `--max-micro-batch`.
 
-The estimate is non-decreasing in both (every activation term grows with the tokens, nothing
-shrinks; memory/activations.py), so a doubling search for an upper bound and a bisection find the
-largest fitting value in O(log n) calls of `estimate`: microseconds each for the builtin model's
-analytic terms, but a trace of the module (about half a second for a 13B Llama) for any other code,
-where the 23 calls of a bisection up to 2k tokens took 15 s.
-
-For traced code the search is guided: each phase's tensor bytes are a polynomial of degree at most
-two in the sequence length (attention scores are s x s, everything else is linear in s) and of
-degree one in the micro batch, so three traces fit every phase exactly and predict the answer. The
-prediction is then checked with the real estimate at v and v + 1. Where it misses (a phase whose
-peak moves from one segment to another is only piecewise polynomial: measured on Llama-2-13B, ZeRO-3,
-the loss's backward moved 0.6 GB off the fit between 768 and 2048 tokens), the three values
-estimated nearest the guess are fitted again, twice at most, and then an exact bisection between
-the largest value seen to fit and the smallest seen not to finishes.
-The answer is always the exact estimate's (a replayed one is the traced one to the byte); the fit
-only decides where to look first.
-
-Tracing each of those values on its own costs a build and a step per program (3.85 s for the
-13B ZeRO-3 answer on a 2-core machine). So the search runs inside `traced_once`: each program is
-built once and stepped at three values spanning the range (256 to 65,536 tokens, 2 to 1,024
-sequences, the configuration's own value among them), and every value in between is replayed from
-that record (memory/seq_family.py), exact where the record shows the code the same at all three.
-Where it does not, or outside the range, values are traced one by one as above.
-"""
+The estimate is non-decreasing in both (memory/activations.py), so a doubling search and a bisection find the answer in
+O(log n) estimates. For traced code the search is guided: each phase is a polynomial of degree at most two in the length
+and one in the micro batch, so three estimates predict the answer, which is checked at v and v + 1; where a phase's peak
+moves between segments (only piecewise polynomial) the nearest three are fitted again, twice at most, then an exact
+bisection finishes. The answer is always the exact estimate's. The search runs inside `traced_once`: each program built
+once and stepped at three values spanning the range, the rest replayed (memory/seq_family.py); where that is refused,
+values are traced one by one (measured: docs/measurements/memory.md)."""
 
 from __future__ import annotations
 

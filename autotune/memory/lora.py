@@ -1,27 +1,14 @@
 """Memory of LoRA and QLoRA fine-tuning (method lora/qlora; autotune/impl/lora.py builds the module).
 
-What DeepSpeed 0.19.8 keeps when only the adapters require grad (the worker passes
-`model_parameters=[p for p in model.parameters() if p.requires_grad]`):
-- Frozen base weights stay in the module, in the training dtype (engine._configure_distributed_model
-  casts the whole module); they have no gradient, no fp32 master copy and no optimizer state: the
-  optimizers are built from the param groups they are given (stage_1_and_2.py flattens
-  `param_group['params']` only; stage3.py likewise; bf16/fp16 wrappers copy their groups).
-- ZeRO-3 still partitions every parameter of the module (zero.Init / `_convert_to_zero_parameters`),
-  frozen or not, and gathers them for forward and backward: the base is sharded and gathered as in
-  full fine-tuning. ZeRO-1/2 partition only what is in the optimizer: the adapters.
-- Adapters: parameters in the training dtype, fp32 master, gradients and AdamW states, i.e. full
-  fine-tuning's terms for a model of `adapter_params` parameters (model_states.py, buffers.py).
-- No embedding or LM-head gradient exists (both frozen): those transients are dropped.
-- Activations: traced from the peft module itself (code_trace through the seam): the adapter path's
-  dropout mask and dropout(x), x·A, and what the frozen layers keep to pass input gradients.
-QLoRA (Dettmers et al. 2023, "QLoRA", arXiv:2305.14314, sec. 2 and 3): every linear weight of the
-decoder layers in 4-bit NF4, 0.5 B/weight, plus one fp32 absmax per 64-weight block (4/64 B/weight);
-with double quantisation the absmax constants are 8-bit, with one fp32 constant per 256 of them:
-8/64 + 32/(64*256) bits = 0.127 bits/weight (paper, sec. 3 "Double Quantization"). Each quantised
-linear layer dequantises its weight to the compute dtype for its matmul (bitsandbytes
-MatMul4Bit: F.dequantize_4bit), one layer at a time: a transient of the largest such weight.
-The rest (embeddings, norms, LM head: transformers keeps the output layer unquantised) stays 16-bit.
-"""
+DeepSpeed 0.19.8 with only the adapters in the optimizer (the worker passes the parameters that require grad): the
+frozen base stays in the module in the training dtype (engine._configure_distributed_model casts it) with no gradient,
+master copy or optimizer state (stage_1_and_2.py and stage3.py build from `param_group['params']` only); ZeRO-3 still
+partitions and gathers every parameter (zero.Init, `_convert_to_zero_parameters`), ZeRO-1/2 only the adapters. So the
+adapters' terms are full fine-tuning's for a model of `adapter_params` parameters, the embedding and head make no
+gradient, and the activations are traced from the peft module. QLoRA (Dettmers et al. 2023, arXiv:2305.14314, sec. 2-3):
+the decoder layers' linear weights in NF4 with their constants (the constants below), each dequantised to the compute
+dtype for its matmul one layer at a time (bitsandbytes MatMul4Bit: F.dequantize_4bit); the rest (embeddings, norms, the
+LM head) stays 16-bit."""
 
 from __future__ import annotations
 
@@ -29,10 +16,10 @@ from dataclasses import replace
 from functools import cache
 
 from autotune import trace_cache
-from autotune.deepspeed_config import bucket_sizes
 from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.memory import code_trace
+from autotune.memory.layout import Layout
 from autotune.models import ModelSpec
 from autotune.models.hf_config import default_attention
 from autotune.train_config import TrainConfig, dtype_bytes
@@ -58,15 +45,12 @@ def qlora_bytes_per_weight(double_quant: bool = DOUBLE_QUANT) -> float:
 def _layout(
     spec: ModelSpec, method: str, rank: int, targets: str
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...], tuple[tuple[int, ...], ...]]:
-    """From the model on the meta device, built through the seam: (the adapter parameter sizes of
-    each decoder layer in the optimizer's order, the adapted layers' names, the sizes of each decoder
-    layer's linear weights). Adapters live only in decoder layers: peft's all-linear leaves the
-    output layer out, and embeddings are not linear. A stack of one layer kind is read from one
-    layer (its entries stand for every layer); a mixed one from all of them: read from its first
-    layer, a 6-layer DeepSeek-V3 (one dense layer, then MoE ones whose experts are not nn.Linear) had
-    4.6 times the linear weights QLoRA quantises, and a Jamba (Mamba layers without attention, then
-    attention ones) 1.5 times its all-linear adapters. Kept in the trace cache where the model's programs are
-    (code_trace.kept_on_disk): a later run reads it without importing torch or peft."""
+    """From the model on the meta device, built through the seam: (the adapter parameter sizes of each decoder layer in
+    the optimizer's order, the adapted layers' names, the sizes of each decoder layer's linear weights). Adapters
+    live only in decoder layers (peft's all-linear leaves the output layer out). One layer kind is read from one
+    layer; a mixed stack from all of them, since its first layer can differ from the rest (measured:
+    docs/measurements/memory.md). Kept in the trace cache beside the model's programs (code_trace.kept_on_disk): a
+    later run reads it without torch or peft."""
     key = ("lora layout", code_trace.spec_key(spec), spec.uniform_blocks, method, rank, targets)
     layout = trace_cache.remembered(
         key, lambda: _read_layout(spec, method, rank, targets), keep=code_trace.kept_on_disk(spec)
@@ -153,7 +137,9 @@ def adapter_view(spec: ModelSpec, cfg: TrainConfig) -> ModelSpec:
     return replace(spec, param_count=adapter_params(spec, cfg))
 
 
-def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, stepping: bool = False) -> dict[str, int]:
+def held_parameters(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout, stepping: bool = False
+) -> dict[str, int]:
     """Parameter bytes on one GPU: the frozen base (16-bit, or NF4 for QLoRA) and the adapters.
     ZeRO-3 partitions both and keeps the small ones (< stage3_param_persistence_threshold
     elements) whole on every rank, but while the optimizer is `stepping` (model_states.
@@ -167,7 +153,7 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         q, _ = quantized_weights(spec, cfg)
         base = (spec.num_params - q) * pb + q * qlora_bytes_per_weight()
     if cfg.zero_stage == 3:
-        threshold = bucket_sizes(spec, cfg)["stage3_param_persistence_threshold"]
+        threshold = layout.stage3_param_persistence_threshold
         keep_base = 0 if stepping else code_trace.persistent_params(spec, threshold)
         keep_adapters = 0 if stepping else sum(x for x in adapter_numels(spec, cfg) if x < threshold)
         out["frozen_parameters"] = int(base / n + pb * keep_base)
@@ -186,16 +172,13 @@ def held_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, steppin
         # zero3_held): the same coordinator releases a frozen module whose backward is further away
         # in the trace (a 70B's base was held whole: 128 GiB gathered per GPU at ZeRO-3 on 8 GPUs)
         elements = spec.num_params - keep_base - released + adapters - keep_adapters
-        reuse = bucket_sizes(spec, cfg)["stage3_max_reuse_distance"]
+        reuse = layout.stage3_max_reuse_distance
         out["_gathered"] = int(gathered * min(1.0, reuse / elements)) if n > 1 and elements > 0 else 0
         # ... less, once its backward has run, an untied frozen LM head: no module after it in the
         # step's trace uses its weight, so DeepSpeed's post-backward hook releases it (parameter_
         # offload.py _post_backward_module_hook -> partitioned_param_coordinator.py release_sub_module,
         # __params_to_release keeps only parameters that reoccur in __submodule_order[step_id:]). A
-        # tied head's weight is the input embedding's, held on. Measured on transformers' Llama (h 384,
-        # i 1536, V 4096, 4 layers, ZeRO-3 fp32, every layer checkpointed, all-linear r 16, mb 2, seq
-        # 256, 2 CPU ranks): the recompute's peak holds every layer's gathered weights and adapters
-        # and the embedding, not the head (+6.32% over with it; docs/memory.md, Issue 30).
+        # tied head's weight is the input embedding's, held on (measured: docs/measurements/memory.md).
         head = spec.vocab_size * spec.hidden_size
         after = head if n > 1 and not spec.tied_embeddings and head >= threshold else 0
         out["_gathered_after_head"] = (
@@ -224,19 +207,23 @@ FROZEN_DROPPED = ("embedding_gradient", "head_gradient")
 """Full fine-tuning terms with no LoRA counterpart: the frozen embedding and LM head make no gradient."""
 
 
-def lora_phases(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, full_phases) -> dict[str, dict[str, int]]:
+def lora_phases(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout, full_phases
+) -> dict[str, dict[str, int]]:
     """autotune.memory's phases for a LoRA/QLoRA config: full fine-tuning's phases of the adapter
     view (`full_phases(view, cluster, cfg with method full)`), with the held parameters of the whole
     module instead of the adapters' alone, ZeRO-3's gathered base, no embedding or head gradient,
     and (QLoRA) the dequantised weight of the largest linear layer in forward and backward."""
     view = adapter_view(spec, cfg)
     plain = replace(cfg, method="full")
-    phases = full_phases(view, cluster, plain)
-    held = held_parameters(spec, cluster, cfg)
+    phases = full_phases(view, cluster, plain, layout)
+    held = held_parameters(spec, cluster, cfg, layout)
     gathered = held.pop("_gathered", 0)
     after_head = held.pop("_gathered_after_head", gathered)
     stepping = {
-        k: v for k, v in held_parameters(spec, cluster, cfg, stepping=True).items() if not k.startswith("_gathered")
+        k: v
+        for k, v in held_parameters(spec, cluster, cfg, layout, stepping=True).items()
+        if not k.startswith("_gathered")
     }
     dequant = dtype_bytes(cfg.precision) * quantized_weights(spec, cfg)[1] if cfg.method == "qlora" else 0
     out = {}

@@ -1,27 +1,14 @@
-"""Model states per GPU: parameters, gradients, fp32 master weights, optimizer states, and the
-optimizer step's temporaries, as DeepSpeed 0.19 really allocates them. Bytes in, bytes out.
+"""Model states per GPU: parameters, gradients, fp32 master weights, optimizer states and the optimizer step's
+temporaries, as DeepSpeed 0.19.8 allocates them. Bytes in, bytes out; docs/memory.md has the table per stage.
 
-Where each number comes from (DeepSpeed 0.19.8 source, and measured on CPU with 2 gloo ranks by
-the profiler, tests/test_memory_measured.py):
-- Stage 0, fp32: no wrapper; torch AdamW's exp_avg/exp_avg_sq (8 B/param) appear at the first step.
-- Stage 0, bf16/fp16: engine._configure_fp16_optimizer -> FP16_Optimizer (FusedAdam, GPU) or
-  FP16_UnfusedOptimizer (torch AdamW): a fp32 master copy of every parameter (4 B/param), fp32
-  gradients made from the 16-bit ones at the step (4 B/param, transient).
-- Stage 1 and 2: DeepSpeedZeroOptimizer (runtime/zero/stage_1_and_2.py): params flattened in the
-  model dtype (full), `single_partition_of_fp32_groups` = a fp32 copy of this rank's partition
-  (4/N B/param, also when the model is fp32), Adam states on the partition (8/N), gradients
-  reduced into a partition in the model dtype (stage 2 during backward in buckets of
-  reduce_bucket_size; measured: stage 1 holds the same partition at the step), converted to fp32
-  at the step (4/N, transient).
-- Stage 3: DeepSpeedZeroOptimizer_Stage3 (runtime/zero/stage3.py): a partition of the parameters
-  in the model dtype (pb/N), small parameters (< stage3_param_persistence_threshold elements)
-  kept whole, a flat gradient-partition buffer in the model dtype (pb/N, persistent), fp32 master
-  partition (4/N), Adam states (8/N); a gathered parameter stays live while its next use is
-  within stage3_max_reuse_distance elements of the trace (partitioned_param_coordinator.py
-  __params_to_release); stage3_max_live_parameters only caps the prefetch (`zero3_prefetch`).
-These match Rajbhandari et al. 2020 (ZeRO, arXiv:1910.02054, sec. 5.1: (2+2+K)*Psi/N_d with K=12)
-except where DeepSpeed keeps more: the fp32 partition copy even in fp32 training, and stage 3's
-persistent gradient buffer.
+Sources: stage 0 engine._configure_fp16_optimizer (FP16_Optimizer / FP16_UnfusedOptimizer: a fp32 master copy, fp32
+gradients made at the step); stages 1-2 runtime/zero/stage_1_and_2.py (the 16-bit parameters flattened whole,
+`single_partition_of_fp32_groups` a fp32 copy of the rank's partition even in fp32, Adam states on it); stage 3
+runtime/zero/stage3.py (parameters partitioned, those under stage3_param_persistence_threshold kept whole,
+grad_partitions_flat_buffer kept, gathered parameters held within stage3_max_reuse_distance:
+partitioned_param_coordinator.py __params_to_release). These are ZeRO's (2 + 2 + K) Psi / N_d, K = 12 (Rajbhandari et
+al. 2020, arXiv:1910.02054, sec. 5.1), except where DeepSpeed keeps more: the fp32 partition in fp32 training and stage
+3's persistent gradient buffer. Measured on 2 CPU ranks (tests/test_memory_measured.py, benchmarks/memory_accuracy.py).
 """
 
 from __future__ import annotations
@@ -32,7 +19,7 @@ from autotune.memory.buffers import (
     offload_fp32_partition,
     partition_elements,
 )
-from autotune.memory.tensor_parallel import ZERO3_LARGEST_GROUP
+from autotune.memory.layout import Layout
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, dtype_bytes
 
@@ -114,13 +101,9 @@ def largest_param(spec: ModelSpec) -> int:
 
 
 def zero3_step_parameters(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[str, int]:
-    """Stage 3's parameters while the optimizer steps: the partitions alone. DeepSpeed's step first
-    releases every parameter, the persistent ones too (stage3.py `step` -> _partition_all_parameters,
-    which checks that each is NOT_AVAILABLE), and gathers the persistent ones again after it
-    (`_post_step`). Measured on 2 CPU ranks (transformers' Qwen3 shape, hidden 96, fp32): the
-    optimizer phase held no whole copy of the 3,264 B of persistent norms in full fine-tuning, nor of
-    the 64,512 B of LoRA r 8 adapters, all below the persistence threshold, which the estimate had
-    kept whole there (+4.5 KB and +69 KB over)."""
+    """Stage 3's parameters while the optimizer steps: the partitions alone. The step releases every parameter, the
+    persistent ones too (stage3.py `step` -> _partition_all_parameters), and gathers the persistent ones again after
+    it (`_post_step`) (measured: docs/measurements/memory.md)."""
     if cfg.zero_stage != 3:
         return {}
     if cfg.offload_param != "none" and not cluster.gpu.is_cpu:
@@ -164,10 +147,8 @@ def states(
     if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32" and not cfg.offload_optimizer:
         out["fp32_gradients"] = 4 * p  # BF16_Optimizer's fp32 gradients (memory/buffers.py bf16_optimizer)
     if cfg.offload_optimizer and cluster.gpu.is_cpu:
-        # CPU ranks: the host is the device, so the offloaded fp32 partition, its moments and the
-        # fp32 gradient partition the step reads (memory/host.py) are in the rank's own memory,
-        # where the profiler counts them (measured: tiny-gpt2 ZeRO-3 bf16 on 2 CPU ranks,
-        # 8,967,521 B above the estimate that left them out; P/2 x 16 B = 8,968,192)
+        # CPU ranks: the host is the device, so the offloaded fp32 partition, its moments and the fp32 gradient
+        # partition the step reads (memory/host.py) are in the rank's own memory (measured: docs/measurements/memory.md)
         out["master_weights"] = int(master_bytes(cfg) * shard)
         out["optimizer_states"] = int(state_b * shard)
         out["offloaded_fp32_gradients"] = int(master_bytes(cfg) * shard)
@@ -186,15 +167,12 @@ def states(
 
 
 def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[dict[str, int], dict[str, int]]:
-    """Stage 1-2 ZeRO-Offload's staging buffers, allocated once (stage_1_and_2.py with cpu_offload):
-    `temp_grad_buffer_for_gpu_offload`, the largest parameter in the model dtype, on the device;
-    on the host `temp_grad_buffer_for_cpu_offload` (the same size) and
-    `param_buffer_of_bit16_for_cpu_offload_groups`, a 16-bit copy of the rank's partition. On CPU
-    ranks the host is the device, so all of them are device terms (measured: transformers' GPT-2, ZeRO-1
-    fp32 on 2 CPU ranks, the forward 4,338,924 B above the estimate without them; P/2 x 4 B + 2 x
-    262,144 x 4 B = 4,339,200); with grad_accum > 1 at stage 2 also the host buffers the gradients
-    accumulate in (`offload_accumulates_on_host`). Returns (device terms, host terms); an adapter
-    view (LoRA) prices its largest parameter as at most all its adapters."""
+    """Stage 1-2 ZeRO-Offload's staging buffers, allocated once (stage_1_and_2.py with cpu_offload): on the device
+    `temp_grad_buffer_for_gpu_offload` (the largest parameter); on the host `temp_grad_buffer_for_cpu_offload` (the
+    same) and `param_buffer_of_bit16_for_cpu_offload_groups` (a 16-bit copy of the partition), with grad_accum > 1 at
+    stage 2 also `offload_accumulates_on_host`'s. On CPU ranks the host is the device. Returns (device terms, host
+    terms); an adapter view (LoRA) prices its largest parameter as at most all its adapters (measured:
+    docs/measurements/memory.md)."""
     if not cfg.offload_optimizer or cfg.zero_stage not in (1, 2):
         return {}, {}
     pb, largest = dtype_bytes(cfg.precision), min(largest_param(spec), spec.num_params)
@@ -207,21 +185,16 @@ def offload_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tupl
     return {"offload_grad_buffer": pb * largest}, host
 
 
-def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimizer: bool) -> dict[str, int]:
-    """Gradients and temporaries alive at the peak of the optimizer step, on top of `states`.
-
-    - Stage 0: the full gradients in the model dtype, plus their fp32 copy for the master weights
-      when training in 16 bits (4 B/param).
-    - Stages 1-2: this rank's reduced partition; in 16 bits it is converted to fp32 (4/N) and the
-      16-bit partition freed before the update. Stage 3: the persistent buffer (in `states`) is
-      copied to a fp32 partition (4/N).
-    - torch.optim.AdamW single-tensor (the CPU path, foreach=False off CUDA) makes two temporaries
-      the size of the tensor being stepped (`exp_avg_sq.sqrt()` and its division by the bias
-      correction, torch/optim/adamw.py _single_tensor_adam): the largest parameter at stage 0, the
-      flat partition at stages 1-3. FusedAdam and bitsandbytes update in place (0).
-    Measured on CPU (2 ranks): stage 0 fp32 4P + 8*largest; bf16 2P + 4P + 8*largest; stages 1-3
-    12 bytes per partition element.
-    """
+def step_terms(
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimizer: bool, layout: Layout | None = None
+) -> dict[str, int]:
+    """Gradients and temporaries alive at the peak of the optimizer step, on top of `states`: at stage 0 the gradients
+    and, in 16 bits, their fp32 copy; at stages 1-2 the partition converted to fp32 (the 16-bit one freed first); at
+    stage 3 the persistent buffer copied to a fp32 partition, or an AutoTP shard's larger group
+    (`layout.zero3_largest_group`). torch's single-tensor AdamW (foreach=False off CUDA) makes two temporaries the
+    size of the stepped tensor (`exp_avg_sq.sqrt()` and its division, torch/optim/adamw.py _single_tensor_adam);
+    FusedAdam and bitsandbytes update in place. Measured on 2 CPU ranks: stage 0 fp32 4P + 8 x largest, bf16 2P + 4P
+    + 8 x largest, stages 1-3 12 B per partition element."""
     p, n, z = spec.num_params, cluster.world_size, cfg.zero_stage
     pb = dtype_bytes(cfg.precision)
     compact = offload_fp32_partition(spec, cluster, cfg)  # offload + fp32 accumulation: on the device
@@ -240,8 +213,9 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
         }
     stepped = largest_param(spec) if z == 0 else p / n
     if z == 3:
-        # an AutoTP shard's larger group (memory/tensor_parallel.py ZERO3_LARGEST_GROUP), else the partition
-        stepped = min(ZERO3_LARGEST_GROUP.get(spec, p) / n, STAGE3_SUB_GROUP_SIZE)
+        # an AutoTP shard's larger group (memory/tensor_parallel.py zero3_largest_group), else the partition
+        group = layout.zero3_largest_group if layout else None
+        stepped = min((p if group is None else group) / n, STAGE3_SUB_GROUP_SIZE)
     if fused_optimizer or cfg.optimizer == "adamw8bit":
         temps = 0
     elif z == 0:
@@ -261,68 +235,50 @@ def step_terms(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, fused_optimi
     return {"gradients": compact + fp32_partition, "optimizer_temporaries": temps}
 
 
-def zero3_held(spec: ModelSpec, cfg: TrainConfig, persistence_threshold: int, persistent: int | None = None) -> int:
+def zero3_held(spec: ModelSpec, layout: Layout, persistent: int | None = None) -> int:
     """Elements stage 3 holds gathered at the end of forward: every partitioned one, up to
     stage3_max_reuse_distance. From the second step on (a complete trace) a module's parameters are
     released only if their next use is further than max_reuse_distance elements of the trace away
     (partitioned_param_coordinator.py __params_to_release); stage3_max_live_parameters releases
     nothing (measured: the same peak with 1 and with 1e9, tests/test_knobs.py)."""
-    from autotune.deepspeed_config import bucket_sizes
-
-    p = spec.num_params - (persistent_params(spec, persistence_threshold) if persistent is None else persistent)
-    return min(p, bucket_sizes(spec, cfg)["stage3_max_reuse_distance"])
+    threshold = layout.stage3_param_persistence_threshold
+    p = spec.num_params - (persistent_params(spec, threshold) if persistent is None else persistent)
+    return min(p, layout.stage3_max_reuse_distance)
 
 
 def zero3_gathered(
-    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, persistence_threshold: int, persistent: int | None = None
+    spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout, persistent: int | None = None
 ) -> int:
     """Stage 3 parameters gathered for forward/backward and kept live (`zero3_held`; measured: with
     the default reuse distance 1e9 a small model keeps every gathered parameter from forward
     through backward)."""
     if cfg.zero_stage != 3 or cluster.world_size == 1:
         return 0
-    return int(dtype_bytes(cfg.precision) * zero3_held(spec, cfg, persistence_threshold, persistent))
+    return int(dtype_bytes(cfg.precision) * zero3_held(spec, layout, persistent))
 
 
 def zero3_prefetch(
     spec: ModelSpec,
     cluster: Cluster,
     cfg: TrainConfig,
-    persistence_threshold: int,
+    layout: Layout,
     persistent: int | None = None,
     on_demand: int = 0,
 ) -> int:
-    """The flat buffer of the prefetch that holds the LM head, live until the head runs: the
-    forward's last prefetched parameters, gathered ahead while every layer's activations are saved.
-
-    From the second step on, each module's fetch issues one all-gather of the next parameters in
-    the trace, up to min(stage3_prefetch_bucket_size, max_live_parameters - available) elements and
-    one parameter past it (the loop stops once the count reaches the limit: partitioned_param_
-    coordinator.py _fetch_sub_module_impl). The gather lands in one flat buffer of that many
-    elements (partition_parameters.py _all_gather_dtype) that each parameter then copies out of
-    (AllGatherCoalescedHandle.wait); the buffer is freed when the last of them has been waited for.
-    So the head's bucket holds at most min(bucket, max_live) + one parameter (the largest bounds it),
-    and no more than the held parameters less `on_demand`, those fetched before the first prefetch:
-    the stand-in's embedding (its top module calls it first, so it is fetched on demand; measured),
-    none for transformers' code (param-less LlamaForCausalLM/LlamaModel are fetched first, and the
-    embedding is prefetched with the rest; measured). With everything held (`zero3_held`), available
-    parameters grow to what is held, so the head is prefetched only if that stays under max_live +
-    one parameter.
-    Measured on 2 CPU ranks (bf16, the forward peak; reproduce: tests/test_knobs.py and docs/memory.md):
-    the stand-in tiny-llama, bucket 4e6 +1,321,848 B (one buffer of every parameter after the
-    embedding), 5e5 +825,720 B (bucket + head), 2e5 +47,736 B (the model: +1.3% on that peak), 5e4
-    and 0.9 h^2 nothing beyond the logits' peak, bucket 4e6 with max_live 6e5 nothing; transformers'
-    tiny-llama, bucket 4e6 +1,921,904 B (every held parameter); with 5e5 the forward peak varies run
-    to run up to 2.08% above this model (several buffers in flight earlier in the forward: open,
-    docs/memory.md "Known open error")."""
+    """The flat buffer of the prefetch that holds the LM head, live until the head runs, beside every layer's
+    activations. From the second step each fetch issues one all-gather of the next parameters, up to min(prefetch
+    bucket, max_live - available) elements and one parameter past it (partitioned_param_coordinator.py
+    _fetch_sub_module_impl), into one flat buffer (partition_parameters.py _all_gather_dtype) freed once its last
+    parameter is waited for (AllGatherCoalescedHandle.wait). So at most min(bucket, max_live) + the largest
+    parameter, and no more than the held parameters less `on_demand`, those fetched before the first prefetch (the
+    stand-in's embedding; none for transformers' code). With everything held (`zero3_held`) the head is prefetched
+    only under max_live + one parameter. Run to run variation with mid-sized buckets is open (docs/memory.md, "Known
+    open errors"; measured: docs/measurements/memory.md)."""
     if cfg.zero_stage != 3 or cluster.world_size == 1:
         return 0
-    from autotune.deepspeed_config import bucket_sizes
-
-    b = bucket_sizes(spec, cfg)
-    held, last = zero3_held(spec, cfg, persistence_threshold, persistent), largest_param(spec)
-    live = b["stage3_max_live_parameters"]
+    held, last = zero3_held(spec, layout, persistent), largest_param(spec)
+    live = layout.stage3_max_live_parameters
     if held > live + last:
         return 0
     rest = max(0, held - on_demand)
-    return int(dtype_bytes(cfg.precision) * min(rest, min(b["stage3_prefetch_bucket_size"], live) + last))
+    return int(dtype_bytes(cfg.precision) * min(rest, min(layout.stage3_prefetch_bucket_size, live) + last))

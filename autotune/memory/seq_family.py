@@ -1,25 +1,14 @@
-"""One traced program for every sequence length (or micro batch) in a range: `autotune estimate
---max-seq-len` / `--max-micro-batch` on code that must be traced.
+"""One traced program for every sequence length (or micro batch) in a range: `autotune estimate --max-seq-len` /
+`--max-micro-batch` on code that must be traced.
 
-A traced program's segment peaks (code_trace.py) are maxima over the moments of a step of the bytes
-live then. Which storages are live at each moment is the same at every sequence length as long as
-the code takes the same branches; only their sizes change, and each size is the element size times
-a product of dimensions that are affine in the sequence length (s, s + 1, heads x s, ...) with at
-most two of them growing with it (attention scores are s x s). So each storage's size is an integer
-polynomial of degree at most two in the sequence length (one in the micro batch), fixed by three
-steps. `fit` takes those three steps of one build (code_trace._run with `vary`), each recorded as the
-order in which storages start and stop being counted and where the peaks are compared
-(tracer.LiveBytes.log), and keeps, per storage, the polynomial of its size; `Family.program(v)`
-replays the step with the sizes at v and returns what a trace at v returns, in microseconds.
-
-It is exact where its conditions hold, and `fit` refuses it (None) where they do not:
-- the three steps record the same sequence of storages, comparisons, segments and categories (code
-  that branches on the length, such as a sliding window that masks only beyond its width, or a
-  rotary scaling that starts beyond the trained positions, records another sequence);
-- every storage's size fits an integer polynomial (a size that stops growing, min(s, w), does not);
-- the replay gives each probe's own traced peaks back, to the byte.
-Values outside the probes' range are not answered from it (code_trace traces them).
-"""
+Which storages are live at each moment of a step is the same at every length while the code takes the same branches;
+each size is an integer polynomial of degree at most two in the length (attention scores are s x s) and one in the micro
+batch, fixed by three steps. `fit` takes three steps of one build (code_trace._run with `vary`, recorded by
+tracer.LiveBytes.log) and keeps each storage's polynomial; `Family.program(v)` replays the step at v and returns what a
+trace at v returns. `fit` refuses (None) where the three records differ (code that branches on the length: a sliding
+window, rotary scaling past the trained positions), a size is no integer polynomial (min(s, w)), or the replay does not
+give each probe's own peaks back; values outside the probes' range are traced (docs/memory.md, item 6 of "Code other
+than the stand-in")."""
 
 from __future__ import annotations
 

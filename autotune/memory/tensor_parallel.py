@@ -1,21 +1,13 @@
-"""Tensor parallelism (DeepSpeed AutoTP) as the memory model sees it: one rank of a tp group holds a narrower
-model, and ZeRO shards that over the dp = world / tp ranks. `local_view` turns (model, cluster, cfg) with
-autotp_size > 1 into that rank's own (model, cluster, cfg) with autotp_size 1, which every other term of
-memory/ then prices unchanged (memory/__init__.estimate calls it first).
+"""Tensor parallelism (DeepSpeed AutoTP) as the memory model sees it: one rank of a tp group holds a narrower model,
+which ZeRO shards over the dp = world / tp ranks. `local_view` turns (model, cluster, cfg) into that rank's own, with
+autotp_size 1, which the rest of memory/ prices unchanged (memory/__init__.estimate).
 
-What AutoTP shards (deepspeed 0.19.8, engine._apply_autotp_partitioning, from the model's HF tp_plan, e.g.
-transformers' LlamaConfig.base_model_tp_plan; measured: the parameter shapes after deepspeed.initialize on 2
-CPU ranks, docs/parallelism.md):
-- q, k, v and the MLP's up/gate projections column-wise (their outputs and biases split by tp), o and down
-  projections row-wise (their inputs split; a row-wise bias stays whole): the local model has heads / tp,
-  key/value heads / tp and intermediate / tp, hidden unchanged, so its residual activations stay whole;
-- norms stay whole (replicated), each rank holding every norm weight;
-- an untied LM head column-wise with its output gathered (tp_plan `colwise_rep`): the head's weight is
-  V / tp x h, the logits the loss sees are whole; the input embedding stays whole;
-- a tied head and embedding vocabulary-parallel (AutoTP's auto vocab_parallel_lm_head, "supersedes the
-  configured 'skip' partitioning for tied embedding"): both V / tp x h, logits V / tp, DeepSpeed's
-  vocabulary-parallel cross entropy (sequence/cross_entropy.py) on them: the local model has vocab V / tp.
-"""
+What AutoTP shards (deepspeed 0.19.8 engine._apply_autotp_partitioning, from the model's HF tp_plan, e.g.
+LlamaConfig.base_model_tp_plan; measured: the parameter shapes after deepspeed.initialize, docs/parallelism.md): q, k,
+v, up and gate column-wise, o and down row-wise (a row-wise bias stays whole), so heads, KV heads and intermediate / tp
+with hidden whole; norms replicated; an untied head column-wise with its output gathered (`colwise_rep`: weight V / tp x
+h, whole logits) beside a whole input embedding; a tied head and embedding vocabulary-parallel (AutoTP's
+vocab_parallel_lm_head: both V / tp x h, logits V / tp, sequence/cross_entropy.py's loss)."""
 
 from __future__ import annotations
 
@@ -40,30 +32,27 @@ def local_view(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[Mo
         return model, cluster, cfg
     local = local_model(model, tp)
     if cfg.zero_stage == 3:
-        r = replicated_params(model, local, tp)
         local = dataclasses.replace(local, param_count=zero3_partitioned(model, local, tp))
-        ZERO3_LARGEST_GROUP[local] = local.num_params - -(-r // tp)
     return local, dp_cluster(cluster, tp), dataclasses.replace(cfg, autotp_size=1)
 
 
-ZERO3_LARGEST_GROUP: dict[ModelSpec, int] = {}
-"""ZeRO-3 shard spec (local_view) -> the elements of its larger flat partition group, priced by model_states.step_terms.
-Stage 3 keeps the parameters AutoTP shards (partitioned over dp) and those it leaves whole (partitioned over the
-world) in separate groups and steps them one after the other, so AdamW's temporaries and the fp32 gradient copy are
-those of the larger group, not of the whole partition (measured: Llama tp 2 ZeRO-3 on 2 CPU ranks, the optimizer
-phase's sqrt and div 1,884,160 B each = 4 B x 471,040, the shard without its replicated 131,648 elements).
-A side table, not a ModelSpec field: only this module makes such specs, and only estimate() reads them."""
+def zero3_largest_group(model: ModelSpec, cfg: TrainConfig) -> int | None:
+    """Elements of the larger flat group of a ZeRO-3 shard, which model_states.step_terms steps (memory/layout.py
+    Layout); None without AutoTP at ZeRO-3. Stage 3 keeps the parameters AutoTP shards (partitioned over dp) and
+    those it leaves whole (over the world) in separate groups and steps them one after the other (measured:
+    docs/measurements/memory.md)."""
+    tp = cfg.autotp_size
+    if tp == 1 or cfg.zero_stage != 3:
+        return None
+    local = local_model(model, tp)
+    return zero3_partitioned(model, local, tp) - -(-replicated_params(model, local, tp) // tp)
 
 
 def zero3_world_gathered(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
-    """Bytes of the parameters AutoTP leaves whole that ZeRO-3 gathers and holds beyond what the rest of memory/
-    counts for the shard. Those R elements are partitioned over the world and gathered whole in forward, held
-    through backward with the default reuse distance. With dp 1 the rest of memory/ sees one rank and counts no
-    gather: all R is added (measured: Llama tp 2 ZeRO-3 on 2 CPU ranks, backward peak 522,769 B above the one-rank
-    estimate; its embedding and norms, 263,296 elements in bf16, are 526,592 B). With dp > 1,
-    model_states.zero3_gathered counts the shard's partitioned count (zero3_partitioned: R / tp of them), so the
-    other R - R / tp are added (measured: Llama tp 2 x dp 2 ZeRO-3 on 4 CPU ranks, forward and backward peaks
-    262,285 and 262,289 B above that estimate; 131,648 elements in bf16 are 263,296 B)."""
+    """Bytes of the R parameters AutoTP leaves whole that ZeRO-3 gathers and holds beyond what the rest of memory/
+    counts for the shard: partitioned over the world, gathered whole in forward and held through backward. With dp 1
+    the rest of memory/ counts no gather, so all R; with dp > 1 model_states.zero3_gathered counts R / tp of them
+    (zero3_partitioned), so R - R / tp (measured: docs/measurements/memory.md)."""
     tp = cfg.autotp_size
     if tp == 1 or cfg.zero_stage != 3:
         return 0
@@ -74,12 +63,9 @@ def zero3_world_gathered(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
 
 
 def sharded_head(model: ModelSpec, cfg: TrainConfig, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """`phases` with the LM head's gradient of an untied model's shard: the traced shard has the whole V x h head
-    (its gathered logits are whole, as AutoTP's are) but AutoTP's head is V / tp x h, so is its weight gradient
-    (the `head_gradient` term, buffers.head_gradient_bytes or the trace's). Measured: Llama tp 2 x dp 2, ZeRO-2
-    fp32, 4 CPU ranks: with V x h x 4 B = 1,048,576 B for it the backward (head) phase was priced 1.07% over the
-    measured peak, which is every rank's loss backward (11,767,968 B; the estimate's backward (loss) 11,768,720 B);
-    the head's weight there is (1024, 128) (the parameter shapes after deepspeed.initialize), its gradient half."""
+    """`phases` with the LM head's gradient of an untied model's shard: the traced shard has the whole V x h head (its
+    gathered logits are whole, as AutoTP's are) but AutoTP's head is V / tp x h, so is its weight gradient (the
+    `head_gradient` term) (measured: docs/measurements/memory.md)."""
     tp = cfg.autotp_size
     if tp == 1 or model.tied_embeddings:
         return phases
@@ -96,13 +82,11 @@ def replicated_params(model: ModelSpec, local: ModelSpec, tp: int) -> int:
 
 
 def zero3_partitioned(model: ModelSpec, local: ModelSpec, tp: int) -> int:
-    """ZeRO-3's count of one rank's shard as dp ranks partition it: the model is built under zero.Init before
-    AutoTP makes its groups, so the parameters AutoTP leaves whole stay partitioned over the whole world, and
-    only those it replaces (its shards) are partitioned again over dp (engine._apply_autotp_partitioning:
-    "AutoTP replaces the weights it shards when the model was built under zero.Init"). Per rank that is
-    S / (tp dp) + R / (tp dp): as a count partitioned over dp, L - R + R / tp. Measured: the Llama of
-    benchmarks/hf_memory.py at tp 2, ZeRO-3, 2 CPU ranks holds 602,688 partitioned elements per rank (its
-    embedding's ds_tensor 131,072 of 262,144, each norm's 64 of 128), L - R / 2 exactly."""
+    """ZeRO-3's count of one rank's shard as dp ranks partition it: the model is built under zero.Init before AutoTP
+    makes its groups, so the parameters AutoTP leaves whole stay partitioned over the world and only its shards are
+    partitioned again over dp (engine._apply_autotp_partitioning: "AutoTP replaces the weights it shards when the
+    model was built under zero.Init"): S / (tp dp) + R / (tp dp) per rank, as a count over dp L - R + R / tp
+    (measured: docs/measurements/memory.md)."""
     r = replicated_params(model, local, tp)
     return local.num_params - r + -(-r // tp)
 

@@ -1,16 +1,12 @@
-"""Traced tier of the memory model: `trace(model, cluster, cfg)` runs the trial model's own code
-(autotune/impl/builtin.py) on fake tensors and counts the bytes it allocates; `compare(est, traced)`
-sets it beside `autotune.memory.estimate`. docs/memory.md ("The traced tier") explains it; the
-checks against real CPU runs, the analytic terms and direct traces are in tests/test_traced.py.
+"""Traced tier of the memory model: `trace(model, cluster, cfg)` runs the trial model's own code on fake tensors and
+counts the bytes it allocates; `compare(est, traced)` sets it beside `autotune.memory.estimate`. docs/memory.md ("The
+traced tier") explains it; tests/test_traced.py checks it against real CPU runs and direct traces.
 
-In short: CPU fake tensors (FakeTensorMode: shapes, no data, no RAM), two AdamW iterations, the
-second measured by `tracer.LiveBytes`, a TorchDispatchMode that counts each storage until its last
-reference dies (docs/platform.md "Fake tensors"; the tracer is memory/tracer.py, imported only when
-a program is traced, not read from the trace cache); the peak of each segment of the step (module
-and gradient hooks) with its storages by category; small models traced and every segment peak
-extrapolated to L layers (affine in the checkpointed and full layer counts); ZeRO accounted with
-autotune.memory's model-state and buffer terms for the stage, on top of the traced activations.
-"""
+In short: CPU fake tensors (FakeTensorMode), two AdamW iterations, the second measured by `tracer.LiveBytes` (a
+TorchDispatchMode counting each storage until its last reference dies; memory/tracer.py, imported only when a program is
+traced); the peak of each segment of the step (module and gradient hooks) by category; small models traced and each
+segment peak extrapolated to L layers (affine in the checkpointed and full layer counts); ZeRO from the analytic
+model-state and buffer terms, on top of the traced activations."""
 
 from __future__ import annotations
 
@@ -24,6 +20,7 @@ from autotune.hardware import Cluster
 from autotune.memory import buffers, code_trace, model_states
 from autotune.memory.analytic import MemoryEstimate, builtin
 from autotune.memory.analytic import phases as _phases
+from autotune.memory.layout import Layout
 from autotune.memory.lora import adapter_numels
 from autotune.memory.segments import CATEGORIES, PHASE_POINTS, classify, segment_points  # noqa: F401 - re-exported
 from autotune.models import ModelSpec
@@ -45,23 +42,17 @@ for the ZeRO stage) is taken from autotune.memory as it stands."""
 
 
 MIXED_TRACED_LAYERS = 24
-"""Depth up to which a stack of mixed layer kinds (ModelSpec.uniform_blocks False) is traced whole,
-as it runs; a deeper one is extrapolated from its first layers like a uniform one, and `autotune
-estimate` says the figure is approximate (`mixed_blocks_note`). Measured on a 2-core CPU: the first
-`autotune estimate` of DeepSeek-V3's default config cut to 24 layers (3 dense, 21 of 256 experts),
-at ZeRO-3 on 8xH100, took 11.8 s in all, imports and the cost model's trace included (6.9 s for the
-61-layer one, extrapolated)."""
+"""Depth up to which a stack of mixed layer kinds (ModelSpec.uniform_blocks False) is traced whole; a deeper one is
+extrapolated from its first layers like a uniform one, and `autotune estimate` says the figure is approximate
+(`mixed_blocks_note`). Chosen for the first estimate's time (measured: docs/measurements/memory.md)."""
 
 
 def _plan(ckpt: int, full: int, uniform: bool = True) -> list[tuple[int, int]]:
-    """(checkpointed, full) layers of the small models traced for a (ckpt, full) target. A count of
-    up to 3 is traced as it is (and with one more block, for the per-layer split of the terms); a
-    larger one at 2 and 3 and extrapolated. Never from 1: a lone block is both the first and the last
-    of its run, and the last one frees the rotary tables (measured: 70B, the first full block's
-    backward peak at m = 1, 2, 3, 4 is affine from m = 2 on, not from 1). Layers of mixed kinds
-    (not `uniform`) do not extrapolate from the first few (DeepSeek's first layers are dense, the
-    rest MoE: a 10-layer one at k = 0 read 13.6% over from them): such a stack up to
-    MIXED_TRACED_LAYERS deep is traced at its own counts, whatever they are."""
+    """(checkpointed, full) layers of the small models traced for a (ckpt, full) target: a count of up to 3 as it is and
+    with one block more (for the per-layer split), a larger one at 2 and 3, extrapolated. Never from 1: a lone block
+    is first and last of its run, and the last frees the rotary tables. A mixed stack (not `uniform`) up to
+    MIXED_TRACED_LAYERS deep is traced at its own counts, as its first layers do not stand for the rest (measured:
+    docs/measurements/memory.md)."""
     whole = not uniform and ckpt + full <= MIXED_TRACED_LAYERS
 
     def counts(n):
@@ -105,12 +96,11 @@ def _fit_programs(traces: dict[tuple[int, int], dict[str, dict[str, int]]]) -> d
     return out
 
 
-def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[int, str] | None:
-    """Peak temporaries of AdamW's update on the tensors DeepSpeed steps (model_states.step_terms'
-    layout): fp32 master weights, or bf16 ones with `bf16_master_weights_and_grads` (whose states
-    are then bf16 too, TrainConfig's check; measured on transformers' Llama, ZeRO 1-3: priced in
-    fp32 they were twice the bf16 update's, +21.5% to +25% over the measured peak); None where torch
-    cannot run that optimizer (offload: CPUAdam; 8-bit: bitsandbytes)."""
+def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> tuple[int, str] | None:
+    """Peak temporaries of AdamW's update on the tensors DeepSpeed steps (model_states.step_terms' layout): fp32 master
+    weights, or bf16 ones with `bf16_master_weights_and_grads` (whose states are then bf16 too, TrainConfig's check);
+    None where torch cannot run that optimizer (offload on a GPU: CPUAdam; 8-bit: bitsandbytes) (measured:
+    docs/measurements/memory.md)."""
     if (cfg.offload_optimizer and not cluster.gpu.is_cpu) or cfg.optimizer == "adamw8bit":
         return None  # on CPU ranks an offloaded step is torch AdamW on the same memory (step_terms)
     fused = not cluster.gpu.is_cpu
@@ -139,8 +129,9 @@ def _trace_step(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> tuple[in
     elif cfg.zero_stage in (1, 2):
         sizes, what = [part], f"the flat {master} partition ({part:,} elements)"
     else:
-        # an AutoTP shard steps its larger group (memory/tensor_parallel.py ZERO3_LARGEST_GROUP)
-        part = math.ceil(model_states.ZERO3_LARGEST_GROUP.get(spec, trained) / cluster.world_size)
+        # an AutoTP shard steps its larger group (memory/tensor_parallel.py zero3_largest_group)
+        group = trained if layout.zero3_largest_group is None else layout.zero3_largest_group
+        part = math.ceil(group / cluster.world_size)
         sizes = [min(part, model_states.STAGE3_SUB_GROUP_SIZE)]
         what = f"one {master} sub-group ({sizes[0]:,} elements)"
     kind = "fused=True (in place, as FusedAdam)" if fused else "foreach=False"
@@ -237,26 +228,17 @@ def _stage_terms(
     buckets: int = 0,
     fixed: tuple[int, int] = (0, 0),
 ) -> dict[str, int]:
-    """One phase at one segment peak: traced terms (estimate()'s names where one fits) + the analytic
-    model's states, gradients and buffers for the stage.
+    """One phase at one segment peak: traced terms (estimate()'s names where one fits) plus the analytic model's states,
+    gradients and buffers for the stage.
 
-    Gradients in backward: stages 0 and 1 keep them in param.grad while backward runs, as the traced
-    program does (DeepSpeed 0.19 stage_1_and_2.py process_gradients reduces during backward only
-    with partition_gradients, i.e. stage 2, or overlap_comm, off by default), so the analytic
-    end-of-backward gradients are scaled by the fraction the trace holds at that point (with
-    overlap_comm, `reduces`: those larger than the bucket, beside the partition and the buckets,
-    buffers.stage1_reduces_in_backward, `fixed`: those two, whole from the first reduction on, not
-    scaled; measured on transformers' GPT-2, ZeRO-1 bf16, every layer checkpointed: the recompute's
-    peak holds the whole partition and both buckets, -2.22% under when they were scaled), and the
-    embedding gradient's transient is the traced one; with grad_accum > 1 the gradients exist from
-    the start and the analytic terms stand. Stage 2 holds the analytic partition from the first
-    reduction on (stage_1_and_2.py copy_grads_in_partition allocates it whole), and through the
-    layers' backward its reduce bucket and `held`, the one gradient too large for the bucket that
-    waits for the next (buffers.held_extra_large_gradient); stage 3's partition is static.
-    A mixed stack (not `uniform`) has no per-layer slopes to split its activations by (they come from
-    one layer more of another kind: a Qwen3-Next's read -2.8 MB of checkpointed inputs): its layers'
-    part is the trace's `fwd.layers` point, all of it under `activations`.
-    """
+    Gradients in backward: stages 0-1 keep them in param.grad while backward runs, as the traced program does
+    (stage_1_and_2.py process_gradients reduces during backward only with partition_gradients or overlap_comm), so the
+    analytic end-of-backward gradients are scaled by the fraction the trace holds at that point, except, with
+    overlap_comm (`reduces`), the partition and buckets in `fixed`, whole from the first reduction on
+    (buffers.stage1_reduces_in_backward); with grad_accum > 1 the analytic terms stand. Stage 2 holds the analytic
+    partition from the first reduction on (copy_grads_in_partition), and through the layers' backward its bucket and
+    `held` (buffers.held_extra_large_gradient); stage 3's partition is static. A mixed stack (not `uniform`) has no
+    per-layer slopes: its layers' part is the trace's `fwd.layers` point (measured: docs/measurements/memory.md)."""
     cats, ckpt, in_grad = points[point], cfg.ckpt_layers, cfg.zero_stage <= 1
     layers = phase == "backward (layers)"  # the end of backward's states, in the middle of it
     source = analytic["backward (end)" if layers else phase]
@@ -313,15 +295,9 @@ def _stage_terms(
 
 
 def _end_of_backward(out: dict[str, int], transient: int) -> dict[str, int]:
-    """The code's own transient at the end of backward, or DeepSpeed's, whichever is larger: not both.
-
-    The traced transient there is what the module's last backward ops allocate, for a tied embedding
-    the LM head's gradient and the lookup's beside their sum (2 V h). DeepSpeed's extras (buffers.py,
-    backward_end_extra: the stage 0-1 all-reduce buffer, the stage 2-3 embedding gradient it reduces
-    from a copy) come after autograd has summed that gradient and freed the two parts. Measured on
-    transformers' GPT-2 (tied, fp32, 2 CPU ranks, micro batch 2, seq 32, k 0/2/4): the sum was +4.6%
-    to +11% over the measured peak at every stage; the larger of the two is within 1% under to 0.1%
-    over (benchmarks/memory_accuracy.py has the runs)."""
+    """The code's own transient at the end of backward, or DeepSpeed's, whichever is larger, not both: DeepSpeed's
+    extras (buffers.backward_end_extra) come after autograd has summed a tied embedding's gradient and freed its two
+    parts (measured: docs/measurements/memory.md)."""
     extras = {k: out.pop(k) for k in ("comm_buffers", "embedding_gradient") if k in out}
     return extras if sum(extras.values()) >= transient else {"temporaries": transient}
 
@@ -336,20 +312,13 @@ def _with_head_phase(
     layers: dict[str, int] | None,
     uniform: bool,
 ) -> dict:
-    """`phases` with 'backward (head)' after 'backward (loss)', at ZeRO-2: the moment the LM head's
-    weight gradient exists and every layer's activations are still saved, where stage 2's first
-    reduction allocates the gradient partition and the reduce bucket, a second partition where one
-    bucket holds every gradient, and fp32 accumulation's extras (buffers.head_gradient_bytes).
-    DeepSpeed allocates them, not the module's code, so the trace cannot see them; without this
-    phase transformers' Llama with a 4e6-element bucket was 2.8% to 11.8% under its measured peak
-    (benchmarks/knobs_on_hf.py). The analytic phase's states and buffers, with the trace's
-    activations: the layers' part of what the forward left saved (fwd.end's fit without the
-    logits and loss). Stages 0-1 hold the head's gradient in param.grad, as the trace does, and
-    stage 3's estimate was exact without it (benchmarks/memory_accuracy.py).
-    The layers' part is the trace's `fwd.layers` point (`layers`: live after the last layer's
-    forward, before the head's), equal to the uniform stack's a k + b m; a mixed stack's slopes come
-    from one layer more of another kind (Jamba's attention after its Mamba layers) and read that
-    moment 2.7 times too high, 58% over its measured ZeRO-2 peak."""
+    """`phases` with 'backward (head)' after 'backward (loss)' at ZeRO-2: the LM head's gradient exists and every
+    layer's activations are saved, where stage 2's first reduction allocates the partition and the bucket (a second
+    partition where one bucket holds every gradient, fp32 accumulation's extras: buffers.head_gradient_bytes).
+    DeepSpeed allocates them, not the module, so the trace cannot see them: the analytic phase's states and buffers
+    with the trace's activations, the layers' part read at `fwd.layers` (`layers`: after the last layer's forward),
+    since a mixed stack's slopes come from a layer of another kind. Stages 0-1 hold the head's gradient in param.grad
+    as the trace does; stage 3 was exact without it (measured: docs/measurements/memory.md)."""
     _, a, b = fit["activations"]
     saved = layers["activations"] if layers is not None else a * ckpt + b * full
     ckpt_part = a * ckpt if uniform else 0  # a mixed stack's whole program has no per-layer split
@@ -404,23 +373,26 @@ def trace_jobs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> list[Cal
     return [p for p in _programs(model, cluster, cfg).values() if p(only_cached=True) is None]
 
 
-def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimate:
-    """Trace one training step of `model` under `cfg` on fake tensors; see the module docstring."""
+def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout | None = None) -> TracedEstimate:
+    """Trace one training step of `model` under `cfg` on fake tensors; see the module docstring. `layout`:
+    memory.estimate's (memory/layout.py), else that of (model, cluster, cfg)."""
     t0 = time.perf_counter()
+    layout = layout or Layout.of(model, cluster, cfg)
     ckpt, full = cfg.ckpt_layers, model.num_layers - cfg.ckpt_layers
     traces = {km: program() for km, program in _programs(model, cluster, cfg).items()}
     fits, points = _fit(traces, ckpt, full)
-    analytic = _phases(model, cluster, cfg)
-    held = buffers.held_extra_large_gradient(model, cfg)
-    at_end = buffers.stage2_reduces_at_end(model, cfg)
-    reduces = (cfg.zero_stage == 2 and not at_end) or buffers.stage1_reduces_in_backward(model, cfg)  # in backward
-    buckets = buffers.buckets_in_backward(model, cfg)
+    analytic = _phases(model, cluster, cfg, layout)
+    held = buffers.held_extra_large_gradient(model, cfg, layout)
+    at_end = buffers.stage2_reduces_at_end(model, cfg, layout)
+    in_backward = buffers.stage1_reduces_in_backward(model, cfg, layout)
+    reduces = (cfg.zero_stage == 2 and not at_end) or in_backward  # in backward
+    buckets = buffers.buckets_in_backward(model, cfg, layout)
     fixed = (
         (
             buffers.partition_grad_bytes(cfg) * buffers.partition_elements(model, cluster, cfg),
-            buffers.reduce_bucket_bytes(model, cfg),
+            buffers.reduce_bucket_bytes(model, cfg, layout),
         )
-        if buffers.stage1_reduces_in_backward(model, cfg)
+        if in_backward
         else (0, 0)
     )
     step_key = (
@@ -436,9 +408,10 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> TracedEstimat
         cfg.lora_rank,
         cfg.lora_targets,
         cfg.bf16_master_weights_and_grads,
+        layout.zero3_largest_group,
     )
     if step_key not in _STEPS:  # the update depends on none of the activation inputs
-        _STEPS[step_key] = _trace_step(model, cluster, cfg)
+        _STEPS[step_key] = _trace_step(model, cluster, cfg, layout)
     step = _STEPS[step_key]
     phases, raw = {}, {}
     for phase, names in PHASE_POINTS.items():

@@ -29,23 +29,16 @@ from autotune.train_config import TrainConfig, torch_dtype
 class LiveBytes(TorchDispatchMode):
     """Live storage bytes after every op, and the peak of the current segment with its storages.
 
-    While `log` is a list, every storage that starts or stops being counted is also appended to it,
-    (serial, +bytes) or (serial, -bytes), and `samples` gets (len(log), segment, kind) wherever a peak
-    is compared: kind 1 on entering a segment, 0 after each op inside one, 2 for a point set by
-    `point`. That record lets seq_family.py replay the peaks with other tensor sizes.
+    While `log` is a list, every storage that starts or stops being counted is appended to it, (serial, +bytes) or
+    (serial, -bytes), and `samples` gets (len(log), segment, kind) where a peak is compared (1 entering a segment, 0
+    after an op, 2 at a `point`): the record seq_family.py replays with other sizes.
 
-    Gradient accumulation, as the real engine does it. Where two gradients reach one tensor, the
-    autograd engine adds the second into the first in place when it holds the only reference to the
-    first and its storage, and that tensor is dense and not a Tensor subclass (InputBuffer's
-    `accumulate`, torch/csrc/autograd/input_buffer.cpp). A view shares its base's storage, so it is
-    added out of place (a tied embedding's gradient from the LM head, the transpose of a GEMM's
-    output: measured, GPT-2's real step holds both gradients beside their sum). A FakeTensor is a
-    subclass, so on fake tensors it always allocates the sum. While `accumulating` (set by
-    `accumulation_hooks`: after a node has made its gradients, until the next node runs) such an
-    `add`'s sample is held back to the next event: if the first gradient died with the add, nothing else held it and the real
-    engine added in place, so the sample is the moment before the sum was made; else after. Jamba's
-    Mamba scan adds one (batch, channels, seq, state) gradient per token into its discretised A and
-    B: counted out of place, a 2-rank DeepSpeed run of it read 4-9% over."""
+    Gradient accumulation as the real engine does it: it adds a second gradient into the first in place when it holds
+    the only reference to it and its storage, dense and not a Tensor subclass (InputBuffer's `accumulate`,
+    torch/csrc/autograd/input_buffer.cpp); a view shares its base's storage, so it is added out of place. A FakeTensor
+    is a subclass and always allocates the sum, so while `accumulating` (`accumulation_hooks`) such an `add`'s sample is
+    held to the next event: if the first gradient died with the add, the sample is the moment before the sum (measured:
+    docs/measurements/memory.md)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -385,6 +385,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     from torch.autograd.profiler import profile
 
     from autotune.deepspeed_config import deepspeed_config
+    from autotune.parallel import data_parallel_rank
     from autotune.trial import memprof
     from autotune.trial.record import RankReport
 
@@ -395,12 +396,10 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
     ds_cfg = deepspeed_config(cfg, req.model, cluster)
     # A fixed batch per data-parallel rank (the loss must fall). The tp ranks of one group must see the same
-    # batch (DeepSpeed asserts it at the first forward, engine.py check_dataloader_inputs_same_across_ranks);
-    # its mesh is (dp, tp), tp innermost (utils/groups.py _init_tp_mesh_device), so rank // tp is the dp rank.
-    # The sp ranks of a Ulysses group share one batch too (UlyssesSPDataLoaderAdapter cuts it along the sequence),
-    # its groups of consecutive ranks (sequence_parallel/parallel_state_sp.py initialize_sequence_parallel).
+    # batch (DeepSpeed asserts it at the first forward, engine.py check_dataloader_inputs_same_across_ranks),
+    # and the sp ranks of a Ulysses group share one too (UlyssesSPDataLoaderAdapter cuts it along the sequence).
     sp = cfg.sequence_parallel_size
-    gen = torch.Generator().manual_seed(1000 + rank // (cfg.autotp_size * sp))
+    gen = torch.Generator().manual_seed(1000 + data_parallel_rank(cfg, rank))
     batch = torch.randint(0, req.model.vocab_size, (cfg.micro_batch, cfg.seq_len + 1), generator=gen)
     data = (batch.to(device),)  # (b, s+1): the implementation's loss takes inputs and targets from it
     del batch
