@@ -8,7 +8,7 @@ Each space is searched twice with `autotune search --model 13b --gpus 4xA100 --s
 --executor simulated`, each time into a new study under a temporary folder:
 - first run: an empty trace cache (AUTOTUNE_CACHE_DIR a new folder), so the estimates read the traces shipped
   in autotune/data/shipped_traces.json.gz, as on a fresh install (where those hold: the same library versions
-  and sources; else they are traced, and the figure says so);
+  and trace format; else they are traced, and the figure says so);
 - warm: the same cache again, as a later search of the same model finds it.
 Printed per run: wall seconds, the child's user + system CPU seconds, trials run and whether the shipped traces
 were used. Issue 29's targets: at most 60 s from the shipped traces, at most 30 s with a warm cache. Wall time

@@ -14,13 +14,13 @@ Landscapes (a config "runs" by reading its outcome; each run is a trial and cost
           after ours' CPU prior (autotune/search/cpu_prior.py) was written: the held-out landscape.
   cpu-granite  the same for a Granite config (4 layers, hidden 128, 8 heads, 2 KV heads, tied), recorded
           by `autotune search --exhaustive` on 2 CPU ranks on 2026-12-05 (one run per group, so 20
-          configs): the held-out live check on which a stopped search missed the best (docs/search.md).
+          configs): the held-out live check on which a stopped search missed the best (docs/measurements/search.md).
   cpu-neox  the same for a GPT-NeoX config (4 layers, hidden 160, 5 heads, FFN 640, vocabulary 2048, untied),
           ZeRO 0-3 x mb 1-16 x accumulation 1, 2 (40 groups), recorded on 2026-12-06: a second live check that
-          missed, on which micro batch 8 beats 4 and 16 by 14% (docs/search.md).
+          missed, on which micro batch 8 beats 4 and 16 by 14% (docs/measurements/search.md).
   cpu-phi3  the same for a Phi-3 config (4 layers, hidden 192, 6 heads, FFN 512, vocabulary 2048, untied), the
           same 40 groups, recorded on 2026-12-06 between two stopped live runs that left its best, micro batch 8,
-          unrun (docs/search.md).
+          unrun (docs/measurements/search.md).
   sim13b  Llama-2-13B on 4 x A100-80GB over the default search space: the memory model decides OOM,
           the cost model the throughput; trial-seconds = SIM_STARTUP_S + (warm-up + measured steps)
           x the simulated step (an OOM costs the start-up and one step).
@@ -459,22 +459,30 @@ class _TableExecutor(Executor):
         return done
 
 
-def ours(ls: Landscape, seed: int, exhaustive: bool = False, cpu_prior: dict | None = None) -> list[TrainConfig]:
+def ours(
+    ls: Landscape, seed: int, exhaustive: bool = False, cpu_prior: dict | None = None, cpu_error: dict | None = None
+) -> list[TrainConfig]:
     """`cpu_prior`: a CPU prior probed before (config key -> samples/s, probed_cpu_priors) in place of a fresh
-    probe; its probing seconds are not charged."""
+    probe; its probing seconds are not charged. `cpu_error`: Prior fields that replace the CPU prior's
+    (trend, shared, curve, noise)."""
     import optuna
 
     from autotune.search.cpu_prior import probe_adamw_s_per_param, probe_model
     from autotune.search.loop import Search
+    from autotune.search.prior import Prior
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for probe in (probe_model, probe_adamw_s_per_param):
         probe.cache_clear()  # a probe's seconds count on every run
     ex = _TableExecutor(ls)
     est = None if ls.estimates is None else (lambda model, cluster, cfg: ls.estimates[cfg.key()])
-    table = ls.prior if cpu_prior is None else cpu_prior
-    prior = None if table is None else (lambda cfg: table[cfg.key()])
-    kind = "cpu prior" if cpu_prior is not None else "cost model" if ls.prior is not None else None
+    # a table of the cost model's figures or of a probed CPU prior, with that prior's error model; else the search
+    # chooses (default_prior: a CPU prior probed now)
+    prior = None
+    if cpu_prior is not None:
+        prior = dataclasses.replace(Prior.cpu(lambda cfg: cpu_prior[cfg.key()]), **(cpu_error or {}))
+    elif ls.prior is not None:
+        prior = Prior.cost_model(lambda cfg: ls.prior[cfg.key()])
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         study = optuna.create_study(direction="maximize")
@@ -489,7 +497,6 @@ def ours(ls: Landscape, seed: int, exhaustive: bool = False, cpu_prior: dict | N
             estimate_fn=est,
             prior=prior,
             exhaustive=exhaustive,
-            prior_kind=kind,
         )
         search.run(progress=False)
     ls.planning_s["ours --exhaustive" if exhaustive else "ours"] = time.perf_counter() - t0
@@ -704,21 +711,15 @@ def main() -> None:
         help="ours on the recorded CPU landscapes with K CPU priors probed once each and replayed for the "
         "stopping rule's settings (--cpu-trend, --cpu-shared)",
     )
-    p.add_argument(
-        "--cpu-trend", type=float, default=None, help="with --replay-priors: stopping.TREND for the CPU prior"
-    )
+    p.add_argument("--cpu-trend", type=float, default=None, help="with --replay-priors: Prior.trend for the CPU prior")
     p.add_argument(
         "--cpu-shared",
         type=float,
         default=None,
-        help="with --replay-priors: stopping.SHARED for the CPU prior (100 = flat)",
+        help="with --replay-priors: Prior.shared for the CPU prior (100 = flat)",
     )
-    p.add_argument(
-        "--cpu-curve", type=float, default=None, help="with --replay-priors: stopping.CURVE for the CPU prior"
-    )
-    p.add_argument(
-        "--cpu-noise", type=float, default=None, help="with --replay-priors: stopping.NOISE for the CPU prior"
-    )
+    p.add_argument("--cpu-curve", type=float, default=None, help="with --replay-priors: Prior.curve for the CPU prior")
+    p.add_argument("--cpu-noise", type=float, default=None, help="with --replay-priors: Prior.noise for the CPU prior")
     p.add_argument(
         "--noise",
         type=float,
@@ -737,7 +738,7 @@ def main() -> None:
     if args.replay_priors:
         replay_priors(
             args.replay_priors,
-            {"TREND": args.cpu_trend, "SHARED": args.cpu_shared, "CURVE": args.cpu_curve, "NOISE": args.cpu_noise},
+            {"trend": args.cpu_trend, "shared": args.cpu_shared, "curve": args.cpu_curve, "noise": args.cpu_noise},
             args.landscape if args.landscape in CPU_LANDSCAPES else "all",
             args.noise,
             args.noise_seeds,
@@ -787,7 +788,7 @@ def probed_cpu_priors(ls: Landscape, k: int) -> tuple[list[dict], float]:
     samples/s), and the median seconds one probing took."""
     from autotune.memory import estimate
     from autotune.search.cpu_prior import probe_adamw_s_per_param, probe_model
-    from autotune.search.loop import default_prior
+    from autotune.search.prior import default_prior
 
     fits = [c for c in ls.configs if estimate(ls.model, ls.cluster, c).fits]
     priors, seconds = [], []
@@ -810,26 +811,25 @@ def replay_priors(
     priors_file: Path | None = None,
 ) -> None:
     """Ours on each recorded CPU landscape with the same `k` probed CPU priors (probed_cpu_priors), so that the
-    stopping rule's settings for the CPU prior (stopping.TREND, SHARED, CURVE, NOISE; `overrides` replaces them)
+    stopping rule's settings for the CPU prior (Prior.trend, shared, curve, noise; `overrides` replaces them)
     are compared on equal priors; each run is charged the median probing seconds. `priors_file`: the priors are
     read from there if it exists, else probed and written there (pickle), so that settings compared in several
     invocations see the same priors.
 
     `noise` > 0 replays each prior `noise_seeds` times with every measurement the landscape's samples/s x
-    exp(N(0, noise)): a trial's repeat on this shared machine moves by about 6% (stopping.NOISE), and one recorded
+    exp(N(0, noise)): a trial's repeat on this shared machine moves by about 6% (Prior.cpu's noise), and one recorded
     run cannot show what that does to a search. The winner is then the best *measured*, and it is judged, as the
     live check judges it, by its samples/s in the landscape: within 5% of the landscape's best. The same noisy
     readings of every configuration give --exhaustive's winner, for reference: the noise's own share of the misses."""
     import pickle
 
-    from autotune.search import stopping
+    from autotune.search.prior import Prior
 
-    for name, value in overrides.items():
-        if value is not None:
-            getattr(stopping, name)["cpu prior"] = value
+    cpu_error = {name: value for name, value in overrides.items() if value is not None}
+    shown = dataclasses.replace(Prior.cpu(lambda cfg: 1.0), **cpu_error)
     print(
         "CPU prior: "
-        + ", ".join(f"{n} {getattr(stopping, n)['cpu prior']:g}" for n in overrides)
+        + ", ".join(f"{n.upper()} {getattr(shown, n):g}" for n in overrides)
         + f"; {k} priors probed per landscape, the same for every setting"
         + (f"; measurement noise sd {noise:g}, {noise_seeds} draws per prior" if noise else "")
     )
@@ -863,7 +863,7 @@ def replay_priors(
                     }
                     seen = Landscape(ls.name, ls.model, ls.cluster, ls.space, ls.seq_len, ls.configs, table)
                     exhaustive.append(judged(seen, ls.configs))
-                order = ours(seen, 0, cpu_prior=prior)
+                order = ours(seen, 0, cpu_prior=prior, cpu_error=cpu_error)
                 runs.append((ls, reach(ls, order, seen.planning_s["ours"] + probe_s), len(order)))
                 winners.append(judged(seen, order))
         row = _row(runs)
@@ -885,10 +885,11 @@ def replay_priors(
 
 def prior_error(ls: Landscape) -> None:
     """The CPU prior against a recorded landscape: sd of log(measured / prior) over the groups a search
-    could run (each group's first member that fits), about their mean (stopping.KNOWN_ERROR)."""
+    could run (each group's first member that fits), about their mean (Prior.cpu's known_error)."""
     from autotune.memory import estimate
-    from autotune.search.loop import Candidate, Plan, default_prior
+    from autotune.search.loop import Candidate, Plan
     from autotune.search.order import speed_order
+    from autotune.search.prior import default_prior
 
     cands = [Candidate(c, estimate(ls.model, ls.cluster, c)) for c in ls.configs]
     heads = Plan(cands, lambda c: c.est.fits, speed_order(ls.model)).available(set())

@@ -18,6 +18,7 @@ from autotune.models import from_hf_config
 from autotune.report import render
 from autotune.search import study as st
 from autotune.search.loop import Search
+from autotune.search.prior import Prior
 from autotune.search.space import expand, parse_space
 from autotune.search.stopping import ResidualModel, error_kernel, t_quantile
 from autotune.train_config import TrainConfig
@@ -189,12 +190,12 @@ def test_settings_the_prior_prices_alike_share_their_error_and_another_stage_doe
 def test_the_cost_models_calibration_counts_and_the_cpu_priors_does_not_as_much():
     """After one measurement the bound's t: 1.94 for the cost model (its known error counts as six
     pseudo-measurements; the first measurement only fixes its level), 2.92 for the CPU prior (one, and the
-    first measurement checks the level it predicts: stopping.SHARED), 6.3 for a given prior (one; its level
+    first measurement checks the level it predicts: Prior.shared), 6.3 for a given prior (one; its level
     unknown)."""
     from autotune.search.stopping import QUANTILE, Bounded
 
-    for kind, t in (("cost model", 1.943), ("cpu prior", 2.920), ("given prior", 6.314)):
-        b = Bounded(lambda c: 1.0, 4, kind)
+    for kind, t in ((Prior.cost_model, 1.943), (Prior.cpu, 2.920), (Prior.given, 6.314)):
+        b = Bounded(kind(lambda c: 1.0), 4)
         b.observe(TrainConfig(seq_len=SEQ), 2.0)
         assert t_quantile(QUANTILE, b.model.dof) == pytest.approx(t, rel=0.01)
 
@@ -220,90 +221,85 @@ def test_simulated_13b_stops_after_the_first_trial_with_the_exhaustive_answer(tm
     assert "1 of 4 groups run" in stop.bound["line"]
 
 
-def _granite(kind: str, measured: float) -> tuple:
+def _granite(kind, measured: float) -> tuple:
     """Bounded over the Granite landscape's shape at micro batch 8 and 16, ZeRO-0 and -1: the prior prices 16
     faster than 8 (153 and 134 samples/s at ZeRO-0, 123 and 94 at ZeRO-1); micro batch 16 measured at
-    `measured` x the prior in both stages. -> (the rule, the ZeRO-0 micro batch 8 candidate, the best measured)."""
+    `measured` x the prior in both stages; `kind` makes the Prior. -> (the rule, the ZeRO-0 micro batch 8
+    candidate, the best measured)."""
     from autotune.search.stopping import Bounded
 
     c = lambda z, mb: TrainConfig(seq_len=128, zero_stage=z, micro_batch=mb)  # noqa: E731
     priced = {c(0, 8).key(): 134.0, c(0, 16).key(): 153.0, c(1, 8).key(): 94.0, c(1, 16).key(): 123.0}
-    b = Bounded(lambda cfg: priced[cfg.key()], 4, kind, [c(z, mb) for z in (0, 1) for mb in (8, 16)])
+    b = Bounded(kind(lambda cfg: priced[cfg.key()]), 4, [c(z, mb) for z in (0, 1) for mb in (8, 16)])
     for z in (0, 1):
         b.observe(c(z, 16), measured * priced[c(z, 16).key()])
     return b, c(0, 8), measured * 153.0
 
 
 def test_a_cpu_prior_that_misses_its_own_level_has_shown_error_a_cost_model_has_not():
-    """The CPU prior times the model on this machine, so its level is a prediction (stopping.SHARED): measured at
+    """The CPU prior times the model on this machine, so its level is a prediction (Prior.shared): measured at
     0.52 of it, as the Granite landscape's best-priced candidate, the error the study shows is wider than at 0.95.
     The cost model's level is free: the same two studies show it the same error."""
-    for kind in ("cpu prior", "cost model"):
+    for kind in (Prior.cpu, Prior.cost_model):
         off, _, _ = _granite(kind, 0.52)
         on, _, _ = _granite(kind, 0.95)
-        if kind == "cpu prior":
+        if kind == Prior.cpu:
             assert off.model.sigma > 1.5 * on.model.sigma
         else:  # flat, up to the finite variance that stands for flat
             assert off.model.sigma == pytest.approx(on.model.sigma, rel=0.1)
 
 
-def test_one_micro_batch_does_not_vouch_for_the_next_on_the_cpu_prior(monkeypatch):
+def test_one_micro_batch_does_not_vouch_for_the_next_on_the_cpu_prior():
     """Micro batch 16 measured in two stages, both at 0.52 of the CPU prior as on the Granite landscape: the
-    slope in micro batch is still unmeasured (stopping.TREND), so micro batch 8, priced 12% below, may still win
+    slope in micro batch is still unmeasured (Prior.trend), so micro batch 8, priced 12% below, may still win
     and keeps the search going; without the trend, the bend and the readings' noise (the rule before 2026-12-05)
     the smooth part lets micro batch 16 vouch for it, and the rule stops, as it did 35% below the best on that
     landscape."""
-    from autotune.search import stopping
-
-    b, mb8, best = _granite("cpu prior", 0.52)
+    b, mb8, best = _granite(Prior.cpu, 0.52)
     assert math.exp(b.bounds([mb8])[0]) / best - 1 > 0.02
-    for name in ("TREND", "CURVE", "NOISE"):
-        monkeypatch.setitem(getattr(stopping, name), "cpu prior", 0.0)
-    b, mb8, best = _granite("cpu prior", 0.52)
+    before = lambda f: dataclasses.replace(Prior.cpu(f), trend=0.0, curve=0.0, noise=0.0)  # noqa: E731
+    b, mb8, best = _granite(before, 0.52)
     assert math.exp(b.bounds([mb8])[0]) / best - 1 < 0.02
 
 
-def _between(monkeypatch, curve: float, noise: float, measured: dict) -> tuple:
+def _between(curve: float, noise: float, measured: dict) -> tuple:
     """The CPU prior's rule over ZeRO-0 and -1 x micro batch 1-16, every candidate priced at 100, after `measured`
-    ((stage, micro batch) -> samples/s), with stopping.CURVE and NOISE set -> (the rule, the config maker)."""
-    from autotune.search import stopping
+    ((stage, micro batch) -> samples/s), with Prior.curve and noise set -> (the rule, the config maker)."""
     from autotune.search.stopping import Bounded
 
-    monkeypatch.setitem(stopping.CURVE, "cpu prior", curve)
-    monkeypatch.setitem(stopping.NOISE, "cpu prior", noise)
+    prior = dataclasses.replace(Prior.cpu(lambda cfg: 100.0), curve=curve, noise=noise)
     c = lambda z, mb: TrainConfig(seq_len=128, zero_stage=z, micro_batch=mb)  # noqa: E731
-    b = Bounded(lambda cfg: 100.0, 4, "cpu prior", [c(z, mb) for z in (0, 1) for mb in (1, 2, 4, 8, 16)])
+    b = Bounded(prior, 4, [c(z, mb) for z in (0, 1) for mb in (1, 2, 4, 8, 16)])
     for (z, mb), v in measured.items():
         b.observe(c(z, mb), v)
     return b, c
 
 
-def test_a_micro_batch_between_two_measured_ones_stays_open_on_the_cpu_prior(monkeypatch):
-    """stopping.CURVE: micro batch 4 and 16 measured alike do not settle micro batch 8 (the NeoX landscape ran 8 at
+def test_a_micro_batch_between_two_measured_ones_stays_open_on_the_cpu_prior():
+    """Prior.curve: micro batch 4 and 16 measured alike do not settle micro batch 8 (the NeoX landscape ran 8 at
     76 samples/s, 4 and 16 at 66 and 65): its spread is wider with the bend than with the slope alone; the cost
     model, and a rule that does not know the space's range, have none."""
-    from autotune.search import stopping
     from autotune.search.stopping import Bounded
 
     spread = {}
     for curve in (0.1, 0.0):
-        b, c = _between(monkeypatch, curve, 0.0, {(0, 4): 90.0, (0, 16): 90.0})
+        b, c = _between(curve, 0.0, {(0, 4): 90.0, (0, 16): 90.0})
         spread[curve] = b.model.predict([c(0, 8)])[1][0] / b.model.sigma
     assert spread[0.1] > 1.1 * spread[0.0]
-    assert stopping.CURVE["cost model"] == 0.0
+    assert Prior.cost_model(lambda cfg: 100.0).curve == 0.0
     # with the bend on, a rule given no candidates has no centre, so no bend: its kernel is the one without
-    bent, _ = _between(monkeypatch, 0.1, 0.0, {})
-    blind = Bounded(lambda cfg: 100.0, 4, "cpu prior").model.kernel(c(0, 1), c(0, 16))
+    bent, _ = _between(0.1, 0.0, {})
+    blind = Bounded(Prior.cpu(lambda cfg: 100.0), 4).model.kernel(c(0, 1), c(0, 16))
     assert bent.model.kernel(c(0, 1), c(0, 16)) > blind
-    assert blind == pytest.approx(_between(monkeypatch, 0.0, 0.0, {})[0].model.kernel(c(0, 1), c(0, 16)))
+    assert blind == pytest.approx(_between(0.0, 0.0, {})[0].model.kernel(c(0, 1), c(0, 16)))
 
 
-def test_one_reading_of_a_stage_is_not_all_of_its_factor_on_cpu_ranks(monkeypatch):
-    """stopping.NOISE: ZeRO-1 read 11% above ZeRO-0 at micro batch 16. On CPU ranks a repeat moves by about 6%, so
+def test_one_reading_of_a_stage_is_not_all_of_its_factor_on_cpu_ranks():
+    """Prior.noise: ZeRO-1 read 11% above ZeRO-0 at micro batch 16. On CPU ranks a repeat moves by about 6%, so
     the rule carries only part of that to micro batch 8; without the noise it carries it whole."""
     carried = {}
     for noise in (0.25, 0.0):
-        b, c = _between(monkeypatch, 0.1, noise, {(0, 16): 90.0, (1, 16): 100.0})
+        b, c = _between(0.1, noise, {(0, 16): 90.0, (1, 16): 100.0})
         mean = b.model.predict([c(0, 8), c(1, 8)])[0]
         carried[noise] = (mean[1] - mean[0]) / math.log(100 / 90)
     assert carried[0.25] < 0.8

@@ -116,8 +116,9 @@ def best_config(
     """(the fastest fitting config, its simulated tokens/s over the cluster), or why there is none.
     The candidates, estimate, grouping and prior are the search's (module docstring)."""
     from autotune.memory import estimate
-    from autotune.search.loop import Candidate, Plan, default_prior
+    from autotune.search.loop import Candidate, Plan
     from autotune.search.order import speed_order
+    from autotune.search.prior import default_prior
     from autotune.search.space import expand
 
     try:

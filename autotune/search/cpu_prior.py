@@ -1,30 +1,22 @@
-"""The search's prior for CPU ranks, which have no datasheet: the model's own forward and backward,
-timed here, plus what DeepSpeed adds to a step.
+"""The search's prior on CPU ranks, which have no datasheet: the model's own step timed here.
 
     step = grad_accum x (forward+backward [probe] + recompute [probe] + DeepSpeed per micro step)
            + collectives (gloo: per call + per byte [probe]) + AdamW over the rank's parameters [probe]
            + DeepSpeed per parameter
 
-The probe builds the trial's own model (through autotune.impl: the Hugging Face code by default)
-in this process, with the threads one rank gets, and times a forward+backward and one block's
-forward per micro batch
-(the recompute of a checkpointed block is a forward; Narayanan et al. 2021, SC'21, sec. 5.1), and
-one AdamW step. A first version used FLOPs at a fixed 20 GFLOP/s measured on a 197K-parameter
-model; on a model of 11M parameters the same cores reach ~120 GFLOP/s in its GEMMs, so that prior
-ranked micro batches backwards. Timing the model itself needs no per-machine constant for
-the arithmetic. It is a prior, used only to order candidates: nothing it returns is reported.
-
-gloo's cost per call and per byte is probed too, by as many processes as the trial has ranks
-(`probe_gloo`). Not probed: DeepSpeed's own time per micro step, per parameter and per gathered
-module, constants measured on this machine type (below), and the slowdown of two ranks sharing the
-memory bus.
+The probes build the trial's own model (autotune.impl) in this process with one rank's threads and time a
+forward+backward, one block's forward (a checkpointed block's recompute; Narayanan et al. 2021, SC'21,
+sec. 5.1) and an AdamW step; gloo is probed by as many processes as the trial has ranks. Timed, not counted
+in FLOPs: GEMM speed varies 6x with the model's size (docs/measurements/search.md, "The CPU prior"). Not
+probed: DeepSpeed's own time (constants below) and two ranks sharing the memory bus. It only orders
+candidates: nothing it returns is reported.
 """
 
 from __future__ import annotations
 
 import time
 from functools import cache
-from typing import Callable, Iterable
+from typing import Iterable
 
 from autotune.deepspeed_config import bucket_sizes
 from autotune.hardware import Cluster
@@ -33,36 +25,15 @@ from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, dtype_bytes, torch_dtype
 from autotune.trial.threads import cpu_threads_per_rank
 
-GLOO_CALL_S = 0.31e-3
-"""One gloo collective's fixed cost where `probe_gloo` cannot run: all_reduce of 4096 fp32 between
-2 ranks (one thread each, torch.distributed gloo over loopback, x86_64 2-core machine, torch 2.13):
-0.31 ms, best of 5."""
-GLOO_BUS_BYTES_PER_S = 1.43e9
-"""gloo ring bus bandwidth on the same machine, where `probe_gloo` cannot run: all_reduce of 11.4M
-fp32 (45 MB; a ring moves 2(n-1)/n of it per rank) in 31.7 ms, best of 5. A 1M-element all_reduce
-reaches 2.0 GB/s."""
+GLOO_CALL_S = 0.31e-3  # all_reduce of 4096 fp32, 2 ranks over loopback, best of 5; where probe_gloo cannot run
+GLOO_BUS_BYTES_PER_S = 1.43e9  # gloo ring all_reduce of 45 MB on the same machine, best of 5; the same fallback
+# DeepSpeed's own time per micro step and per parameter per step beyond what is probed: the remainder of ZeRO-0
+# trials of two Llamas (197K, 15.1M parameters) on 2 ranks, `python benchmarks/cpu_prior.py`
 DEEPSPEED_MICRO_S = 11e-3
 DEEPSPEED_S_PER_PARAM = 2.6e-9
-"""DeepSpeed's own time in a step on CPU beyond what is probed or priced (the model's forward and
-backward, AdamW, the gloo collectives): per micro step, and per parameter per optimizer step
-(its gradient flattening, averaging and copies, zeroing). `python benchmarks/cpu_prior.py` runs
-ZeRO-0 trials of two Llamas that are neither landscape's model, 197K and 15.1M parameters, on 2
-ranks: the remainder is 9.9 and 12.1 ms at micro batch 1 and 4 for the small one, 64 and 37 ms
-for the large one (best of 3 each; the spread is this machine's noise). The two models give the
-two constants. Not modelled: two ranks sharing the memory bus, which the single-process probe
-does not see; measured throughput is a median 0.85-0.88 of the prior's on the two landscapes."""
-
+# ZeRO-3's fetch and release hooks per gathered module per micro step: median of 3.05, 3.19, 2.55, 0.69 ms
+# (`python benchmarks/cpu_prior.py`); without it the prior put ZeRO-3 at small micro batches 1.5x too fast
 DEEPSPEED_Z3_S_PER_MODULE = 2.8e-3
-"""ZeRO-3's own time per micro step for each module whose parameters it gathers (those at or above
-the persistence threshold): its fetch and release hooks around the module's forward and backward,
-beyond the gloo calls priced below. Measured as (ZeRO-3 step - ZeRO-0 step) - (the prior's ZeRO-3 -
-ZeRO-0 difference) on 2 CPU ranks, fp32, seq 64, by `python benchmarks/cpu_prior.py`: the
-197K-parameter Llama (22 gathered modules) 3.05 and 3.19 ms per module at micro batch 1 and 4, the
-15.1M one (32 modules) 2.55 and 0.69 ms (best of 2, a loaded machine); again on an idle one (best
-of 3): 3.60, 2.89, 3.24 and 0.89 ms. 2.8 ms is the median of the first run, 3.07 of the second.
-At micro batch 4 the larger model's gathers hide partly behind its compute, which a per-module
-constant does not model. Without the term the prior put ZeRO-3 at small micro batches 1.5x too
-fast on both landscapes."""
 
 
 def _collectives_per_step(model: ModelSpec, cfg: TrainConfig) -> int:
@@ -121,24 +92,13 @@ dist.destroy_process_group()
 
 @cache
 def probe_gloo(world: int) -> tuple[float, float, str]:
-    """(seconds per gloo collective call, ring bus bytes per second, where they come from), measured
-    now on this machine by `world` ranks (at most 8) over loopback, as trials' ranks talk: the median
-    of 200 all_reduce calls of 4096 fp32 (10 rounds of 20, 0.1 s apart) and the best of 3 of 4M
-    fp32, one thread per rank. One round of 100 calls read 1.67 ms in one of nine runs, at a busy
-    moment, where the others read 0.42-0.73 ms.
-
-    Measured, not a constant, because the call's cost is this shared machine's state: 0.31 ms best
-    of 5 on the day the landscapes were recorded, single calls of 0.12-0.17 ms (fastest) to 3.3-3.6
-    ms (the slowest quarter; a rank waiting to be scheduled) on 2026-12-02, median 0.42-0.47 ms.
-    ZeRO 1-3 on the GPT-2 landscape make 168-236 calls per step, so the cost moves its ranking: that
-    day, 26 of its configs trained again ranked against the prior with the call priced at 0.31,
-    0.45, 0.60, 0.80 and 1.00 ms gave Spearman 0.863, 0.893, 0.899, 0.898 and 0.882
-    (`python benchmarks/cpu_prior.py --only-same-run`). The median of single calls, not the mean
-    of back-to-back ones (1.5-2.1 ms that day): DeepSpeed's calls come between other work. Two
-    processes that import torch: about 3 s, once per search. Where they cannot run or meet (no
-    loopback, a sandbox), the constants above, and the third field says so. The rendezvous is a
-    file in a private temporary folder and gloo's own sockets are on the loopback interface, as
-    in trials (autotune/trial/launch.py): nothing listens beyond this machine."""
+    """(seconds per gloo call, ring bus bytes/s, where they come from), by `world` ranks (at most 8) over
+    loopback as trials' ranks talk: the median of 200 calls of 4096 fp32 (10 rounds 0.1 s apart: DeepSpeed's
+    calls come between other work) and the best of 3 of 4M fp32. Probed, not a constant: the call's cost is
+    this shared machine's state (0.31-1.67 ms), and it moves the ranking of ZeRO 1-3, which make 168-236 calls
+    a step (docs/measurements/search.md, "The CPU prior"). About 3 s, once per search. Where the probe cannot
+    run, the constants above, and the third field says so. The rendezvous is a file in a private temporary
+    folder and gloo binds loopback only, as trials do (autotune/trial/launch.py)."""
     import json
     import os
     import subprocess
@@ -184,26 +144,12 @@ def rank_threads(cluster: Cluster) -> int:
 
 
 LONG_PROBE_S = 3.0
-"""A forward+backward timed at this or longer is not timed again: neither the second timing of
-`probe_model` nor a later pass of `probe_passes`. Both repeats are there for short timings that a
-burst of this shared machine's other load (0.2-4 s on, 0.2-3 s off; PROBE_PASSES) can cover whole; a
-timing of several seconds already spans several bursts. What it saves: a StableLM config of 2.6M
-parameters, bf16 on CPU ranks without native bf16 arithmetic (about 10x slower than fp32 there), micro
-batch 4, 8 and 16 at sequence 128, timed 4.6-4.8, 8.1-9.4 and 17.6-18.4 s per call in each of two passes,
-63 of the 68 s the prior took before that search's first trial (its three trials took 40 s;
-2026-12-06). The recorded CPU landscapes' forward+backward are under 0.85 s even in a two-rank step
-(the slowest ZeRO-0 micro step in their files), so their priors are probed as before."""
+"""A forward+backward timed this long or longer is timed once: it already spans several of the machine's load
+bursts that the repeats are for. Saved 63 of 68 s of a bf16 StableLM search's planning (docs/measurements/search.md)."""
 
 PROBE_TIMINGS = 2
-"""Timings of each micro batch's forward+backward in `probe_model`, the fastest kept. More do not
-rank better here: on the GPT-2 landscape, with gloo priced at a fixed 0.45 ms per call and 1 GB/s so
-that only the model probes vary, six priors with 2 timings and six with 4, made in turns, ranked at
-Spearman 0.910-0.952 (mean 0.933) and 0.909-0.945 (mean 0.926) (`python benchmarks/cpu_prior.py
---probe-noise 6 --landscape cpu_landscape_gpt2` as it was then, comparing timings per probe; this
-shared 2-core machine, 2026-12-02). Timing each shape again a pass later does help (PROBE_PASSES). Made in
-batches rather than in turns, one batch of each read 0.94 against 0.89 and another 0.93 against
-0.95: what moves the prior is this machine's drift over minutes, which more timings of one probe
-do not average out. The thread's CPU clock in place of the wall clock did no better either."""
+"""Timings of each shape in a row, the fastest kept; 4 ranked no better than 2 (Spearman mean 0.926 vs 0.933,
+`python benchmarks/cpu_prior.py --probe-noise 6`): what moves the prior is the machine's drift over minutes."""
 
 
 @cache
@@ -216,20 +162,12 @@ def probe_model(
     threads: int,
     lora: tuple | None = None,
 ) -> tuple[float, float]:
-    """(forward+backward of the whole model, forward of one decoder layer) in seconds, the fastest
-    of PROBE_TIMINGS timings each, after a warm-up at micro batch 1 (first calls pay allocator and
-    kernel selection). The model is the trial's own, built through autotune.impl (Hugging Face, builtin or
-    factory code); a layer's forward is the mean over the layers, timed by forward hooks inside the
-    same forward+backward (every code's layers take different arguments, so none is called alone).
-    With one timing, two candidates 15% apart on the Llama landscape swapped in 3 of 5 searches;
-    with two, in 3 of 10. `lora`: (method, rank, targets, dropout) of a LoRA config, timed on the
-    real peft module (frozen base: no weight gradients; adapters' small GEMMs), None for full.
-
-    Each micro batch is timed on its own, PROBE_TIMINGS times in a row (once at LONG_PROBE_S or longer), as a trial repeats one
-    shape. Timing a search's micro batches in turns (1, 2, 4, 1, 2, 4) against the machine's drift was tried and
-    measured worse: over four runs the Llama landscape's rank correlation fell from 0.95-0.985 to
-    0.85-0.95 and the first pick missed the best by 27% in all four (the likely cause, unverified:
-    each change of shape meets a cold allocator that a trial's repeated steps do not)."""
+    """(forward+backward of the whole model, forward of one decoder layer) in seconds, the fastest of
+    PROBE_TIMINGS in a row (once at LONG_PROBE_S or longer), after a warm-up at micro batch 1 (first calls pay
+    allocator and kernel selection). The model is the trial's own (autotune.impl); a layer's forward is the mean
+    over the layers, timed by hooks inside the same forward+backward (each code's layers take other arguments).
+    `lora`: (method, rank, targets, dropout), timed on the real peft module; None for full training. Shapes
+    timed in turns rather than in a row ranked worse (docs/measurements/search.md, "The CPU prior")."""
     import torch
 
     from autotune.impl import impl_for
@@ -344,17 +282,9 @@ def probe_adamw_s_per_param(threads: int, n: int = 1 << 22) -> float:
 
 
 PROBE_PASSES = 2
-"""Passes over the configs' shapes in `cpu_prior(..., configs)`: each shape probed in micro batch
-order, then all again in the same order, the faster of each shape's two kept, so that a shape met
-by a slow moment of this shared machine (the whole 0.1-2 s of its probe) is timed again seconds
-later. With two other processes loading both cores in bursts (0.2-4 s on, 0.2-3 s off), six priors
-made in turns with one pass and with two ranked at Spearman 0.946-0.962 and 0.937-0.962 (one pass;
-Llama and GPT-2 landscapes) against 0.953-0.958 and 0.963-0.974 (two passes), gloo priced at a fixed
-figure (`python benchmarks/cpu_prior.py --probe-noise 6`; 2026-12-02). An earlier try in
-alternating order (ascending, then descending) timed the last shape's two back to back, and the
-faster of two close timings favoured the middle shapes: the Llama landscape's first pick fell from
-within 2% of the best to 14% off. It doubles the model probes' time: 4.3 to 7.8 s and 5.0 to 10.1 s
-for the two landscapes' models (gloo's probe, about 3 s once, apart)."""
+"""Passes over the configs' shapes in `CpuPrior.probe`, the faster of each shape's kept, so that a shape met by a
+load burst is timed again seconds later: Spearman 0.953-0.974 against 0.937-0.962 with one pass under load
+(`python benchmarks/cpu_prior.py --probe-noise 6`); it doubles the probes' time (docs/measurements/search.md)."""
 
 
 def _lora_of(cfg: TrainConfig) -> tuple | None:
@@ -368,11 +298,9 @@ def _probe_key(model: ModelSpec, cfg: TrainConfig, threads: int) -> tuple:
 
 
 def probe_passes(keys: list[tuple], passes: int) -> dict[tuple, tuple[float, float]]:
-    """probe_model's figures for each of `keys`, timed in `passes` passes over them in micro batch
-    order, the fastest of each kept (PROBE_PASSES). The same order each pass: every shape's timings
-    are a whole pass apart (in alternating order, the last shape's two came back to back, and the
-    minimum of two close timings favoured the shapes in the middle). A shape timed at LONG_PROBE_S or
-    longer is not timed again."""
+    """probe_model's figures for each of `keys`, in `passes` passes over them in micro batch order, the fastest
+    kept (PROBE_PASSES). The same order each pass: in alternating order the last shape's two timings came back to
+    back and the minimum favoured the middle shapes. A shape timed at LONG_PROBE_S or longer is not timed again."""
     order = sorted(set(keys), key=lambda k: (k[2], repr(k[1:])))
     best: dict[tuple, tuple[float, float]] = {}
     for n in range(passes):
@@ -384,20 +312,33 @@ def probe_passes(keys: list[tuple], passes: int) -> dict[tuple, tuple[float, flo
     return best
 
 
-def cpu_prior(
-    model: ModelSpec, cluster: Cluster, configs: Iterable[TrainConfig] = ()
-) -> Callable[[TrainConfig], float]:
-    """Expected samples/s of a config on CPU ranks (the sum in the module docstring). `configs`:
-    those it will be asked about (a search's candidates that fit), whose shapes are probed up front
-    in PROBE_PASSES passes; any other is probed once when asked."""
-    w, threads = cluster.world_size, rank_threads(cluster)
-    gloo_call_s, gloo_bus = probe_gloo(w)[:2] if w > 1 else (GLOO_CALL_S, GLOO_BUS_BYTES_PER_S)
-    probed = probe_passes([_probe_key(model, c, threads) for c in configs], PROBE_PASSES)
+class CpuPrior:
+    """Expected samples/s of a config on CPU ranks: the sum in the module docstring. `probe(configs)` times the
+    shapes of those it will be asked about up front, in PROBE_PASSES passes; any other is probed once when asked."""
 
-    def prior(cfg: TrainConfig) -> float:
+    def __init__(self, model: ModelSpec, cluster: Cluster):
+        self.model, self.world, self.threads = model, cluster.world_size, rank_threads(cluster)
+        self.probed: dict[tuple, tuple[float, float]] = {}
+        self._gloo: tuple[float, float] | None = None
+
+    def gloo(self) -> tuple[float, float]:
+        """(seconds per gloo call, bus bytes/s), probed once, before the model probes."""
+        if self._gloo is None:
+            w = self.world
+            self._gloo = probe_gloo(w)[:2] if w > 1 else (GLOO_CALL_S, GLOO_BUS_BYTES_PER_S)
+        return self._gloo
+
+    def probe(self, configs: Iterable[TrainConfig]) -> None:
+        self.gloo()
+        keys = [_probe_key(self.model, c, self.threads) for c in configs]
+        self.probed.update(probe_passes(keys, PROBE_PASSES))
+
+    def __call__(self, cfg: TrainConfig) -> float:
+        model, w, threads = self.model, self.world, self.threads
+        gloo_call_s, gloo_bus = self.gloo()
         lora = _lora_of(cfg)
         key = _probe_key(model, cfg, threads)
-        fwd_bwd, block_fwd = probed[key] if key in probed else probe_model(*key)
+        fwd_bwd, block_fwd = self.probed[key] if key in self.probed else probe_model(*key)
         t_micro = fwd_bwd + cfg.ckpt_layers * block_fwd + DEEPSPEED_MICRO_S
         if cfg.zero_stage == 3:
             threshold = bucket_sizes(model, cfg)["stage3_param_persistence_threshold"]
@@ -419,4 +360,9 @@ def cpu_prior(
         )
         return cfg.micro_batch * cfg.grad_accum * w / t_step
 
+
+def cpu_prior(model: ModelSpec, cluster: Cluster, configs: Iterable[TrainConfig] = ()) -> CpuPrior:
+    """A CpuPrior with `configs` probed up front (benchmarks/cpu_prior.py; the search goes through prior.py)."""
+    prior = CpuPrior(model, cluster)
+    prior.probe(configs)
     return prior

@@ -1,23 +1,18 @@
 """The search: Optuna ask/tell over a small discrete space, with the memory model deciding first.
 
     expand the space -> estimate every candidate -> prune what cannot fit (PRUNED, no trial cost)
-    -> per group of equal settings keep only the smallest checkpointing k that fits (larger k only
-    add recomputation: dominated) -> pick the most promising candidate -> executor -> tell.
+    -> per group of equal settings keep only the first member that fits (order.py: larger k only add
+    recomputation) -> pick the most promising candidate -> executor -> tell.
 
-Why not a stock Optuna sampler (TPE, GP, CMA-ES, random, grid): the space is a few hundred points
-at most, mixed (stages, precisions, powers of two, a layer count), and after memory pruning and
-dominance only one point per group is worth running - a few dozen. TPE and GP need ~10 random
-start-up trials before they model anything and re-propose points already seen in tiny
-categorical spaces; grid and random ignore structure. What is known before any run is structural:
-recomputation costs about a forward pass per checkpointed layer, larger micro batches amortise
-per-step costs, higher ZeRO stages move more bytes. So the choice is deterministic: enumerate the
-feasible frontier, rank it by a prior (the cost model on GPUs; on CPU ranks the model's own step
-timed here, autotune.search.cpu_prior), and after each measurement bound what every unrun candidate could
-still reach: the prior corrected by the measured neighbours, widened by the error the prior has shown
-in this study (autotune/search/stopping.py). The next trial is the largest bound; the search stops when no
-bound beats the best measured by more than the tolerance. The first pick is the prior's best guess.
-The chosen point is written to the study as a RUNNING trial with its params (`study.start_trial`)
-and told its result, an ordinary trial of the study.
+Why not a stock Optuna sampler: after memory pruning and dominance only one point per group is worth running,
+a few dozen of a mixed, discrete space. TPE and GP need ~10 random start-up trials before they model anything
+and re-propose seen points in tiny categorical spaces; grid and random ignore structure. What is known before
+any run is structural (recomputation costs a forward per layer, larger micro batches amortise, higher stages
+move more bytes), so the choice is deterministic: rank the feasible frontier by a prior (prior.py) and, after
+each reading, pick the candidate whose bound on what it could still reach is largest, until none beats the
+best by more than the tolerance (stopping.py). The prior and the strategy are passed in as Optuna takes a
+sampler and a pruner. A pick is written to the study as a RUNNING trial with its params (`study.start_trial`)
+and told its result: an ordinary trial.
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -40,8 +34,9 @@ from autotune.hardware import Cluster
 from autotune.models import ModelSpec
 from autotune.search import study as st
 from autotune.search.order import MEMORY_FOR_SPEED, memory_diff, same_but_k, speed_order
+from autotune.search.prior import Prior, default_prior
 from autotune.search.space import SearchSpace, expand
-from autotune.search.stopping import Bounded
+from autotune.search.stopping import Bounded, Strategy
 from autotune.train_config import TrainConfig
 from autotune.trial.record import RUN, TrialRequest, TrialResult
 from autotune.units import fmt_bytes
@@ -68,31 +63,6 @@ class Candidate:
         # a key, not a TrainConfig: the defaults may not be a valid config with the rest
         # (bf16 master weights with fp32 states need offload_optimizer)
         return tuple(sorted({**self.cfg.to_dict(), **MEMORY_FOR_SPEED}.items()))
-
-
-# ---- prior -----------------------------------------------------------------------------------------
-def default_prior(
-    model: ModelSpec, cluster: Cluster, configs: list[TrainConfig] = ()
-) -> Callable[[TrainConfig], float]:
-    """On CPU ranks the model's own step timed here (autotune.search.cpu_prior; `configs`, those it will
-    rank, are probed up front); on GPUs the cost model.
-    A GPU the cost model cannot price for a precision (no datasheet peak) gets no preference there:
-    its candidates keep the space's order. Never the CPU probe for a GPU: it would build the model
-    in host memory, and a host is no stand-in for the GPU's speed."""
-    if cluster.gpu.is_cpu:
-        from autotune.search.cpu_prior import cpu_prior
-
-        return cpu_prior(model, cluster, configs)
-    from autotune.costmodel import simulate
-
-    @cache  # the search asks a candidate's prior again at every pick
-    def prior(cfg: TrainConfig) -> float:
-        try:
-            return simulate(model, cluster, cfg).samples_per_s
-        except SpecError:
-            return 1.0
-
-    return prior
 
 
 # ---- structure: groups, dominance, implied out-of-memory --------------------------------------------
@@ -215,14 +185,17 @@ class Search:
         seq_len: int,
         global_batch: int | None = None,
         corrector: Corrector | None = None,
-        prior: Callable[[TrainConfig], float] | None = None,
+        prior: Prior | Callable[[TrainConfig], float] | None = None,
+        strategy: Strategy | None = None,
         estimate_fn: Callable | None = None,
         out_root: Path | None = None,
         objective: str = "samples",
         exhaustive: bool = False,
         tolerance: float = 0.02,
-        prior_kind: str | None = None,
     ):
+        """`prior`: what to rank by before any measurement (default_prior when None; a bare callable of samples/s is
+        a caller's own, Prior.given). `strategy`: what picks and stops (stopping.Bounded over the prior when None;
+        one passed in works in the objective's units)."""
         if estimate_fn is None:
             from autotune.memory import estimate
             from autotune.search.reads_memo import ReadsMemo
@@ -243,14 +216,13 @@ class Search:
         if not 0 <= tolerance < 1:
             raise SpecError(f"tolerance must be at least 0 and below 1 (a fraction: 0.02 = 2%), got {tolerance}")
         self.exhaustive, self.tolerance = exhaustive, tolerance
-        # whose known error bounds the prior before the study measured any (stopping.KNOWN_ERROR)
-        known = prior_kind or ("given prior" if prior else "cpu prior" if cluster.gpu.is_cpu else "cost model")
+        if prior is not None and not isinstance(prior, Prior):
+            prior = Prior.given(prior)
+        self.prior = default_prior(model, cluster) if prior is None else prior
         fitting = [c.cfg for c in self.plan.by_key.values() if self._fits(c)]
-        samples = prior or default_prior(model, cluster, fitting)
-        # priors are in samples/s; a sequence is seq_len tokens
-        ranked_prior = samples if objective == "samples" else (lambda cfg: samples(cfg) * cfg.seq_len)
-        # the strategy picks by the bound, and stops by it (autotune/search/stopping.py)
-        self.strategy = Bounded(ranked_prior, model.num_layers, known, fitting)
+        self.prior.ahead(fitting)  # the CPU prior probes these shapes now
+        ranked = self.prior if objective == "samples" else self.prior.in_tokens()
+        self.strategy = Bounded(ranked, model.num_layers, fitting) if strategy is None else strategy
         self.sampler = st.ChosenSampler()
         study.sampler = self.sampler
         self.out_root = out_root or st.study_dir(study.study_name)

@@ -26,31 +26,19 @@ MEMORY_FOR_SPEED = {
     "stage3_prefetch_bucket_size": 0,
     "stage3_max_live_parameters": 0,
 }
-"""Settings that trade device memory (or numerics) for time: candidates that differ only in them form
-one group, and a group runs only its first member in `speed_order` that fits (Plan), so they do not
-multiply the trials."""
+"""Their defaults: a group's key is a config with these reset (loop.Candidate.group)."""
 
 
 def speed_order(model: ModelSpec) -> Callable[[Any], tuple]:
-    """The order a group is tried in, the first that fits runs:
-    - the model-dtype gradient accumulation before fp32 (fp32 only costs memory and conversions; a
-      numerical choice to make by leaving `auto` out of the space);
-    - no offload (PCIe and CPU Adam every step: ZeRO-Offload, ZeRO-Infinity), then fewer checkpointed
-      layers (each recomputes a layer's forward);
-    - then fp32 optimizer states and master weights before bf16 ones: a space that lists
-      `bf16_optimizer_states: [false, true]` accepts bf16 states, so they run where they save an
-      offload or recomputation (13B on 4 x A100 at ZeRO-3, micro batch 2: no checkpointed layer with
-      them, 20 without; 15% faster by the cost model), and not where fp32 states fit as fast; the
-      report flags them as a stability risk;
-    - then overlap_comm (collectives hidden behind backward), larger reduce/allgather buckets (fewer,
-      longer collectives), a larger hpZ partition (more of the gather on NVLink) and ZeRO++'s
-      quantized collectives (fewer bytes at the same memory; the ZeRO++ paper, arXiv:2306.10209
-      sec. 5, reports no loss in convergence; leave `false` out of the space to insist on it), and a
-      larger stage-3 persistence threshold (small parameters kept whole: fewer, smaller gathers), a
-      larger stage-3 max_live (more of the gathers prefetched: costmodel.stage3_prefetched) and prefetch
-      bucket (a deeper queue of gathers in flight: not priced, the judgement of DeepSpeed's own default
-      of 5e7 over Hugging Face's 0.9 h^2).
-    The order is a judgement from the cost model's terms, not measured."""
+    """The order a group is tried in; the first that fits runs. A judgement from the cost model's terms, not
+    measured: the model-dtype gradient accumulation before fp32 (fp32 only costs memory); no offload (PCIe and
+    CPU Adam every step), then fewer checkpointed layers (each recomputes a layer's forward); fp32 optimizer
+    states and master weights before bf16 ones, so bf16 states run only where they save an offload or a
+    recomputation (13B on 4 x A100, ZeRO-3, micro batch 2: no checkpointed layer with them, 20 without, 15%
+    faster by the cost model; the report flags them); then overlap_comm, larger buckets, a larger hpZ
+    partition, ZeRO++'s quantized collectives (no loss in convergence: arXiv:2306.10209 sec. 5), a larger
+    stage-3 persistence threshold, max_live (costmodel.stage3_prefetched) and prefetch bucket (not priced:
+    DeepSpeed's default 5e7 over Hugging Face's 0.9 h^2)."""
     from autotune.deepspeed_config import bucket_sizes
 
     def key(c: Any) -> tuple:  # a search.Candidate

@@ -20,6 +20,7 @@ from autotune.memory.correction import Correction
 from autotune.models import ModelSpec, default_seq_len, resolve_model
 from autotune.search import study as st
 from autotune.search.loop import Search, Summary
+from autotune.search.prior import default_prior
 from autotune.search.space import SearchSpace, load_space, parse_space
 
 
@@ -189,6 +190,7 @@ def open_search(
             )
             opened = st.create_study(name, storage, attrs, sampler=None)
         correction = Correction()  # replayed from a resumed study's trials by Search
+        prior = default_prior(inputs.model, inputs.cluster)  # the cost model on GPUs, the CPU prior on CPU ranks
         search = Search(
             opened,
             inputs.model,
@@ -198,6 +200,7 @@ def open_search(
             seq_len=inputs.seq_len,
             global_batch=inputs.global_batch,
             corrector=correction,
+            prior=prior,
             objective=objective or "samples",
             exhaustive=exhaustive,
             tolerance=tolerance,
