@@ -4,7 +4,7 @@ Per GPU option (a cluster: type and count), the fastest configuration that fits,
 search's own parts, composed here and not copied:
 
     search_space.expand -> memory.estimate per candidate -> search.Plan (the groups of
-    search_order.speed_order: per group its first member that fits) -> search.default_prior (the cost
+    search_order.speed_order: per group its first member that fits) -> search.prior.default_prior (the cost
     model on GPUs) -> the group head with the highest prior
 
 then hours = tokens / (tokens/s), dollars = hours x GPUs x $/GPU-hour, $ per million tokens. Every
