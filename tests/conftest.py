@@ -15,6 +15,7 @@ import types
 from pathlib import Path
 
 import pytest
+from cases import TINY_LLAMA
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -51,17 +52,6 @@ def quick(cases, fast):
     return [pytest.param(*c, marks=() if c in fast else pytest.mark.slow) for c in cases]
 
 
-TINY_HF = {
-    "model_type": "llama",
-    "num_hidden_layers": 4,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-}
-
-
 @pytest.fixture(scope="session")
 def killed_and_resumed(tmp_path_factory):
     """One real search through the CLI, as a user runs it: Ray + DeepSpeed trials of a tiny transformers
@@ -74,7 +64,7 @@ def killed_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     cfg = root / "tiny" / "config.json"
     cfg.parent.mkdir()
-    cfg.write_text(json.dumps(TINY_HF))
+    cfg.write_text(json.dumps(TINY_LLAMA))
     trials = root / "trials"
     env = {**os.environ, "AUTOTUNE_TRIALS_DIR": str(trials), "DS_ACCELERATOR": "cpu"}
     space = Path(__file__).resolve().parents[1] / "search_spaces" / "tiny-cpu.yaml"

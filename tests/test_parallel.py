@@ -3,11 +3,10 @@ rank's shard the memory model prices, and one real tp 2 trial on 2 CPU ranks (do
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from cases import benchmark, spec_of, summary
 
 from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
@@ -18,9 +17,6 @@ from autotune.memory.tensor_parallel import local_model, local_view
 from autotune.models import resolve_model
 from autotune.parallel import data_parallel_size, global_batch
 from autotune.train_config import TrainConfig, check_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from hf_memory import spec_of
 
 TWO, FOUR = parse_gpus("2xcpu"), parse_gpus("4xcpu")
 
@@ -97,9 +93,7 @@ def test_recorded_tp_runs_meet_the_bar():
     import csv
     import json
 
-    import parallel_memory
-    from knobs_on_hf import summary
-
+    parallel_memory = benchmark("parallel_memory")
     with parallel_memory.CSV.open() as f:
         rows = [r for r in csv.DictReader(f) if int(r["autotp_size"]) > 1]
     errors = []
