@@ -100,7 +100,8 @@ def test_expand_counts_and_global_batch():
 @pytest.mark.parametrize(
     "space,gpus",
     [
-        (s.name, g)
+        # the whole 13B full.yaml (48,996 candidates, ~9 s) in the full suite; the other spaces in the quick loop
+        pytest.param(s.name, g, marks=pytest.mark.slow if s.name == "full.yaml" else ())
         for s in sorted(SPACES_DIR.glob("*.yaml"))
         for g in ("4xA100", "2xcpu")
         if not (s.name == "full.yaml" and g == "2xcpu")

@@ -392,6 +392,7 @@ def test_recorded_runs_meet_the_bar():
     assert s["under"] <= 6, s
 
 
+@pytest.mark.slow  # ~9 s of traces; quick loop: the sp estimate's terms (test_a_rank_is_the_whole_model_at_seq_...)
 def test_zero1_fp32_reduction_and_gloo_allgather_are_priced_as_measured():
     """The two phases that closed the last open rows (docs/parallelism.md), against the tensors measured at each
     peak: Mistral sp 2 x dp 2, ZeRO-1 bf16, rank 2 at the LM head's reduction (its slices of ranks 2 and 3
@@ -421,6 +422,7 @@ def test_zero1_fp32_reduction_and_gloo_allgather_are_priced_as_measured():
     assert "optimizer (all-gather)" not in estimate(llama, parse_gpus("4xH100"), cfg).phases
 
 
+@pytest.mark.slow  # ~4 s of traces; quick loop: --max-seq-len with sp (test_parallel, on shipped traces)
 def test_max_seq_len_with_sp_is_a_multiple_of_sp_and_grows():
     from autotune.memory.limits import largest_fitting
 
