@@ -148,9 +148,9 @@ def finished_runs(db: Path) -> list[dict]:
     return [{"number": n, "state": s, "config": json.loads(v)} for n, s, v in rows]
 
 
-# Seconds per work unit on two workers, 2 cores (`--durations`): the units are handed out longest first, so
+# Seconds per work unit on two workers, 2 cores (`--durations=0`): the units are handed out longest first, so
 # that no long one starts last and runs alone. Order only; no test reads them. UNIT_SECONDS: a full run
-# (2026-12-06); QUICK_UNIT_SECONDS: `-m "not slow"`, CPU seconds per unit (2026-12-07).
+# (2026-12-06); QUICK_UNIT_SECONDS: `-m "not slow"` (2026-12-07).
 UNIT_SECONDS = {
     "tests/test_memory_hf.py": 232,
     "tests/test_knobs.py": 228,
@@ -168,20 +168,20 @@ UNIT_SECONDS = {
     "tests/test_stopping.py": 47,
 }
 QUICK_UNIT_SECONDS = {
-    "tests/test_memory_hf.py": 40,
-    "tests/test_hf.py": 31,
-    "tests/test_search.py": 15,
-    "tests/test_lora.py": 13,
-    "tests/test_traced.py": 13,
-    "tests/test_parallel.py": 11,
-    "tests/test_plan.py": 8,
+    "tests/test_memory_hf.py": 27,
+    "tests/test_hf.py": 19,
+    "tests/test_search.py": 13,
+    "tests/test_traced.py": 11,
+    "tests/test_lora.py": 10,
+    "tests/test_plan.py": 9,
+    "tests/test_parallel.py": 8,
     "tests/test_costops.py": 8,
-    "tests/test_reads_memo.py": 6,
     "tests/test_security.py": 6,
     "tests/test_memory_measured.py": 6,
-    "tests/test_costmodel.py": 6,
+    "tests/test_seq_family.py": 5,
     "tests/test_interrupts.py": 5,
-    "tests/test_seq_family.py": 4,
+    "tests/test_reads_memo.py": 5,
+    "tests/test_costmodel.py": 4,
 }
 SAME_UNIT = {"tests/test_plan_interconnect.py": "tests/test_plan.py"}
 """Modules that estimate the same programs run in one worker, which traces them once."""

@@ -171,6 +171,7 @@ def test_a_stack_of_mixed_layers_has_its_adapters_and_quantised_weights_counted_
     assert sum(p.numel() for p in fake.parameters() if p.requires_grad) == mlora.adapter_params(s, cfg)
 
 
+@pytest.mark.slow  # ~4 s of 13B traces; quick loop: LoRA's terms estimated for a GPU (test_qlora_is_refused_on_cpu...)
 def test_lora_static_memory_is_far_below_full_fine_tuning_for_13b():
     s = resolve_model("13b", implementation="hf", factory=None)
     gpus = parse_gpus("4xA100")

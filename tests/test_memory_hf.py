@@ -36,7 +36,8 @@ REAL = [
 
 @pytest.mark.parametrize(
     "family,precision,attention,ckpt",
-    quick(REAL, fast={("gpt2", "fp32", "sdpa", 0), ("factory", "bf16", "sdpa", 1)}),
+    # the quick loop's transformers steps against real ones: test_hf's EXAONE-MoE and Mixtral
+    quick(REAL, fast={("factory", "bf16", "sdpa", 1)}),
 )
 def test_traced_hf_step_matches_a_real_cpu_run(family, precision, attention, ckpt):
     s = spec(family)
