@@ -96,10 +96,8 @@ class TrainConfig:
     bf16_optimizer_states: bool = _setting(
         False, space=(False,), help="bf16 Adam moments (needs --bf16-master-weights-and-grads)"
     )
-    """DeepSpeed's `bf16.bf16_optimizer_states`: Adam's moments in bf16, 4 B/param instead of 8. The
-    article's "lower the optimizer states from fp32 to bf16 to halve the static memory", with its
-    warning: bf16 moments and master weights lose small updates, and late in training the loss can
-    oscillate. A stability risk, flagged in the report."""
+    """DeepSpeed's `bf16.bf16_optimizer_states`: Adam's moments in bf16, 4 B/param instead of 8 (the
+    reference article's way to halve static memory; a stability risk it warns of, flagged in the report)."""
     offload_optimizer: bool = _setting(False, space=(False,), help="ZeRO-Offload of the optimizer states")
     """ZeRO-Offload: optimizer states and the step on the CPU (needs ZeRO >= 1)."""
     offload_param: Literal["none", "cpu"] = _setting(
@@ -306,12 +304,10 @@ class TrainConfig:
 
     @classmethod
     def prechecked(cls, values: dict[str, Any]) -> "TrainConfig":
-        """The config of `values` (every field), built without the checks of `__post_init__`, for a caller that
-        made them: `search_space.expand`, where each value passed `check_value` and the combination passed
-        `check_combination` on a namespace, does this for each of the tens of thousands of candidates of a large
-        space (`full.yaml` for 13B on 4 x A100: 48,996; a frozen dataclass' own `__init__` sets each field
-        through `object.__setattr__`). The adapter settings are reset without adapters, and an integer
-        dropout made a float, as `__post_init__` does."""
+        """The config of `values` (every field) without `__post_init__`'s checks, for `search_space.expand`,
+        which made them (check_value, check_combination) for each of up to tens of thousands of candidates
+        (full.yaml, 13B on 4 x A100: 48,996); a frozen dataclass' `__init__` would setattr each field.
+        Adapter settings are reset without adapters and an integer dropout made a float, as there."""
         cfg = object.__new__(cls)
         fields = object.__getattribute__(cfg, "__dict__")  # frozen: the instance's dict, filled directly
         fields.update(values)

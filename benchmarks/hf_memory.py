@@ -5,7 +5,8 @@ Each row of benchmarks/data/hf_memory_runs.csv is one real trial: autotune.trial
 2 CPU ranks (gloo), the model built by autotune/impl/'s hf implementation (AutoModelForCausalLM
 from the row's config, random init), 1 warm-up and 2 measured optimizer steps; `measured_bytes` is
 the largest per-rank tensor peak of the measured steps, from the profiler's live CPU bytes
-(autotune/trial/memprof.py). The versions that measured it are in the row.
+(autotune/trial/memprof.py). The versions that measured it are in the row. The shapes (FAMILIES,
+HELD_OUT) and spec_of are tests/cases.py's.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from __future__ import annotations
 import csv
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cases import FAMILIES, HELD_OUT, spec_of
 
 from autotune.hardware import parse_gpus
 from autotune.train_config import TrainConfig
@@ -23,119 +28,8 @@ from autotune.train_config import TrainConfig
 CSV = Path(__file__).resolve().parent / "data" / "hf_memory_runs.csv"
 RANKS = 2
 
-FAMILIES: dict[str, dict] = {
-    # dropout 0.1 everywhere (GPT2Config's defaults), gelu_new, learned positions, tied head
-    "gpt2": dict(
-        model_type="gpt2",
-        n_layer=4,
-        n_embd=96,
-        n_head=4,
-        vocab_size=1536,
-        n_positions=512,
-        bos_token_id=1535,
-        eos_token_id=1535,
-    ),
-    # grouped-query attention: 8 query heads, 2 key/value heads
-    "llama": dict(
-        model_type="llama",
-        num_hidden_layers=4,
-        hidden_size=128,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=336,
-        vocab_size=2048,
-        max_position_embeddings=512,
-    ),
-    "mistral": dict(
-        model_type="mistral",
-        num_hidden_layers=3,
-        hidden_size=96,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        intermediate_size=288,
-        vocab_size=1800,
-        max_position_embeddings=512,
-    ),
-    # tied embeddings, biases on q, k and v only
-    "qwen2": dict(
-        model_type="qwen2",
-        num_hidden_layers=3,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=320,
-        vocab_size=1664,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    ),
-    # parallel residual (the default), rotary on a quarter of each head
-    "gpt_neox": dict(
-        model_type="gpt_neox",
-        num_hidden_layers=3,
-        hidden_size=128,
-        num_attention_heads=4,
-        intermediate_size=448,
-        vocab_size=2000,
-        max_position_embeddings=512,
-    ),
-}
-"""Shapes no test uses (tests/test_memory_hf.py has its own)."""
-
-HELD_OUT: dict[str, dict] = {
-    # wider and deeper than FAMILIES, other vocabularies; measured after the table above was final
-    "gpt2": dict(
-        model_type="gpt2",
-        n_layer=6,
-        n_embd=192,
-        n_head=6,
-        vocab_size=4096,
-        n_positions=512,
-        bos_token_id=4095,
-        eos_token_id=4095,
-    ),
-    "llama": dict(
-        model_type="llama",
-        num_hidden_layers=5,
-        hidden_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=688,
-        vocab_size=8000,
-        max_position_embeddings=512,
-    ),
-    "mistral": dict(
-        model_type="mistral",
-        num_hidden_layers=6,
-        hidden_size=160,
-        num_attention_heads=10,
-        num_key_value_heads=2,
-        intermediate_size=432,
-        vocab_size=3000,
-        max_position_embeddings=512,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        num_hidden_layers=5,
-        hidden_size=192,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        vocab_size=5000,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    ),
-    "gpt_neox": dict(
-        model_type="gpt_neox",
-        num_hidden_layers=6,
-        hidden_size=192,
-        num_attention_heads=6,
-        intermediate_size=768,
-        vocab_size=6000,
-        max_position_embeddings=512,
-    ),
-}
-"""The held-out set: other shapes, two configs each, judged with nothing changed."""
 HELD_OUT_CONFIGS = [(1, "bf16", 2, 2, 200, "sdpa", 1), (3, "fp32", 0, 1, 144, "eager", 1)]
+"""The held-out set (tests/cases.py HELD_OUT: other shapes, two configs each), judged with nothing changed."""
 
 # (zero stage, precision, checkpointed layers (-1: all), micro batch, seq len, attention, grad_accum)
 CONFIGS = [
@@ -149,18 +43,6 @@ CONFIGS = [
     (3, "fp32", 1, 2, 96, "eager", 1),
     (2, "bf16", -1, 3, 128, "sdpa", 2),
 ]
-
-
-def spec_of(family: str, config: dict | None = None):
-    """The ModelSpec autotune makes of the family's config (autotune/impl/hf.py, exact parameter count)."""
-    from transformers import AutoConfig
-
-    from autotune.models import hf_config as hf
-
-    d = dict(config or FAMILIES[family])
-    return hf.spec_from_config(
-        AutoConfig.for_model(d.pop("model_type"), **d), name=f"hf-{family}", source="benchmarks/hf_memory.py"
-    )
 
 
 def train_config(row: dict) -> TrainConfig:

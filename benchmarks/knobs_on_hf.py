@@ -5,7 +5,7 @@
     python benchmarks/knobs_on_hf.py --measure    # run them again (one process group, ~10 min on 2 cores)
     python benchmarks/knobs_on_hf.py --test-configs   # tests/test_knobs.py's 33 configurations on tiny-llama
 
-The recorded set: hf_memory.py's GPT-2, Llama, Qwen2 and GPT-NeoX shapes (no test uses them) times the
+The recorded set: hf_memory.py's GPT-2, Llama, Qwen2 and GPT-NeoX shapes (tests/cases.py FAMILIES) times the
 knob configurations below: overlap_comm with the default bucket (hidden^2) and with one bucket larger
 than the model (2e7 elements) at ZeRO 1 and 2, fp32 gradient accumulation at ZeRO 1 and 2 in bf16, a
 2e6-element reduce bucket at ZeRO-2 fp32, with k = 0, some and all checkpointed layers. Each row is
@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import csv
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-sys.path.insert(0, str(HERE))
 
-from hf_memory import FAMILIES, spec_of  # noqa: E402
+from cases import FAMILIES, spec_of, summary  # noqa: E402  hf_memory.py's shapes; the bar's figures
 from steady import steady_peak  # noqa: E402
 from test_knobs import CLUSTER, IDS, KNOBS, OVER, OVER_BF16_OPTIMIZER, UNDER, UNDER_ONE_BUCKET, _cfg  # noqa: E402
 
@@ -141,12 +139,6 @@ def measure_all() -> None:
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {len(rows)} rows to {CSV}")
-
-
-def summary(errors: list[float]) -> dict:
-    """{n, median, max, under} in percent: median and worst |error|, and the worst under-estimate."""
-    e = [100 * abs(x) for x in errors]
-    return {"n": len(e), "median": statistics.median(e), "max": max(e), "under": -100 * min(0.0, min(errors))}
 
 
 def report() -> dict:

@@ -7,7 +7,7 @@ Each row of benchmarks/data/lora_memory_runs.csv is one real trial: autotune.tri
 2 CPU ranks (gloo), the module built through the seam (autotune.impl.impl_for(spec, cfg): the
 transformers model of the row's config, peft's get_peft_model on it), 1 warm-up and 2 measured
 optimizer steps; `measured_bytes` is the largest per-rank tensor peak of the measured steps (profiler
-live CPU bytes, autotune/trial/memprof.py). Shapes are hf_memory.py's families, which no test uses.
+live CPU bytes, autotune/trial/memprof.py). Shapes are hf_memory.py's families (tests/cases.py FAMILIES).
 The bar (issue 30): median |error| at most 1%, worst at most 3%, never more than 1% under.
 """
 
@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_memory import FAMILIES, spec_of
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cases import FAMILIES, spec_of
 
 from autotune.hardware import parse_gpus
 from autotune.train_config import TrainConfig

@@ -31,10 +31,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-sys.path.insert(0, str(HERE))
 
-from hf_memory import FAMILIES, spec_of  # noqa: E402
-from knobs_on_hf import summary  # noqa: E402
+from cases import FAMILIES, spec_of, summary  # noqa: E402  hf_memory.py's shapes; the bar's figures
 from steady import steady_peak  # noqa: E402
 
 from autotune.errors import SpecError  # noqa: E402

@@ -1,6 +1,7 @@
 """Settings every test process shares: DeepSpeed on CPU, quiet local Ray, with Ray's token authentication on.
-Also `quick`, which keeps a few cases of a long parametrisation in the quick loop (`-m "not slow"`), and
-`killed_and_resumed`, one real search through the CLI that two test modules read."""
+Also `quick`, which keeps a few cases of a long parametrisation in the quick loop (`-m "not slow"`),
+`shipped_traces`, and `killed_and_resumed`, one real search through the CLI that two test modules read.
+The model shapes tests share are tests/cases.py's."""
 
 import atexit
 import json
@@ -15,6 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
+from cases import TINY_LLAMA
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -25,41 +27,37 @@ if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_P
     os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_token_dir, "auth_token")
     atexit.register(shutil.rmtree, _token_dir, ignore_errors=True)
 if not os.environ.get("AUTOTUNE_CACHE_DIR"):
-    # Traced programs are kept on disk between runs (autotune/trace_cache.py): a test run starts with an
-    # empty cache of its own, so that what it measures does not depend on earlier runs, and leaves
-    # the user's alone.
+    # A test run starts with an empty trace cache of its own (autotune/trace_cache.py): what it measures
+    # does not depend on earlier runs, and the user's is left alone.
     _cache_dir = tempfile.mkdtemp(prefix="autotune-test-cache-")
     os.environ["AUTOTUNE_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-# Nor do they read the traces shipped for the presets (autotune/trace_pack.py), which would stand in
-# for the tracing they test; tests/test_trace_pack.py tests those, and a test that takes the
-# `shipped_traces` fixture reads them.
+# Nor the traces shipped for the presets (autotune/trace_pack.py), which would stand in for the tracing
+# they test; a test that takes the `shipped_traces` fixture reads them.
 os.environ.setdefault("AUTOTUNE_SHIPPED_TRACES", "0")
 
 
 @pytest.fixture
 def shipped_traces(monkeypatch):
-    """For a test of what is done with estimates of a preset (a simulated search), not of how they are
-    traced: its estimates read the traces shipped for the presets, as a user's first run does, where they
-    were written by this code (trace_cache.shipped). tests/test_trace_pack.py checks that they are this
-    code's, and fails when they are stale; until they are written again, such a test traces."""
+    """For a test of what is done with estimates of a preset (a plan, a search's decisions), not of how they
+    are traced: its estimates read the traces shipped for the presets, as a user's first run does
+    (trace_cache.shipped). tests/test_trace_pack.py fails when they are not this code's; until they are
+    written again, such a test traces."""
     monkeypatch.setenv("AUTOTUNE_SHIPPED_TRACES", "1")
+
+
+@pytest.fixture(scope="module")
+def shipped_traces_module():
+    """`shipped_traces` for a whole module whose module-scoped fixtures estimate presets
+    (`pytestmark = pytest.mark.usefixtures("shipped_traces_module")`)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOTUNE_SHIPPED_TRACES", "1")
+        yield
 
 
 def quick(cases, fast):
     """`cases` as pytest params, those not in `fast` marked slow: the quick loop runs a few, CI all."""
     return [pytest.param(*c, marks=() if c in fast else pytest.mark.slow) for c in cases]
-
-
-TINY_HF = {
-    "model_type": "llama",
-    "num_hidden_layers": 4,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-}
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +72,7 @@ def killed_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     cfg = root / "tiny" / "config.json"
     cfg.parent.mkdir()
-    cfg.write_text(json.dumps(TINY_HF))
+    cfg.write_text(json.dumps(TINY_LLAMA))
     trials = root / "trials"
     env = {**os.environ, "AUTOTUNE_TRIALS_DIR": str(trials), "DS_ACCELERATOR": "cpu"}
     space = Path(__file__).resolve().parents[1] / "search_spaces" / "tiny-cpu.yaml"
@@ -150,8 +148,9 @@ def finished_runs(db: Path) -> list[dict]:
     return [{"number": n, "state": s, "config": json.loads(v)} for n, s, v in rows]
 
 
-# Seconds per work unit in a full run on two workers (2026-12-06, 2 cores; `--durations`): the units are
-# handed out longest first, so that no long one starts last and runs alone. Order only; no test reads it.
+# Seconds per work unit on two workers, 2 cores (`--durations=0`): the units are handed out longest first, so
+# that no long one starts last and runs alone. Order only; no test reads them. UNIT_SECONDS: a full run
+# (2026-12-06); QUICK_UNIT_SECONDS: `-m "not slow"` (2026-12-07).
 UNIT_SECONDS = {
     "tests/test_memory_hf.py": 232,
     "tests/test_knobs.py": 228,
@@ -168,13 +167,34 @@ UNIT_SECONDS = {
     "tests/test_export_sp.py": 47,
     "tests/test_stopping.py": 47,
 }
+QUICK_UNIT_SECONDS = {
+    "tests/test_memory_hf.py": 27,
+    "tests/test_hf.py": 19,
+    "tests/test_search.py": 13,
+    "tests/test_traced.py": 11,
+    "tests/test_lora.py": 10,
+    "tests/test_plan.py": 9,
+    "tests/test_parallel.py": 8,
+    "tests/test_costops.py": 8,
+    "tests/test_security.py": 6,
+    "tests/test_memory_measured.py": 6,
+    "tests/test_seq_family.py": 5,
+    "tests/test_interrupts.py": 5,
+    "tests/test_reads_memo.py": 5,
+    "tests/test_costmodel.py": 4,
+}
+SAME_UNIT = {"tests/test_plan_interconnect.py": "tests/test_plan.py"}
+"""Modules that estimate the same programs run in one worker, which traces them once."""
 
 
 def work_unit(nodeid: str) -> str:
     """What one xdist worker runs as a whole: a module, so that a module-scoped fixture (real runs of a
-    minute or more) is built once; the tests named for the session's `killed_and_resumed` search (in two
-    modules) go together, so that it runs once."""
-    return "killed_and_resumed" if "killed_and_resumed" in nodeid else nodeid.split("::", 1)[0]
+    minute or more) is built once, or modules of SAME_UNIT together; the tests named for the session's
+    `killed_and_resumed` search (in two modules) go together, so that it runs once."""
+    if "killed_and_resumed" in nodeid:
+        return "killed_and_resumed"
+    module = nodeid.split("::", 1)[0]
+    return SAME_UNIT.get(module, module)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own
@@ -193,8 +213,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """The longest work units first (UNIT_SECONDS), the others in file order after them."""
-    items.sort(key=lambda item: -UNIT_SECONDS.get(work_unit(item.nodeid), 0))
+    """The longest work units first (UNIT_SECONDS; QUICK_UNIT_SECONDS when no slow test is selected), the
+    others in file order after them."""
+    seconds = UNIT_SECONDS if any(item.get_closest_marker("slow") for item in items) else QUICK_UNIT_SECONDS
+    items.sort(key=lambda item: -seconds.get(work_unit(item.nodeid), 0))
 
 
 _EXIT_STATUS = {}
@@ -207,11 +229,9 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """End a test process (`python -m pytest`, `./run test`) without the interpreter's own teardown, once
-    pytest has printed its summary: the exit handlers run (Ray's shutdown, the folders above), then the
-    process exits with pytest's status. Measured: one full CI run of 2026-12-01 passed every test and
-    then died of a segmentation fault in that teardown (exit status 139), after two runs of the same
-    tests that exited cleanly; native library state (torch, gloo, Ray threads) being finalised is the
-    likely cause, unconfirmed. Not done where pytest runs inside another program."""
+    pytest has printed its summary and the exit handlers have run (Ray's shutdown, the folders above): a
+    CI run that passed every test once died of a segfault in that teardown (docs/measurements/trials.md,
+    "The test suite's processes"). Not done where pytest runs inside another program."""
     import sys
 
     as_pytest = sys.argv[0].endswith(("pytest", "py.test", os.path.join("pytest", "__main__.py")))

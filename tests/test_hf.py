@@ -103,7 +103,8 @@ def _saved_bytes(code, model, tokens) -> tuple[int, dict[str, torch.Tensor]]:
     return total, grads
 
 
-@pytest.mark.parametrize("impl", ["hf", "factory"])
+# the factory's in the full suite (~5 s); quick loop: its checkpointed layer against a real step (test_memory_hf)
+@pytest.mark.parametrize("impl", ["hf", pytest.param("factory", marks=pytest.mark.slow)])
 def test_checkpointing_first_layers_saves_less_and_keeps_gradients(impl):
     spec = resolve_model(
         str(DATA / "hf-llama"), implementation=impl, factory="tiny_factory:make" if impl == "factory" else None
@@ -224,6 +225,8 @@ def test_a_sequence_past_the_position_table_is_one_clear_line(capfd):
     assert estimate(spec, parse_gpus("2xA100"), TrainConfig(seq_len=64, attention="eager")).fits
 
 
+@pytest.mark.slow  # ~16 s of traces; quick loop: the refusal (test_a_sequence_past_the_position_table_is_one_clear_line)
+# and --max-seq-len (test_parallel's sp 8, test_memory_hf's first estimate)
 def test_the_largest_sequence_stops_where_the_models_code_refuses_longer_ones():
     """`--max-seq-len` of MPT on GPUs with room for longer sequences: its code's ALiBi table bounds
     the answer at the config's max_seq_len (it raised the refusal before), and memory below it."""

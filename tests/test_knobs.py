@@ -500,6 +500,7 @@ def test_prefetch_bucket_costs_memory_as_deepspeeds_code_says():
     assert peaks[0] == peaks[1]
 
 
+@pytest.mark.usefixtures("shipped_traces")
 def test_max_live_below_the_gathered_set_exposes_gathers():
     """A max_live below what ZeRO-3 holds gathered stops the prefetch part way: that share of the
     gathers is waited for (costmodel.stage3_prefetched). Above it, and for any bucket, the time is the
@@ -639,6 +640,7 @@ def test_zeropp_config_is_accepted_by_deepspeeds_parser(tmp_path):
     }
 
 
+@pytest.mark.usefixtures("shipped_traces")
 def test_zeropp_is_refused_on_cpu_and_priced_on_gpus():
     from autotune.costmodel import simulate
     from autotune.train_config import check_config
@@ -710,6 +712,7 @@ def test_seq_len_axis_and_objective(tmp_path, monkeypatch, objective):
     assert f"Winner #{best['trial']}**:" in why and f"{objective}/s" in why and f"seq len {best['seq_len']}" in why
 
 
+@pytest.mark.usefixtures("shipped_traces")
 def test_offload_param_moves_the_partition_to_host_and_host_ram_prunes():
     """On a GPU the stage-3 partition leaves the device for the host; a node without the host RAM
     for it is pruned with that reason (here: 13B with ZeRO-Infinity on nodes of 64 GiB)."""
@@ -772,6 +775,7 @@ def test_bf16_optimizer_states_halve_the_static_memory_and_are_flagged(tmp_path,
     assert "WARNING: rank" in text and "stability risk" in text
 
 
+@pytest.mark.usefixtures("shipped_traces")  # a search's decisions on 13B's estimates
 def test_bf16_states_run_where_they_save_recomputation(tmp_path, monkeypatch):
     """A space listing bf16_optimizer_states [false, true] accepts them: in a group (search_order), fewer
     checkpointed layers come before fp32 states, so 13B at ZeRO-3, micro batch 2 on 4 x A100 runs bf16

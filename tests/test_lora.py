@@ -171,6 +171,7 @@ def test_a_stack_of_mixed_layers_has_its_adapters_and_quantised_weights_counted_
     assert sum(p.numel() for p in fake.parameters() if p.requires_grad) == mlora.adapter_params(s, cfg)
 
 
+@pytest.mark.slow  # ~4 s of 13B traces; quick loop: LoRA's terms estimated for a GPU (test_qlora_is_refused_on_cpu...)
 def test_lora_static_memory_is_far_below_full_fine_tuning_for_13b():
     s = resolve_model("13b", implementation="hf", factory=None)
     gpus = parse_gpus("4xA100")
@@ -372,20 +373,13 @@ def test_recorded_lora_runs_stay_within_the_bar():
     docs/memory.md: median |error| at most 1%, worst at most 3%, never under by more than 1% (an
     under-estimate keeps a candidate that runs out of memory). A change of a shared ZeRO term once put
     the four grad_accum 2 runs at ZeRO-2 20-28% over and no test saw it."""
-    import importlib.util
     import statistics
-    import sys
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_memory.py"
-    sys.path.insert(0, str(path.parent))  # it imports its sibling hf_memory.py
-    try:
-        loaded = importlib.util.spec_from_file_location("lora_memory", path)
-        bench = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(bench)
-        _estimate_on_two_cores(bench)
-        rows = bench.rows_with_estimates()
-    finally:
-        sys.path.remove(str(path.parent))
+    from cases import benchmark
+
+    bench = benchmark("lora_memory")
+    _estimate_on_two_cores(bench)
+    rows = bench.rows_with_estimates()
     errors = {f"{r['family']} {r['cfg'].short()}": 100 * r["err"] for r in rows}
     assert len(errors) == 55
     assert statistics.median(abs(e) for e in errors.values()) <= 1, errors

@@ -2,7 +2,7 @@
 on fake tensors against real CPU runs of the same code, single-process (fast) and in DeepSpeed on 2
 CPU ranks (slow), the cache, and the micro-batch fit the grid relies on.
 
-Shapes here are the tests' own; benchmarks/hf_memory.py judges the model on others.
+Shapes here are the tests' own (tests/cases.py TEST_FAMILIES); benchmarks/hf_memory.py judges the model on others.
 """
 
 import dataclasses
@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+from cases import spec
 from conftest import quick
 from cpu_step import measure_cpu
 from steady import per_rank_steps, steady_peak
@@ -22,75 +23,6 @@ from autotune.models import SpecError
 from autotune.train_config import TrainConfig
 
 CPU = parse_gpus("1xcpu@8GiB")
-CONFIGS = {
-    "gpt2": dict(
-        model_type="gpt2",
-        n_layer=3,
-        n_embd=64,
-        n_head=4,
-        vocab_size=1000,
-        n_positions=128,
-        bos_token_id=999,
-        eos_token_id=999,
-    ),  # dropout 0.1 (the defaults)
-    "llama": dict(
-        model_type="llama",
-        num_hidden_layers=3,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=160,
-        vocab_size=1000,
-        max_position_embeddings=128,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        num_hidden_layers=3,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        intermediate_size=128,
-        vocab_size=900,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    ),
-    "gpt_neox": dict(
-        model_type="gpt_neox",
-        num_hidden_layers=3,
-        hidden_size=64,
-        num_attention_heads=4,
-        intermediate_size=192,
-        vocab_size=1100,
-        max_position_embeddings=128,
-    ),
-}
-
-
-def spec(family):
-    from transformers import AutoConfig
-
-    from autotune.models import from_shape
-    from autotune.models import hf_config as hf
-
-    if family == "factory":  # a user's own module (tests/tiny_factory.py), through the same seam
-        return dataclasses.replace(
-            from_shape(
-                "test-factory",
-                "gpt2",
-                num_layers=3,
-                hidden_size=64,
-                num_heads=4,
-                ffn_hidden_size=256,
-                vocab_size=700,
-                max_seq_len=128,
-            ),
-            implementation="factory",
-            factory="tiny_factory:make",
-        )
-    d = dict(CONFIGS[family])
-    return hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name=f"test-{family}", source="test")
-
-
 REAL = [
     ("gpt2", "fp32", "sdpa", 0),
     ("gpt2", "bf16", "eager", 2),
@@ -104,7 +36,8 @@ REAL = [
 
 @pytest.mark.parametrize(
     "family,precision,attention,ckpt",
-    quick(REAL, fast={("gpt2", "fp32", "sdpa", 0), ("llama", "bf16", "sdpa", 1), ("factory", "bf16", "sdpa", 1)}),
+    # the quick loop's transformers steps against real ones: test_hf's EXAONE-MoE and Mixtral
+    quick(REAL, fast={("factory", "bf16", "sdpa", 1)}),
 )
 def test_traced_hf_step_matches_a_real_cpu_run(family, precision, attention, ckpt):
     s = spec(family)
@@ -382,7 +315,8 @@ MIXED = dict(
 )
 
 
-@pytest.mark.parametrize("ckpt", [0, 2])
+@pytest.mark.slow  # ~10 s each; quick loop: a mixed stack's step against the real one in test_hf
+@pytest.mark.parametrize("ckpt", [0, 2])  # (test_every_per_layer_list_of_a_config_follows_the_depth_traced)
 def test_a_stack_of_mixed_layers_is_traced_whole_and_matches_a_real_cpu_run(ckpt):
     """DeepSeek-V3's code with 3 dense layers before 5 MoE ones: extrapolated from its first layers,
     as a uniform stack is, k = 0 read 11.6% over a real run (the dense MLP's activations are not the
@@ -442,6 +376,7 @@ HYBRID = dict(
 )
 
 
+@pytest.mark.slow  # ~12 s (a Jamba traced at ZeRO-2); quick loop: a mixed stack's step (test_hf, above)
 def test_the_head_phase_of_a_mixed_stack_holds_what_its_layers_saved():
     """ZeRO-2's head phase prices the layers' saved activations beside DeepSpeed's first reduction.
     They were a k + b m from the slopes of one layer more, which for a mixed stack is a layer of
@@ -484,6 +419,7 @@ def test_a_hybrid_stack_at_zero_2_is_priced_as_it_runs(real_runs):
     assert 0 <= est / steady_peak(res) - 1 <= 0.03, (est, per_rank_steps(res))
 
 
+@pytest.mark.slow  # ~12 s (a Jamba traced and run at two lengths); quick loop: a mixed stack's step (test_hf)
 def test_gradients_the_real_engine_adds_in_place_are_counted_once():
     """Jamba's Mamba scan (transformers' torch path) slices its discretised A and B per token, and
     autograd adds each token's gradient into the one before it. The real engine adds in place where

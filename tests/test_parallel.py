@@ -3,11 +3,10 @@ rank's shard the memory model prices, and one real tp 2 trial on 2 CPU ranks (do
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from cases import benchmark, spec_of, summary
 
 from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
@@ -18,9 +17,6 @@ from autotune.memory.tensor_parallel import local_model, local_view
 from autotune.models import resolve_model
 from autotune.parallel import data_parallel_size, global_batch
 from autotune.train_config import TrainConfig, check_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from hf_memory import spec_of
 
 TWO, FOUR = parse_gpus("2xcpu"), parse_gpus("4xcpu")
 
@@ -111,9 +107,7 @@ def test_recorded_tp_runs_meet_the_bar():
     import csv
     import json
 
-    import parallel_memory
-    from knobs_on_hf import summary
-
+    parallel_memory = benchmark("parallel_memory")
     with parallel_memory.CSV.open() as f:
         rows = [r for r in csv.DictReader(f) if int(r["autotp_size"]) > 1]
     errors = []
@@ -127,6 +121,7 @@ def test_recorded_tp_runs_meet_the_bar():
     assert s["median"] <= 1 and s["max"] <= 3 and s["under"] <= 1, s
 
 
+@pytest.mark.usefixtures("shipped_traces")  # llama-3-8b's estimates, as a user's first run reads them
 def test_max_seq_len_with_sp_8_is_at_least_4x_without(capsys):
     """Issue 31's done-when: `autotune estimate --model llama-3-8b --gpus 8xH100 --zero 3 --sequence-parallel-size 8
     --max-seq-len` answers at least 4 times the length of the same command without sp (measured: 60,520 against

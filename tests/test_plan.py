@@ -19,6 +19,7 @@ from autotune.search.space import expand
 from autotune.train_config import TrainConfig
 
 GPUS = "8xA100,8xH100,4xH100"
+pytestmark = pytest.mark.usefixtures("shipped_traces_module")  # plans of 13B, as a user's first run reads them
 
 
 def plan_json(capsys, tmp_path, *extra) -> dict:

@@ -11,6 +11,8 @@ from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 
+pytestmark = pytest.mark.usefixtures("shipped_traces_module")  # plans of 13B, as a user's first run reads them
+
 Z3 = TrainConfig(zero_stage=3, micro_batch=2, seq_len=2048, precision="bf16", attention="sdpa")
 
 

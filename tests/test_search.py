@@ -16,6 +16,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from cases import TINY_LLAMA as TINY
 from conftest import finished_runs
 
 from autotune.cli import main
@@ -31,15 +32,6 @@ from autotune.trial.record import TrialResult
 from autotune.units import MiB
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = {
-    "model_type": "llama",
-    "num_hidden_layers": 4,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-}
 SPACE = "zero_stage: [0, 1, 3]\nprecision: [fp32]\nmicro_batch: [1, 2, 4, 8]\nckpt_layers: all\n"
 SEQ = 64
 

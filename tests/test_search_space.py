@@ -6,21 +6,12 @@ import dataclasses
 import json
 
 import pytest
+from cases import TINY_LLAMA as TINY
 
 from autotune.cli import main
 from autotune.hardware import parse_gpus
 from autotune.models import SpecError, resolve_model
 from autotune.search.space import DEFAULT_SPACE, SPACES_DIR, SearchSpace, expand, load_space, parse_space
-
-TINY = {
-    "model_type": "llama",
-    "num_hidden_layers": 4,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-}
 
 
 def _error(text: str) -> str:
@@ -109,7 +100,8 @@ def test_expand_counts_and_global_batch():
 @pytest.mark.parametrize(
     "space,gpus",
     [
-        (s.name, g)
+        # the whole 13B full.yaml (48,996 candidates, ~9 s) in the full suite; the other spaces in the quick loop
+        pytest.param(s.name, g, marks=pytest.mark.slow if s.name == "full.yaml" else ())
         for s in sorted(SPACES_DIR.glob("*.yaml"))
         for g in ("4xA100", "2xcpu")
         if not (s.name == "full.yaml" and g == "2xcpu")

@@ -6,8 +6,8 @@ must not change."""
 import dataclasses
 
 import pytest
+from cases import TEST_FAMILIES, spec
 from conftest import quick
-from test_memory_hf import CONFIGS, spec
 
 from autotune.hardware import parse_gpus
 from autotune.memory import code_trace, estimate, limits
@@ -27,7 +27,7 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(code_trace, "_FAMILIES", {})
 
 
-@pytest.mark.parametrize("family,precision,attention,ckpt,method,name,values", quick(CASES, fast={CASES[0], CASES[1]}))
+@pytest.mark.parametrize("family,precision,attention,ckpt,method,name,values", quick(CASES, fast={CASES[0]}))
 def test_one_build_replays_every_value_to_the_byte(
     monkeypatch, family, precision, attention, ckpt, method, name, values
 ):
@@ -63,7 +63,7 @@ def test_code_that_branches_on_the_length_is_traced_value_by_value(monkeypatch):
 
     from autotune.models import hf_config as hf
 
-    d = {**CONFIGS["llama"], "model_type": "mistral", "sliding_window": 64}
+    d = {**TEST_FAMILIES["llama"], "model_type": "mistral", "sliding_window": 64}
     s = hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name="test-mistral", source="test")
     cfg = TrainConfig(micro_batch=2, seq_len=48, precision="bf16")
 

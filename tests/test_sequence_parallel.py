@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from cases import benchmark, spec_of
 
 from autotune.cli import main
 from autotune.deepspeed_config import deepspeed_config
@@ -19,9 +20,6 @@ from autotune.memory.sequence_parallel import all_to_all_terms, local_view
 from autotune.models import resolve_model
 from autotune.parallel import data_parallel_size, global_batch
 from autotune.train_config import TrainConfig, check_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from hf_memory import spec_of
 
 TWO, FOUR = parse_gpus("2xcpu"), parse_gpus("4xcpu")
 
@@ -385,8 +383,7 @@ def test_recorded_runs_meet_the_bar():
     """benchmarks/data/parallel_memory_runs.csv's Ulysses rows against today's estimate (issue 31's bar): the median
     over all of them; worst and worst under over all but the rows parallel_memory.OPEN lists with why (each still
     checked: no worse than recorded in docs/parallelism.md)."""
-    import parallel_memory
-
+    parallel_memory = benchmark("parallel_memory")
     report = parallel_memory.report(sp_only=True)
     s, closed = report["sp"], report["sp_closed"]
     assert s["n"] >= 8 and s["median"] <= 1, s
@@ -395,6 +392,7 @@ def test_recorded_runs_meet_the_bar():
     assert s["under"] <= 6, s
 
 
+@pytest.mark.slow  # ~9 s of traces; quick loop: the sp estimate's terms (test_a_rank_is_the_whole_model_at_seq_...)
 def test_zero1_fp32_reduction_and_gloo_allgather_are_priced_as_measured():
     """The two phases that closed the last open rows (docs/parallelism.md), against the tensors measured at each
     peak: Mistral sp 2 x dp 2, ZeRO-1 bf16, rank 2 at the LM head's reduction (its slices of ranks 2 and 3
@@ -424,6 +422,7 @@ def test_zero1_fp32_reduction_and_gloo_allgather_are_priced_as_measured():
     assert "optimizer (all-gather)" not in estimate(llama, parse_gpus("4xH100"), cfg).phases
 
 
+@pytest.mark.slow  # ~4 s of traces; quick loop: --max-seq-len with sp (test_parallel, on shipped traces)
 def test_max_seq_len_with_sp_is_a_multiple_of_sp_and_grows():
     from autotune.memory.limits import largest_fitting
 

@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+from cases import TINY_LLAMA as TINY
 
 from autotune.cli import main
 from autotune.executors.base import Executor
@@ -24,15 +25,6 @@ from autotune.search.stopping import ResidualModel, error_kernel, t_quantile
 from autotune.train_config import TrainConfig
 from autotune.trial.record import TrialResult
 
-TINY = {
-    "model_type": "llama",
-    "num_hidden_layers": 4,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-}
 SPACE = "zero_stage: [0, 1, 2, 3]\nprecision: [fp32]\nmicro_batch: [1, 2, 4, 8, 16]\nckpt_layers: [0, 2, 4]\n"
 SEQ = 64
 

@@ -51,6 +51,8 @@ def kind(key: str) -> str:
     return "program" if key.startswith("('{") else key[2:].split("'", 1)[0]
 
 
+@pytest.mark.slow  # ~25 s: two commands traced afresh; the pack is written centrally, CI checks it. Quick loop:
+# what makes it stale (the fingerprint test below), and tests that read it (the shipped_traces fixture)
 def test_the_shipped_traces_are_what_this_code_traces(shipped, tmp_path):
     """Written under this fingerprint (the libraries and trace_cache.TRACE_FORMAT), and every entry the
     sample traces afresh, in a new process with an empty cache, is the shipped one, value for value: a
@@ -114,6 +116,8 @@ def test_a_docstring_edit_keeps_the_fingerprint_and_a_new_trace_format_changes_i
     assert fingerprint_of(trace_format) != trace_cache.fingerprint()
 
 
+@pytest.mark.slow  # traces all of 13B's --max-seq-len (~12 s); quick loop: an answer from the trace cache
+# without torch (test_memory_hf's first estimate)
 def test_a_first_estimate_of_a_preset_imports_neither_torch_nor_transformers(shipped, tmp_path):
     """The issue's own command, with an empty trace cache: answered from the shipped traces, the
     answer the same as a run that traces everything."""

@@ -77,8 +77,6 @@ def make(kind: Kind, cluster: Cluster, ray_address: str | None = None, concurren
         return RayExecutor(cluster, ray_address=ray_address, concurrent_trials=concurrent_trials)
     from autotune.executors.simulated import SimulatedExecutor
 
-    # As many in flight as the search would run on the GPUs themselves: the stopping rule reads each
-    # result before it picks the next (autotune/search/stopping.py), so a plan with 256 slots dispatched
-    # every feasible group before the first result came back and never stopped (lora.yaml, 13B x
-    # 4xA100: 196 simulated trials where the rule stops after about 11).
+    # As many in flight as the search would run on the GPUs: the stopping rule reads each result before it
+    # picks the next (search/stopping.py); 256 slots ran 196 simulated trials of lora.yaml (13B x 4xA100), not ~11.
     return SimulatedExecutor(slots=concurrent_trials)

@@ -1,20 +1,16 @@
-"""LoRA and QLoRA through the model seam: `LoraImpl` builds the base through its own ModelImpl
-(autotune/impl/), then wraps it with peft (`get_peft_model(model, LoraConfig(...))`), so trials,
-the CPU prior and the traced memory model all run the same adapted module.
+"""LoRA and QLoRA through the model seam: `LoraImpl` builds the base through its own ModelImpl, then
+wraps it with peft (`get_peft_model`), so trials, the CPU prior and the traced memory model run the same
+adapted module.
 
-- Targets: `attention` is every linear projection inside each decoder layer's attention block
-  (q, k, v, o; fused or not: GPT-2's attn.c_attn and attn.c_proj, GPT-NeoX's
-  attention.query_key_value and attention.dense), named relative to the layer so that GPT-2's
-  MLP c_proj is not matched (peft matches a target by name suffix after a dot);
+- Targets: `attention` is every linear projection of each layer's attention block (q, k, v, o, fused or
+  not), named relative to the layer, since peft matches a name suffix and GPT-2's MLP has a c_proj too;
   `all-linear` is peft's own (every linear layer but the output layer).
-- Dtype: adapters are made in the base's dtype (`autocast_adapter_dtype=False`): DeepSpeed casts
-  the whole module to the training dtype anyway (engine._configure_distributed_model), and keeps
-  the fp32 master copy in its optimizer, so a 16-bit adapter is what a DeepSpeed run holds.
-- Checkpointing: the base's `checkpoint_first`, then `enable_input_require_grads()` (the frozen
-  embedding's output must require grad, or a checkpointed layer at the bottom has no graph).
-- QLoRA: the base in 4-bit NF4 needs bitsandbytes on a GPU. Its memory is priced analytically
-  (autotune/memory/lora.py) on top of the 16-bit LoRA trace, which has the same activations apart
-  from the dequantised weight transient; a real build is refused with that reason.
+- Dtype: adapters in the base's dtype (`autocast_adapter_dtype=False`): DeepSpeed casts the module to the
+  training dtype anyway (engine._configure_distributed_model) and keeps the fp32 master in its optimizer.
+- Checkpointing: the base's `checkpoint_first`, then `enable_input_require_grads()` (else a checkpointed
+  bottom layer below the frozen embedding has no graph).
+- QLoRA's 4-bit NF4 base needs bitsandbytes on a GPU: priced analytically (autotune/memory/lora.py) on
+  the 16-bit LoRA trace, whose activations are the same but for the dequantised weight; a build is refused.
 """
 
 from __future__ import annotations

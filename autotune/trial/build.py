@@ -5,19 +5,14 @@ from __future__ import annotations
 
 
 def build_model(req, device, ds_cfg: dict):
-    """The trial's model through the seam (autotune/impl/), initialised, checkpointing set,
-    without the full fp32 model ever on this rank.
+    """The trial's model through the seam (autotune/impl/), initialised, checkpointing set, never a full fp32
+    copy on this rank. Every rank and stage starts from the same weights (hf, factory: torch.manual_seed(0);
+    builtin: one seed per top-level child).
 
-    hf: AutoModelForCausalLM.from_config initialises with the model's own _init_weights. ZeRO-3
-    the Trainer's way: a live HfDeepSpeedConfig makes from_config build under deepspeed.zero.Init
-    and initialise each module gathered on rank 0 (transformers' initialize_weights_zero3); ZeRO 0-2
-    build on the rank's device in the training dtype. torch.manual_seed(0) first, so every rank and
-    every stage draws from the same stream (DeepSpeed broadcasts rank 0's weights at 0-2 anyway).
-    factory: the same, under deepspeed.zero.Init for ZeRO-3; its constructor initialises.
-    builtin: built under deepspeed.zero.Init (ZeRO-3) or on the meta device, cast to the training
-    dtype there (free), materialised once with to_empty, then builtin.init_weights per
-    top-level child (under GatheredParameters at ZeRO-3) with the same seeds, so every stage starts
-    from the same weights.
+    hf at ZeRO-3 the Trainer's way: a live HfDeepSpeedConfig makes from_config build under zero.Init and
+    initialise each module gathered on rank 0 (transformers' initialize_weights_zero3); factory under
+    zero.Init; ZeRO 0-2 on the rank's device in the training dtype. builtin: zero.Init or the meta device
+    (cast there, free), then to_empty and builtin.init_weights per top-level child (gathered at ZeRO-3).
     """
     import deepspeed
     import torch

@@ -63,15 +63,10 @@ LOOPBACK = "127.0.0.1"
 
 
 def loopback_store(world_size: int) -> tuple[TCPStore, int]:
-    """A single-node group's rendezvous store, reachable from this machine only, and its port.
-
-    Left to torch, rank 0 hosts the store on MASTER_PORT on every interface whatever MASTER_ADDR says
-    (measured: psutil's listening sockets during a 2-rank CPU trial with MASTER_ADDR=127.0.0.1: the store
-    on `::`, gloo's pairs on 127.0.0.1). TCPStore serves an already listening socket (`master_listen_fd`),
-    so the launcher binds one to 127.0.0.1 and hosts the store, and every rank only connects to it
-    (TORCHELASTIC_USE_AGENT_STORE=True: torch/distributed/rendezvous.py `_create_c10d_store`). The OS
-    picks the port while binding it, so nothing can take it between choice and use.
-    """
+    """A single-node group's rendezvous store on 127.0.0.1 only, and its port (the OS picks it as it binds).
+    Left to torch, rank 0 hosts it on every interface whatever MASTER_ADDR says (measured: docs/security.md);
+    the launcher hosts it on a bound socket (`master_listen_fd`) and the ranks only connect
+    (TORCHELASTIC_USE_AGENT_STORE=True: torch/distributed/rendezvous.py `_create_c10d_store`)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((LOOPBACK, 0))
     sock.listen(128)

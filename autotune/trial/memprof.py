@@ -1,20 +1,12 @@
 """Peak tensor memory of a trial: from the profiler's allocation events on CPU, from the caching
-allocator's counters on GPU.
+allocator's counters on GPU; every figure relative to the live bytes just before the config's model is
+built, so a config does not inherit what an earlier one in the process left.
 
-CPU (measured: docs/platform.md "Peak memory without a GPU"): with c10's flag
-`FLAGS_caffe2_report_cpu_memory_usage` set, c10's `ProfiledCPUMemoryReporter` keeps a process-wide
-count of live CPU tensor bytes and stamps it on every allocation event the profiler records
-(`_ExtraFields_Allocation.total_allocated`, c10/core/CPUAllocator.cpp). Frees done in gloo's own
-threads, which the profiler does not record, still lower that count, so the stamped value is the
-true live-bytes curve, not a sum that creeps. The flag must be set before the tensors to be counted
-are allocated: a block allocated before it has no recorded size and its free is not counted.
-
-That curve counts what `torch.cuda.max_memory_allocated` counts on a GPU: tensor bytes, not the
-allocator's reserve, not RSS.
-
-Every figure here is relative to a baseline: the live bytes just before the window starts (before a
-config's model is built), so that a config run after another in the same process does not inherit
-the bytes the previous one left behind.
+CPU (docs/platform.md "Peak memory without a GPU"): with c10's FLAGS_caffe2_report_cpu_memory_usage set,
+ProfiledCPUMemoryReporter stamps the process's live CPU tensor bytes on every allocation event
+(`total_allocated`, c10/core/CPUAllocator.cpp), frees in gloo's unrecorded threads included: the true
+live-bytes curve, what `torch.cuda.max_memory_allocated` counts on a GPU. Set it before the tensors to be
+counted are allocated (an earlier block's free is not counted).
 """
 
 from __future__ import annotations

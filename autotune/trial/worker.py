@@ -1,15 +1,11 @@
-"""One rank of a trial process group: `python -m autotune.trial.worker PAYLOAD`.
+"""One rank of a trial process group: `python -m autotune.trial.worker PAYLOAD` (a pickled list of
+TrialRequests), started by autotune/trial/launch.py with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT set. It imports torch and DeepSpeed and joins the group once, then runs the configs from
+AUTOTUNE_START on, each measured on its own (run_config): per config `<out_dir>/rank<R>.json`, and
+`@@autotune start I` / `@@autotune done I` on stdout, which the launcher reads to route the log and time it.
 
-The launcher (autotune/trial/launch.py) starts one of these per rank with RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT set, and a pickled list of TrialRequests in PAYLOAD. The rank
-imports torch and DeepSpeed once, joins the process group once, then runs the configs from
-AUTOTUNE_START on, one after the other, each measured on its own (see run_config). Per config it
-writes `<out_dir>/rank<R>.json` and prints `@@autotune start I` / `@@autotune done I` lines that the
-launcher reads from its stdout to route the log and to time each config.
-
-Exit codes: 0 all configs ran (whatever their status); EXIT_ABANDON a config failed in a way that
-may leave the other ranks inside a collective (an exception on this rank), so the launcher must kill
-the group and start a new one for the configs that remain.
+Exit codes: 0 all configs ran (whatever their status); EXIT_ABANDON a config raised on this rank, which may
+leave the others inside a collective: the launcher kills the group and starts a new one for the rest.
 """
 
 from __future__ import annotations
@@ -59,15 +55,10 @@ def die_with_parent() -> None:
 
 
 def import_muon_eagerly() -> None:
-    """DeepSpeed's ZeRO engines import its Muon optimizer module to check an optimizer's type
-    (deepspeed/runtime/zero/utils.py is_zero_supported_optimizer), and that module decorates three
-    functions with torch.compile at import (zero/muon/original_muon.py), which loads the inductor
-    backend: 1.3-2.1 s of every rank's start, measured on 2 cores (`import
-    deepspeed.runtime.zero.muon.muon_optimizer` after `import deepspeed, torch._dynamo`; 0.01 s with
-    TorchDynamo off). No trial runs Muon (TrainConfig.optimizer), so the module is imported here once
-    with TORCHDYNAMO_DISABLE=1, under which torch.compile returns the function as it is
-    (torch/_dynamo/eval_frame.py _optimize). The variable is put back at once: a config that compiles
-    (deepcompile) and any torch.compile in the model's own code compile as they would in training."""
+    """Import DeepSpeed's Muon module, which ZeRO imports to check an optimizer's type (zero/utils.py) and which
+    torch.compiles at import (zero/muon/original_muon.py), under TORCHDYNAMO_DISABLE=1 (torch.compile then returns
+    the function: _dynamo/eval_frame.py), put back at once. No trial runs Muon; saves 1.3-2.1 s per rank
+    (docs/measurements/trials.md, "Muon import")."""
     import importlib.util
 
     if importlib.util.find_spec("deepspeed.runtime.zero.muon") is None:  # a DeepSpeed without it
@@ -308,15 +299,11 @@ def sequence_parallel_batch(tokens, device, mpu):
 
 
 def sequence_parallel_loss(engine, shard):
-    """This rank's share of the sp group's token-weighted mean loss: the sum of its tokens' cross entropy over the
-    group's count of labelled tokens (all-reduced without grad), by transformers' own ForCausalLMLoss
-    (num_items_in_batch: reduction "sum" then the division, loss/loss_utils.py fixed_cross_entropy). Summed over
-    the group it is the sequence's mean, and each rank backpropagates its own share, which gives the gradients of
-    that mean: DeepSpeed sums, not averages, the gradients over the sp ranks (engine.py allreduce_bucket divides
-    by the seq-data-parallel world / sequence_parallel_size). torch.distributed.nn.functional.all_gather of the
-    losses, the tutorial's way, fails in backward on gloo with sp < world ("Global rank 0 is not part of group").
-    `labels` must be given for the model to compute a loss at all (modeling_llama.py: `if labels is not None`);
-    `shift_labels` is what it uses then (loss_utils.py ForCausalLMLoss)."""
+    """This rank's share of the sp group's token-weighted mean loss: its tokens' summed cross entropy over the
+    group's labelled-token count (transformers' ForCausalLMLoss with num_items_in_batch, loss_utils.py). Summed
+    over the group it is the sequence's mean, whose gradients DeepSpeed sums over the sp ranks (engine.py
+    allreduce_bucket). Not the tutorial's all_gather of losses: it fails in backward on gloo with sp < world.
+    `labels` makes the model compute a loss at all (modeling_llama.py); it uses `shift_labels` then."""
     import torch
     from deepspeed.utils import groups
 
@@ -407,9 +394,8 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     if sp > 1:  # before the window, as the plain batch is: this rank's share of it is not the step's memory
         mpu, sp_saved = sequence_parallel_attention(req)
         data = (sequence_parallel_batch(data[0], device, mpu), sequence_parallel_loss)
-    # On CPU the profiler IS the memory measurement. torch.autograd.profiler.profile rather than
-    # torch.profiler.profile: the latter's first start imports torch._inductor (measured: 1.2-4 s of
-    # CPU per rank on 2 cores) for a CUDA-graphs flag a trial never uses.
+    # On CPU the profiler IS the memory measurement. Not torch.profiler.profile: its first start imports
+    # torch._inductor (1.2-4 s of CPU per rank on 2 cores) for a CUDA-graphs flag a trial never uses.
     measuring = not on_gpu or req.profile
     window = (
         profile(use_cpu=True, use_device="cuda" if on_gpu else None, profile_memory=True)
@@ -424,10 +410,8 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
         with phases("init"):
             model = build_model(req, device, ds_cfg)
             timings["build_s"] = time.perf_counter() - t0
-            # [0]: the engine alone; holding the returned optimizer too would keep it past release().
-            # Only what trains goes to the optimizer (a LoRA base is frozen: no master copy, no states).
-            # A generator, as model.parameters() is: a list held here outlived the engine (measured: the
-            # fp32 parameters, 5 MB, still live at the next config's start after a ZeRO-1 fp32 one).
+            # [0]: the engine alone (the optimizer held here would outlive release()). Only what trains, as a
+            # generator: a list held here kept a ZeRO-1 fp32 config's 5 MB of parameters live into the next.
             trainable = (p for p in model.parameters() if p.requires_grad)
             engine = deepspeed.initialize(
                 model=model, model_parameters=trainable, config=ds_cfg, optimizer=client_optimizer(req, model), mpu=mpu
@@ -472,16 +456,10 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
 
 
 def release(engine) -> None:
-    """Free what DeepSpeed keeps of an engine after destroy(), so the next config starts from ~0.
-
-    Also torch.nn.functional.linear, which ZeRO-3's zero.Init replaces for good (reset below).
-    Two module-level references keep a ZeRO-3 model, its partitions and its optimizer alive after
-    destroy() (deepspeed 0.19.8; measured 12.6 MB per tiny-llama config without this):
-    setup_zero_stage3_hooks appends the top module to FWD_MODULE_STACK and never pops it
-    (runtime/zero/parameter_offload.py), and PartitionedParameterCoordinator.__params_to_release is
-    a class-level functools.lru_cache keyed by (coordinator, submodule, step)
-    (runtime/zero/partitioned_param_coordinator.py).
-    """
+    """Free what DeepSpeed 0.19.8 keeps of an engine after destroy(), so the next config starts from ~0:
+    FWD_MODULE_STACK (runtime/zero/parameter_offload.py) and the class-level lru_cache
+    PartitionedParameterCoordinator.__params_to_release (partitioned_param_coordinator.py) held 12.6 MB
+    per tiny-llama ZeRO-3 config; and torch.nn.functional.linear, which zero.Init replaces for good."""
     import torch
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
@@ -494,11 +472,8 @@ def release(engine) -> None:
     for f in [fn, *inner]:
         if hasattr(f, "cache_clear"):
             f.cache_clear()
-    # zero.Init replaces torch.nn.functional.linear for the rest of the process ("This will persist
-    # unless manually reset", partition_parameters.py _enable_mem_efficient_linear); its
-    # LinearFunctionForZeroStage3 saves the input of frozen layers too, so a later config of this
-    # group would not run as in its own process (measured: +1.2 MB, 7.5%, on a tiny Llama LoRA at
-    # ZeRO-0 after a ZeRO-3 config). Reset, as a fresh process has it.
+    # "This will persist unless manually reset" (partition_parameters.py _enable_mem_efficient_linear): its
+    # linear saves frozen layers' inputs too (+1.2 MB on a tiny Llama LoRA at ZeRO-0 after a ZeRO-3 config).
     original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
     if original is not None:
         torch.nn.functional.linear = original
