@@ -163,7 +163,23 @@ def list_studies() -> list[str]:
 
 
 def _mtime(d: Path) -> float:
-    """When the study last changed: its database (report.md and plots are rewritten by `report`)."""
+    """When the study was last searched: its newest trial's start or end, read from its SQLite database
+    read-only. Not the file's mtime: a reader's connection may checkpoint SQLite's WAL into the file
+    (sqlite.org/wal.html, "Checkpointing"), so `autotune report` of an older study made it the newest at times.
+    A study without trials, or not in a SQLite file here, counts from its folder's files."""
+    db = d / "study.db"
+    if db.exists():
+        con = None
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            (newest,) = con.execute("select max(coalesce(datetime_complete, datetime_start)) from trials").fetchone()
+            if newest:
+                return datetime.datetime.fromisoformat(str(newest)).timestamp()
+        except (sqlite3.Error, ValueError):
+            pass
+        finally:
+            if con is not None:
+                con.close()
     files = [d / n for n in ("study.db", "study.json")]
     return max((f.stat().st_mtime for f in files if f.exists()), default=d.stat().st_mtime)
 
