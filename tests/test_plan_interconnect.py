@@ -22,6 +22,10 @@ def test_links_by_hand():
     assert cm.link_bytes_per_s(parse_gpus("2x8xA100")) == pytest.approx(200e9 * 0.8)
     # one 100 Gb/s NIC per node: 12.5 GB/s for the whole node
     assert cm.link_bytes_per_s(parse_gpus("2x8xA100@net=100Gbps")) == pytest.approx(12.5e9 * 0.8)
+    # two DGX-1 (V100) nodes: 4 x 100 Gb/s EDR per node of 8 = 50 GB/s (not one 100 Gb/s NIC per GPU pair counted
+    # per GPU, which read 100 GB/s: issue 49's multi-node V100 priced too fast)
+    assert cm.link_bytes_per_s(parse_gpus("2x8xV100")) == pytest.approx(50e9 * 0.8)
+    assert cm.link_bytes_per_s(parse_gpus("2x8xV100-16GB")) == pytest.approx(50e9 * 0.8)
     # RTX 4090: PCIe 4.0 x16 32 GB/s, no peer-to-peer: through host memory, each byte over PCIe twice
     assert not parse_gpus("8xRTX4090").gpu.p2p and parse_gpus("8xL40S").gpu.p2p
     assert cm.link_bytes_per_s(parse_gpus("8xRTX4090")) == pytest.approx(16e9 * 0.8)

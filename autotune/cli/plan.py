@@ -63,7 +63,18 @@ def register(sub) -> None:
         help="rescale a GPU type's simulated throughput by a measured study on that type (repeatable)",
     )
     p.add_argument(
-        "--picture", default=None, metavar="PNG", help="where to draw hours vs dollars (default: trials/plan_MODEL.png)"
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequences per optimizer step for every option (micro batch x data-parallel ranks x grad accum = N, "
+        "as in search); an option that cannot reach N exactly is left out with why (default: each option's fastest)",
+    )
+    p.add_argument(
+        "--picture",
+        default=None,
+        metavar="PNG",
+        help="where to draw hours vs dollars (default: trials/plan_MODEL_HASH.png, HASH of the plan's inputs)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -87,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         max_usd=args.max_usd,
         by=args.by,
         calibrate=args.calibrate,
+        global_batch=args.global_batch,
         picture=args.picture,
         progress=not args.json,
     )

@@ -10,18 +10,25 @@ search's own parts, composed here and not copied:
 then hours = tokens / (tokens/s), dollars = hours x GPUs x $/GPU-hour, $ per million tokens. Every
 throughput is the cost model's (simulated), or the cost model rescaled by a measured study of that
 GPU type (`--calibrate`, `calibration_from_study`). Prices are inputs (autotune/plan/prices.py).
+
+`--global-batch N` compares every option at the same sequences per optimizer step, as users fix it before they
+choose hardware (convergence depends on it): the space is expanded as the search expands it under its
+--global-batch (micro batch x data-parallel ranks x grad accum = N, search.space.expand), and an option that
+cannot reach N exactly is left out with the reason. Without it each option runs at its own fastest batch,
+which the table shows.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from autotune.errors import SpecError
-from autotune.hardware import Cluster, gpu_presets, parse_gpus
+from autotune.hardware import Cluster, gpu_presets, gpu_table, parse_gpus
 from autotune.models import ModelSpec
+from autotune.parallel import global_batch as batch_of
 from autotune.plan.prices import Price
 from autotune.search.space import SearchSpace
 from autotune.train_config import TrainConfig
@@ -33,6 +40,34 @@ PLAN_SPACE = {"zero_stage": (0, 1, 2, 3), "micro_batch": (1, 2, 4, 8, 16), "ckpt
 """The default space of a plan: the search's default (search_spaces/default.yaml) with checkpointing cut
 from every k in 0..L to 0, L/2 and L, so that an option prices 60 candidates, not ~800 (13B: 41 k per
 stage and micro batch). A plan says it used this space; --space FILE uses the user's."""
+
+
+@dataclass(frozen=True)
+class Network:
+    """The network between an option's nodes as the cost model prices it (costmodel.link_bytes_per_s)."""
+
+    label: str
+    """What the table prints: "one node", "1600 Gb/s per node", ..."""
+    assumed: str = ""
+    """Non-empty where the figure is an assumption with no reference system behind it (data/gpus.yaml
+    `network_assumed`), and the user did not give it with @net=: what was assumed."""
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "assumed": self.assumed or None}
+
+
+def network_of(cluster: Cluster) -> Network:
+    """The network between `cluster`'s nodes: none for one node; else the node's NICs together, given (@net=) or
+    the preset's, marked when the preset's figure is assumed (data/gpus.yaml `network_assumed`, e.g. one 100 Gb/s
+    Ethernet NIC per node of RTX 4090s, which have no reference system)."""
+    if cluster.num_nodes == 1:
+        return Network("one node")
+    entry = gpu_table()[cluster.gpu.name]
+    per_node = cluster.gpu.inter_node_gbps * cluster.gpus_per_node * 8  # GB/s per GPU -> Gb/s per node
+    given = cluster.gpu.inter_node_gbps != entry["inter_node_gbps"]  # @net= replaced the preset's
+    label = f"{per_node:,.0f} Gb/s per node" + (" (given)" if given else "")
+    assumed = "" if given else str(entry.get("network_assumed") or "")
+    return Network(label + (" ASSUMED" if assumed else ""), assumed)
 
 
 @dataclass(frozen=True)
@@ -51,6 +86,13 @@ class Option:
     source: str = "simulated"
     """simulated (the cost model) or "simulated, calibrated by study NAME (x F)"."""
     pareto: bool = False
+    network: Network | None = None
+    """The network between the option's nodes, and whether it is an assumption (network_of)."""
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: micro batch x data-parallel ranks x grad accum (autotune.parallel)."""
+        return batch_of(self.config, self.num_gpus)
 
     @property
     def usd_per_m_tokens(self) -> float:
@@ -70,6 +112,8 @@ class Option:
             "usd_per_gpu_hour": self.price.usd_per_gpu_hour,
             "price_source": self.price.describe(),
             "config": self.config.to_dict(),
+            "global_batch": self.global_batch,
+            "network": self.network.to_json() if self.network else None,
             "simulated": True,
             "source": self.source,
             "pareto": self.pareto,
@@ -91,6 +135,8 @@ class PlanResult:
     space: str = ""
     by: str = "usd"
     tokens: float = 0.0
+    global_batch: int | None = None
+    """The sequences per optimizer step every option was priced at (--global-batch), or None: each its own."""
 
 
 def default_options() -> list[str]:
@@ -111,10 +157,11 @@ def plan_space(method: str | None, space: SearchSpace | None) -> SearchSpace:
 
 
 def best_config(
-    model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len: int
+    model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len: int, global_batch: int | None = None
 ) -> tuple[TrainConfig, float] | str:
     """(the fastest fitting config, its simulated tokens/s over the cluster), or why there is none.
-    The candidates, estimate, grouping and prior are the search's (module docstring)."""
+    The candidates, estimate, grouping and prior are the search's (module docstring); under `global_batch` the
+    candidates are those whose micro batch x data-parallel ranks x grad accum is exactly that (search.space.expand)."""
     from autotune.memory import estimate
     from autotune.search.loop import Candidate, Plan
     from autotune.search.order import speed_order
@@ -122,9 +169,9 @@ def best_config(
     from autotune.search.space import expand
 
     try:
-        exp = expand(space, model, cluster, seq_len=seq_len)
+        exp = expand(space, model, cluster, seq_len=seq_len, global_batch=global_batch)
     except SpecError as e:
-        return str(e)
+        return _unreachable(e, space, cluster, global_batch)
     cands = [Candidate(c, estimate(model, cluster, c)) for c in exp.candidates]
     heads = Plan(cands, lambda c: c.est.fits, speed_order(model)).available(set())
     if not heads:
@@ -136,6 +183,22 @@ def best_config(
     prior = default_prior(model, cluster)
     best = max(heads, key=lambda c: prior(c.cfg))
     return best.cfg, prior(best.cfg) * best.cfg.seq_len
+
+
+def _unreachable(e: SpecError, space: SearchSpace, cluster: Cluster, global_batch: int | None) -> str:
+    """Why an option has no candidate: expand's reasons, or, when every candidate missed the global batch, that
+    in one line (micro batch x data-parallel ranks must divide it)."""
+    why = str(e)
+    if global_batch is None or "does not divide --global-batch" not in why:
+        return why
+    others = [r for r in why.split(": ", 1)[-1].split("; ") if "does not divide --global-batch" not in r]
+    if others:
+        return why
+    mbs = ", ".join(str(v) for v in space.values.get("micro_batch", ()))
+    return (
+        f"cannot reach global batch {global_batch} exactly: for every micro batch of the space ({mbs}), micro batch "
+        f"x data-parallel ranks (the {cluster.world_size} GPUs / tp x sp) does not divide {global_batch}"
+    )
 
 
 def price_option(
@@ -159,6 +222,7 @@ def price_option(
         usd=hours * cluster.world_size * price.usd_per_gpu_hour,
         price=price,
         source=source,
+        network=network_of(cluster),
     )
 
 
@@ -190,14 +254,18 @@ def make_plan(
     max_usd: float | None = None,
     by: str = "usd",
     calibration: dict[str, tuple[float, str]] | None = None,
+    global_batch: int | None = None,
     progress=None,
 ) -> PlanResult:
     """Price every option of `gpus`, mark the hours-vs-dollars front, rank by `by`, apply the budgets.
-    `calibration`: GPU type -> (factor, what it came from), multiplying that type's simulated tokens/s."""
+    `calibration`: GPU type -> (factor, what it came from), multiplying that type's simulated tokens/s.
+    `global_batch`: price every option at that many sequences per optimizer step (module docstring)."""
     if not (tokens > 0 and math.isfinite(tokens)):
         raise SpecError(f"--tokens must be a positive number, got {tokens}")
     if by not in ("usd", "hours"):
         raise SpecError(f"--by must be usd or hours, got {by!r}")
+    if global_batch is not None and (isinstance(global_batch, bool) or global_batch < 1):
+        raise SpecError(f"--global-batch must be at least 1, got {global_batch}")
     sp = plan_space(method, space)
     priced, unfit = [], []
     for text in gpus:
@@ -210,7 +278,7 @@ def make_plan(
             continue
         if progress:
             progress(text)
-        found = best_config(model, cluster, sp, seq_len)
+        found = best_config(model, cluster, sp, seq_len, global_batch)
         if isinstance(found, str):
             unfit.append(Unfit(text, found))
             continue
@@ -222,12 +290,11 @@ def make_plan(
         priced.append(price_option(cluster.text, cluster, cfg, tok_s, tokens, price, source))
     front = pareto_front(priced)
     priced = [_with_front(o, i in front) for i, o in enumerate(priced)]
-    return _budgeted(priced, unfit, sp, by, tokens, max_hours, max_usd)
+    result = _budgeted(priced, unfit, sp, by, tokens, max_hours, max_usd)
+    return replace(result, global_batch=global_batch)
 
 
 def _with_front(o: Option, on: bool) -> Option:
-    from dataclasses import replace
-
     return replace(o, pareto=on)
 
 
@@ -267,6 +334,17 @@ def _budgeted(
     return PlanResult(sorted(within, key=key), unfit + over, sp.path, by, tokens)
 
 
+def batch_words(global_batch: int | None, options: list[Option], seq_len: int) -> str:
+    """What the table's head and the picture's title say of the batch: the one fixed for every option, or that each
+    option runs at its own fastest (and their range)."""
+    if global_batch is not None:
+        return f"global batch {global_batch} sequences ({global_batch * seq_len:,} tokens) for every option"
+    sizes = sorted({o.global_batch for o in options})
+    spread = "" if not sizes else f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    spread = f"{spread} sequences; " if spread else ""
+    return f"global batch not fixed: each option's fastest ({spread}--global-batch N fixes it)"
+
+
 @dataclass(frozen=True)
 class PlanReport:
     """What `autotune plan` shows: the ranked plan, for which model and length, and where its picture is."""
@@ -285,6 +363,7 @@ class PlanReport:
             "model": self.model,
             "tokens": result.tokens,
             "seq_len": self.seq_len,
+            "global_batch": result.global_batch,
             "by": result.by,
             "space": result.space,
             "source": "simulated",
@@ -295,27 +374,39 @@ class PlanReport:
         }
 
     def render(self) -> str:
-        """`autotune plan`'s table: options ranked, the front starred, what was left out and why, the prices."""
+        """`autotune plan`'s table: options ranked, the front starred, each option's global batch and network
+        between nodes (an assumed one marked), what was left out and why, the prices."""
         from autotune.plan.prices import NOTE
 
         result = self.result
+        w = max([12] + [len(o.gpus) for o in result.options])
         lines = [
             f"plan: {self.model}, {result.tokens:.4g} tokens at seq len {self.seq_len}, ranked by {result.by} "
             f"(every throughput simulated by the cost model; * = on the hours-vs-dollars Pareto front)",
+            batch_words(result.global_batch, result.options, self.seq_len),
             f"space: {result.space}",
             "",
-            f"{'':2}{'gpus':<12} {'tokens/s (sim)':>15} {'hours':>9} {'USD':>10} {'$/M tok':>8} {'$/GPU-h':>8}  "
-            f"config (ZeRO, micro batch, grad accum, ckpt layers, precision)",
+            f"{'':2}{'gpus':<{w}} {'tokens/s (sim)':>15} {'hours':>9} {'USD':>10} {'$/M tok':>8} {'$/GPU-h':>8} "
+            f"{'global batch':>12}  {'network between nodes':<27} config (ZeRO, micro batch, grad accum, ckpt layers, "
+            "precision)",
         ]
         for o in result.options:
             c = o.config
+            net = o.network.label if o.network else ""
             lines.append(
-                f"{'*' if o.pareto else ' ':2}{o.gpus:<12} {o.tokens_per_s:>15,.0f} {o.hours:>9.3g} {o.usd:>10,.2f} "
-                f"{o.usd_per_m_tokens:>8.3f} {o.price.usd_per_gpu_hour:>8.2f}  z{c.zero_stage} mb{c.micro_batch} "
-                f"ga{c.grad_accum} ck{c.ckpt_layers} {c.precision}"
+                f"{'*' if o.pareto else ' ':2}{o.gpus:<{w}} {o.tokens_per_s:>15,.0f} {o.hours:>9.3g} {o.usd:>10,.2f} "
+                f"{o.usd_per_m_tokens:>8.3f} {o.price.usd_per_gpu_hour:>8.2f} {o.global_batch:>12}  {net:<27} "
+                f"z{c.zero_stage} mb{c.micro_batch} ga{c.grad_accum} ck{c.ckpt_layers} {c.precision}"
                 + (f" {c.method}" if c.method != "full" else "")
                 + (f"  [{o.source}]" if o.source != "simulated" else "")
             )
+        assumed = sorted({(o.gpu_type, o.network.assumed) for o in result.options if o.network and o.network.assumed})
+        if assumed:
+            lines += [""] + [
+                f"ASSUMED network between {gpu} nodes: {what}; the plan's hours for them rest on it: give yours "
+                f"with --gpus NODESxCOUNTx{gpu}@net=GBITSGbps"
+                for gpu, what in assumed
+            ]
         if result.unfit:
             lines += ["", "left out:"] + [f"  {u.gpus}: {u.reason}" for u in result.unfit]
         lines += [
@@ -328,6 +419,17 @@ class PlanReport:
             f"picture (simulated): {self.picture}",
         ]
         return "\n".join(lines)
+
+
+def picture_path(root: Path, model: str, inputs: dict) -> Path:
+    """Where a plan's picture goes by default: trials/plan_MODEL_HASH.png, HASH of every input that changes the plan
+    (`inputs`: model, tokens, options, space, prices, budgets, ranking, calibration, global batch, ...), so plans of
+    other inputs keep their own picture and the same plan run again redraws its own."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return root / f"plan_{Path(model).stem}_{digest}.png"
 
 
 def plan_gpus(
@@ -346,16 +448,18 @@ def plan_gpus(
     max_usd: float | None = None,
     by: str = "usd",
     calibrate: list[str] | None = None,
+    global_batch: int | None = None,
     picture: str | Path | None = None,
     progress: bool = False,
 ) -> PlanReport:
     """`autotune plan` as a library: resolve the inputs as the command line gives them, price every option
-    (make_plan), draw the picture (default trials/plan_MODEL.png). `gpus`: "8xA100,8xH100" or a list (default:
-    default_options()); `price`: ["H100=2.49", ...] over `prices_file` over data/prices.yaml; `calibrate`: measured
-    study names; `progress`: say each option on stderr as it is priced."""
+    (make_plan), draw the picture (default trials/plan_MODEL_HASH.png, picture_path). `gpus`: "8xA100,8xH100" or a
+    list (default: default_options()); `price`: ["H100=2.49", ...] over `prices_file` over data/prices.yaml;
+    `calibrate`: measured study names; `global_batch`: sequences per optimizer step for every option;
+    `progress`: say each option on stderr as it is priced."""
     from autotune.models import default_seq_len, resolve_model
     from autotune.plan.calibrate import calibration_from_studies
-    from autotune.plan.picture import draw_plan, plan_points
+    from autotune.plan.picture import draw_plan, plan_points, plan_title
     from autotune.plan.prices import prices_for
     from autotune.search.space import load_space
     from autotune.search.study import trials_root
@@ -383,9 +487,27 @@ def plan_gpus(
         max_usd=max_usd,
         by=by,
         calibration=calibration,
+        global_batch=global_batch,
         progress=say,
     )
-    path = Path(picture) if picture else trials_root() / f"plan_{Path(spec.name).stem}.png"
+    inputs = {
+        "model": spec.name,
+        "impl": spec.implementation,
+        "factory": spec.factory,
+        "tokens": tokens,
+        "gpus": options,
+        "method": method,
+        "seq_len": seq_len,
+        "space": (sp.path, sp.text) if sp else None,
+        "prices": {k: p.usd_per_gpu_hour for k, p in sorted(prices.items())},
+        "max_hours": max_hours,
+        "max_usd": max_usd,
+        "by": by,
+        "calibration": calibration,
+        "global_batch": global_batch,
+    }
+    path = Path(picture) if picture else picture_path(trials_root(), spec.name, inputs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    draw_plan(plan_points(result), path, spec.name, tokens)
+    title = plan_title(spec.name, tokens, batch_words(global_batch, result.options, seq_len))
+    draw_plan(plan_points(result), path, title)
     return PlanReport(result, spec.name, seq_len, path)

@@ -18,11 +18,19 @@ class PlanPoint:
     pareto: bool
     source: str
     """simulated, or simulated x a measured study's factor (--calibrate)."""
+    global_batch: int = 0
+    """Sequences per optimizer step of the option's configuration."""
 
 
 def plan_points(result) -> list[PlanPoint]:
     """One point per ranked option of a plan.PlanResult."""
-    return [PlanPoint(o.gpus, o.hours, o.usd, o.pareto, o.source) for o in result.options]
+    return [PlanPoint(o.gpus, o.hours, o.usd, o.pareto, o.source, o.global_batch) for o in result.options]
+
+
+def plan_title(model: str, tokens: float, batch: str) -> str:
+    """The picture's title: the model, the tokens, and which global batch the options were priced at (`batch`:
+    plan.batch_words), simulated."""
+    return f"{model}, {tokens:.3g} tokens: which GPUs to rent (simulated)\n{batch}"
 
 
 def front(points: list[PlanPoint]) -> list[PlanPoint]:
@@ -30,7 +38,7 @@ def front(points: list[PlanPoint]) -> list[PlanPoint]:
     return sorted((p for p in points if p.pareto), key=lambda p: (p.hours, p.usd))
 
 
-def draw_plan(points: list[PlanPoint], path: Path, model: str, tokens: float) -> Path | None:
+def draw_plan(points: list[PlanPoint], path: Path, title: str) -> Path | None:
     if not points:
         return None
     plt = pyplot()
@@ -63,6 +71,6 @@ def draw_plan(points: list[PlanPoint], path: Path, model: str, tokens: float) ->
         ax.set_yscale("log")
     ax.set_xlabel("hours to train (simulated: cost model)")
     ax.set_ylabel("USD (simulated hours x GPUs x $/GPU-hour; prices are inputs)")
-    ax.set_title(f"{model}, {tokens:.3g} tokens: which GPUs to rent (simulated)", fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="best")
     return save(fig, path)
