@@ -179,6 +179,17 @@ def test_resume_keeps_exhaustive_and_the_report_says_what_became_of_the_interrup
     assert f"run again as trial {again[0].number} (ok)" in text and "not run again" not in text
 
 
+def test_the_report_says_so_when_the_stopping_rule_left_an_interrupted_trial_unrun(trials):
+    """The issue's case: Ctrl-C of an --exhaustive search, then a resume under the stopping rule, which ends
+    without the interrupted configuration; the report said it 'runs again on --resume'."""
+    _interrupted_after(open_search(model="13b", gpus="4xA100", study="ex", exhaustive=True), results=2)
+    with open_search(study="ex", resume=True, exhaustive=False) as s:
+        assert s.run(progress=False).stop == "bound"
+    text = report.render(st.load_study("ex"))
+    assert "while it ran; not run again: the stopping rule ended the search without it" in text
+    assert "runs again on --resume" not in text
+
+
 def test_a_setting_given_again_replaces_the_studys_and_says_so(trials, tmp_path):
     space = tmp_path / "two.yaml"
     space.write_text("zero_stage: [3]\nmicro_batch: [1, 2]\nckpt_layers: [0, 40]\n")

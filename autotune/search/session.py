@@ -242,6 +242,7 @@ def open_search(
     best by more than `tolerance` (a fraction; autotune/search/stopping.py). `n_trials` counts runs over the
     whole study."""
     _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials, n_trials=n_trials)
+    asked = executor
     if tolerance is not None and not 0 <= tolerance < 1:
         raise SpecError(f"tolerance must be at least 0 and below 1 (a fraction: 0.02 = 2%), got {tolerance}")
     spec = resolve_model(model, implementation=impl or "hf", factory=model_factory) if model else None
@@ -304,8 +305,9 @@ def open_search(
     else:
         settings = st.Settings(**given_settings)
     kind, how = executors.choose(executor, inputs.cluster, ray_address)  # starts nothing, creates nothing
-    if opened is not None and kind == "simulated" and "SIMULATED" not in how:  # as a new study's auto choice says
-        how += "; results below are SIMULATED by the cost model, not measured"
+    if opened is not None and kind == "simulated" and asked == "auto":
+        auto, said = executors.choose("auto", inputs.cluster, ray_address)
+        how = said if auto == kind else how  # a continued study's line as its first search's (SIMULATED, ...)
     ex = executors.make(kind, inputs.cluster, ray_address, settings.concurrent_trials)
     try:
         if opened is None:
