@@ -2,7 +2,7 @@
 tests/data/cli_surface.json (as torchtitan freezes its config). A change to the surface is deliberate:
 regenerate the file with `python tests/test_cli_surface.py` and let the diff show what users see.
 Exit codes: 0 success, 1 a trial that ran but did not succeed, 2 bad input (argparse's or SpecError),
-130 interrupted."""
+3 a search that ended with no successful run in its study (tests/test_newcomer.py), 130 interrupted."""
 
 from __future__ import annotations
 

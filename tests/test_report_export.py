@@ -88,8 +88,8 @@ def test_ranked_table_labels_every_number(trials_dir):
     assert list(table["trial"]) == [1, 0, 2]  # 40 > 30 > 20 samples/s
     assert list(table["samples/s (measured)"]) == [40.0, 30.0, 20.0]
     assert list(table["tokens/s (measured)"]) == [40.0 * 2048, 30.0 * 2048, 20.0 * 2048]
-    assert list(table["peak GiB (estimated)"]) == [72.0, 58.0, 49.0]
-    assert list(table["peak GiB (measured)"]) == [70.0, 60.0, 50.0]
+    assert list(table["tensor peak GiB (estimated)"]) == [72.0, 58.0, 49.0]
+    assert list(table["tensor peak GiB (measured)"]) == [70.0, 60.0, 50.0]
     assert list(table["rank"]) == [1, 2, 3] and list(table["ckpt layers"]) == [10, 20, 0]
     counts = report.outcome_counts(report.trials_frame(study))
     assert sum(counts["pruned"].values()) == 2 and sum(counts["failed"].values()) == 1

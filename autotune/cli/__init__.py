@@ -1,6 +1,9 @@
 """Command line: thin. Each sub-command lives in its own module in this package with
 `ORDER` (position in --help), `register(subparsers)` and a `run(args) -> int` set as the parser's
-`func` default. Bad input raises SpecError, printed here as `error: ...` with exit code 2."""
+`func` default. Bad input raises SpecError, printed here as `error: ...` with exit code 2.
+
+Exit codes: 0 success; 1 a trial that ran but did not succeed (`trial`), or an unexpected error; 2 bad input;
+3 a search that ended with no successful run in its study (cli/search.py NO_RESULT); 130 interrupted."""
 
 from __future__ import annotations
 
@@ -34,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (IsADirectoryError, NotADirectoryError) as e:
+        # a file argument naming a folder, or a path through a file, that no check caught first: bad input all the same
+        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -26,7 +26,14 @@ def run_models(args) -> int:
             f"{name:<13} {fmt_count(s.num_params):>8} {s.num_layers:>6} {s.hidden_size:>6} {heads:>7} "
             f"{s.ffn_hidden_size:>6} {s.vocab_size:>7}  {', '.join(sorted(by_name.get(name, [])))}"
         )
-    print("\n--model also takes the path of a Hugging Face config.json (llama, mistral, gpt2, gpt_neox, mpt).")
+    print(
+        "\n--model also takes a Hugging Face config.json, a directory holding one, or a hub id in the local "
+        "Hugging Face cache: any architecture transformers' AutoModelForCausalLM builds (what is refused, and why: "
+        "docs/models.md). Estimates checked against real runs: llama, mistral, qwen2, gpt2 and gpt_neox "
+        "(benchmarks/memory_accuracy.py) and more types, gemma to mixtral, deepseek_v3 and hybrids such as jamba "
+        "(benchmarks/hf_families.py). "
+        "--impl builtin (autotune's own stand-in) reads llama, mistral, gpt2, gpt_neox and mpt configs."
+    )
     return 0
 
 

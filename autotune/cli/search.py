@@ -11,13 +11,27 @@ from autotune.errors import SpecError
 
 ORDER = 30
 
+NO_RESULT = 3
+"""Exit code of a search that ended with no successful run in its study: nothing fits, every run failed, or
+--timeout / --n-trials ended it before one finished. Not 1 (an error), 2 (bad input) or 130 (interrupted)."""
+
+EXIT_CODES = (
+    "exit codes: 0 the study has a successful run (its winner: `autotune export`); "
+    f"{NO_RESULT} the search ended and the study has no successful run, so nothing to export (nothing fits, every run "
+    "failed, or --timeout / --n-trials ended it first); 2 bad input, or a study of that name with other inputs; "
+    "130 interrupted (Ctrl-C or SIGTERM; completed trials are kept); 1 an unexpected error"
+)
+
 
 def register(sub) -> None:
     p = sub.add_parser(
         "search",
         help="search the fastest DeepSpeed configuration (Optuna, memory-pruned)",
         description="Search the fastest DeepSpeed configuration: the memory model prunes what "
-        "cannot fit, the rest runs (or is simulated), ranked by samples/s (or --objective tokens).",
+        "cannot fit, the rest runs (or is simulated), ranked by samples/s (or --objective tokens). "
+        "The study keeps its inputs and settings: the same command again continues it (no completed trial "
+        "runs again; with nothing left to run it shows the result), and a setting given again replaces the study's.",
+        epilog=EXIT_CODES,
     )
     p.add_argument(
         "--model",
@@ -45,18 +59,20 @@ def register(sub) -> None:
         type=int,
         default=None,
         help="run at most this many trials in the study (counted across --resume); "
-        "pruned candidates cost none. Default: until the feasible space is exhausted",
+        "pruned candidates cost none. Default: until the feasible space is exhausted (a continued study: its own)",
     )
     p.add_argument(
         "--tolerance",
-        default="2%",
+        default=None,
         help="stop when no unrun candidate can beat the best measured by more than this "
-        "(percent: 2 or 2%%; docs/search.md, 'When the search stops'). Default 2%%",
+        "(percent: 2 or 2%%; docs/search.md, 'When the search stops'). Default 2%% (a continued study: its own)",
     )
     p.add_argument(
         "--exhaustive",
-        action="store_true",
-        help="run every feasible group instead (no stopping rule); --n-trials and --timeout still cap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every feasible group instead (no stopping rule); --n-trials and --timeout still cap. "
+        "Default: the stopping rule (a continued study: its own; --no-exhaustive turns it back on)",
     )
     p.add_argument("--timeout", default=None, help="stop starting trials after this long: 90, 15m, 1h30m")
     p.add_argument("--study", default=None, help="study name (default: MODEL_GPUS); its folder is trials/NAME")
@@ -68,14 +84,19 @@ def register(sub) -> None:
         help="ray: real DeepSpeed trials; simulated: the cost model; auto: ray when the devices "
         "are here, else simulated",
     )
-    p.add_argument("--resume", action="store_true", help="continue an existing study; no completed trial reruns")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an existing study with its own inputs and settings (no other flag needed); "
+        "no completed trial reruns",
+    )
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start one locally)")
     p.add_argument(
         "--concurrent-trials",
         type=int,
-        default=1,
+        default=None,
         help="trials that may run at once on the same devices (default 1: each trial has its "
-        "cores to itself, so its samples/s do not depend on what else runs)",
+        "cores to itself, so its samples/s do not depend on what else runs; a continued study: its own)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -95,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--timeout: {e}") from None
     if args.n_trials is not None and args.n_trials < 1:
         raise SpecError(f"--n-trials must be at least 1, got {args.n_trials}")
-    tolerance = _percent(args.tolerance)
+    tolerance = None if args.tolerance is None else _percent(args.tolerance)
     session = open_search(
         model=args.model,
         impl=args.impl,
@@ -113,14 +134,17 @@ def run(args: argparse.Namespace) -> int:
         objective=args.objective,
         exhaustive=args.exhaustive,
         tolerance=tolerance,
+        n_trials=args.n_trials,
     )
     study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
     print(f"executor: {session.how}")
+    for line in session.notes:  # a study continued, and with which settings
+        print(line)
     try:
         with session:
             _print_plan(session.search, study.study_name, session.inputs.space.path)
-            summary = session.run(n_trials=args.n_trials, timeout_s=timeout_s, progress=not args.no_progress)
+            summary = session.run(timeout_s=timeout_s, progress=not args.no_progress)
     except KeyboardInterrupt:
         print(
             f"\ninterrupted: every completed trial is kept; continue with "
@@ -136,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     }.get(summary.stop, summary.stop)
     print(
         f"\nstopped: {stop}. {summary.ok} ok, {summary.failed} failed, {summary.pruned} pruned without a run"
-        + (f", {summary.interrupted} interrupted (rerun on --resume)" if summary.interrupted else "")
+        + (f", {summary.interrupted} interrupted (below: what became of each)" if summary.interrupted else "")
     )
     corr = session.correction.summary()
     if corr["measured_trials"] or corr["oom_trials"]:
@@ -149,8 +173,24 @@ def run(args: argparse.Namespace) -> int:
     recs = st.records(study)  # read once for the table and every part of the report
     print(report.render(study, "table", top=10, recs=recs))
     files = report.write_outputs(study, recs=recs)
+    if summary.best_trial is None:  # counts the study's earlier runs too (Search replays them)
+        print(
+            f"report: {files[0]}\nno successful run in study {study.study_name}: nothing to export ({_why_none(summary)})"
+        )
+        return NO_RESULT
     print(f"report: {files[0]}; export the winner: autotune export --study {study.study_name} --out ds_config.json")
     return 0
+
+
+def _why_none(summary) -> str:
+    """Why a search ended without a successful run, from its summary (the study's counts, earlier runs included)."""
+    if summary.ran:
+        return f"all {summary.ran} runs failed: see 'failed' above"
+    if summary.stop == "timeout":
+        return "--timeout ended it before any trial started"
+    if summary.stop == "n-trials":
+        return "--n-trials reached"
+    return "nothing fits: the memory model pruned every candidate, see 'pruned' above"
 
 
 def _percent(text: str) -> float:

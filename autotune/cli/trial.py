@@ -56,6 +56,7 @@ def run(args) -> int:
     # before the run: a broken estimate fails in a second, not after the trial
     estimate = memory_estimate(model, cluster, cfg).to_json()
     out = args.out or Path("trials", "adhoc", time.strftime("%Y%m%d-%H%M%S"))
+    _check_folder(out)
     req = TrialRequest(
         model=model,
         cluster=cluster,
@@ -79,6 +80,15 @@ def run(args) -> int:
     else:
         print(summary(req, res, estimate))
     return 0 if res.status == "ok" else 1
+
+
+def _check_folder(out: Path) -> None:
+    """--out names the trial's folder: refuse a file there, or on the way to it, before the trial starts."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise SpecError(f"--out {out}: {p} is a file; --out names the trial's folder")
+            return
 
 
 def summary(req, res, estimate: dict) -> str:

@@ -117,12 +117,16 @@ def resolve_model(text: str, *, implementation: Implementation = "hf", factory: 
             return replace(from_hf_config(path), implementation="builtin")
         from autotune.models import hf_config as hf
 
-        spec = hf.spec_from_config(hf.load_config(str(path)), name=str(path), source=f"config.json at {path}")
+        with hf.held_warnings():  # a refused config shows its error alone
+            spec = hf.spec_from_config(hf.load_config(str(path)), name=str(path), source=f"config.json at {path}")
         return replace(spec, implementation=implementation, factory=factory or "")
     if "/" in text and implementation != "builtin":
         from autotune.models import hf_config as hf  # a hub id: only the local cache is read, never the network
 
-        spec = hf.spec_from_config(hf.load_config(text), name=text, source=f"{text} in the local Hugging Face cache")
+        with hf.held_warnings():
+            spec = hf.spec_from_config(
+                hf.load_config(text), name=text, source=f"{text} in the local Hugging Face cache"
+            )
         return replace(spec, implementation=implementation, factory=factory or "")
     names = sorted(set(table) | set(aliases()))
     close = difflib.get_close_matches(key, names, n=4, cutoff=0.5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,42 @@ def continued(values: list, n: int) -> list:
     if period is None:
         return values[:n] + [values[-1]] * (n - len(values))
     return [values[i % period] for i in range(n)]
+
+
+@contextmanager
+def held_warnings():
+    """transformers' logged warnings and Python's (torch's) while a config is read and its model built on the meta
+    device: shown once the config is accepted, dropped when it is refused, where the SpecError says what is wrong and
+    they would only come before it (a vocab_size of 0: transformers warns of bos/eos token ids outside the vocabulary,
+    torch of zero-element tensors)."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    lib = hf_logging.get_logger()  # the library's root logger, with its handler: its modules' loggers reach it
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    handlers, hold = lib.handlers[:], Hold()
+    for h in handlers:
+        lib.removeHandler(h)
+    lib.addHandler(hold)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # each held, and shown by the caller's filters below
+            yield
+    finally:
+        lib.removeHandler(hold)
+        for h in handlers:
+            lib.addHandler(h)
+    for record in held:  # accepted: what would have been shown, now
+        lib.handle(record)
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _version() -> str:

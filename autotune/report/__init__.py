@@ -17,6 +17,7 @@ import pandas as pd
 from autotune.search import study as st
 from autotune.search.space import parse_space
 from autotune.train_config import STABILITY_RISKS, searched_fields
+from autotune.trial.record import RUN
 from autotune.units import GiB
 
 # (column label, trials_frame column): numbers that come from the run, labelled with its source
@@ -39,11 +40,46 @@ def _label(f) -> str:
     return (f.metadata["flag"] or f.name).lstrip("-").replace("_", " ").replace("-", " ")
 
 
+_RUNS_AGAIN = "; it runs again on --resume"
+"""How the search ends an interrupted trial's reason (search/loop.py): true when written, not always later; the
+report shows `interrupted_fates` instead."""
+
+
+def interrupted_fates(study: optuna.Study, recs: list[st.TrialRecord]) -> dict[int, str]:
+    """Per interrupted trial, what became of its configuration, in words that stay true: run again by a later trial,
+    or not, and what a --resume would do with it under the study's settings (st.Settings)."""
+    decided: dict[tuple, list[st.TrialRecord]] = {}
+    for r in recs:
+        if r.config is not None and r.status not in ("running", "interrupted"):
+            decided.setdefault(r.config.key(), []).append(r)
+    settings = st.settings_of(study) or st.Settings()
+    ran = sum(r.status in RUN for r in recs)  # what --n-trials counts (search/loop.py Summary.ran)
+    stopped = (study.user_attrs.get("stopping") or {}).get("line")
+    out = {}
+    for r in recs:
+        if r.status != "interrupted":
+            continue
+        again = [x for x in decided.get(r.config.key(), []) if x.number > r.number] if r.config else []
+        if again:
+            out[r.number] = f"run again as trial {again[0].number} ({again[0].status})"
+        elif stopped:
+            out[r.number] = "not run again: the stopping rule ended the search without it"
+        elif settings.n_trials is not None and ran >= settings.n_trials:
+            out[r.number] = f"not run again: --n-trials {settings.n_trials} reached"
+        elif settings.exhaustive:
+            out[r.number] = "not run again yet: a --resume runs it"
+        else:
+            out[r.number] = "not run again yet: a --resume runs it unless the stopping rule ends the search first"
+    return out
+
+
 def trials_frame(study: optuna.Study, recs: list[st.TrialRecord] | None = None) -> pd.DataFrame:
     """One row per trial with everything the report needs; bytes as recorded (ints). `recs`: the study's
     records when the caller has read them (a search's report reads them once for all its parts)."""
     rows = []
-    for r in st.records(study) if recs is None else recs:
+    recs = st.records(study) if recs is None else recs
+    fates = interrupted_fates(study, recs)
+    for r in recs:
         res, est = r.result, r.estimate
         rows.append(
             {
@@ -51,7 +87,8 @@ def trials_frame(study: optuna.Study, recs: list[st.TrialRecord] | None = None) 
                 "state": r.state.name,
                 "status": r.status,
                 "pruned_by": r.pruned_by,
-                "reason": r.reason,
+                "reason": r.reason.removesuffix(_RUNS_AGAIN) if r.number in fates else r.reason,
+                "then": fates.get(r.number),
                 "source": r.source,
                 **(r.config.to_dict() if r.config else {}),
                 **{k: getattr(res, k) if res else None for k in _RESULT},
@@ -94,8 +131,10 @@ def ranked(df: pd.DataFrame, top: int | None = None, objective: str = "samples")
         varies = len(ok) and f.name in df and df[f.name].nunique() > 1
         if f.metadata["column"] == "always" or varies:
             out[_label(f)] = ok[f.name].to_numpy() if len(ok) else []
-    out["peak GiB (estimated)"] = number("est_gib")
-    out[f"peak GiB ({src})"] = number("peak_gib")
+    # tensor bytes only, estimated and as the run saw them; the peak the memory model holds against the capacity
+    # adds the framework allowance (memory/overhead.py), which the page's "Why" section shows with it
+    out["tensor peak GiB (estimated)"] = number("est_gib")
+    out[f"tensor peak GiB ({src})"] = number("peak_gib")
     out["status"] = ok["status"].to_numpy() if len(ok) else []
     if len(ok) and df["source"].nunique() > 1:
         out["source"] = ok["source"].to_numpy()
@@ -125,10 +164,11 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, dict[str, int]]:
             }.get(by, f"{by}: {why}")
         )
         out["pruned"][key] = out["pruned"].get(key, 0) + 1
-    for status, why in zip(failed["status"], failed["reason"]):
+    then = failed["then"] if "then" in failed else [None] * len(failed)
+    for status, why, fate in zip(failed["status"], failed["reason"], then):
         reason = (why or "").strip().splitlines()[0][:120] if why else ""
         kind = "interrupted" if status == "interrupted" else "failed"
-        key = reason if kind == "interrupted" else f"{status}: {reason}" if reason else status
+        key = f"{reason}; {fate}" if kind == "interrupted" else f"{status}: {reason}" if reason else status
         out[kind][key] = out[kind].get(key, 0) + 1
     return out
 

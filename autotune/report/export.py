@@ -7,6 +7,8 @@ what was measured is what is exported.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from pathlib import Path
 
 import optuna
@@ -17,6 +19,7 @@ from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
 from autotune.models.hf_config import default_attention
+from autotune.report import objective
 from autotune.search import study as st
 from autotune.train_config import TrainConfig
 
@@ -57,23 +60,85 @@ def export(
     cfg = record.config
     ds = deepspeed_config(cfg, model, cluster)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(ds, indent=2) + "\n")
+    # every output is made first, then written whole or not at all (write_all)
+    files = [(out, json.dumps(ds, indent=2) + "\n")]
     source = record.source or "measured"
     head = (
         f"wrote {out}: trial {trial.number} of study {study.study_name} ({cfg.short()}), "
-        f"{trial.value:.4g} samples/s ({source}, model code {model.code_name})"
+        f"{speed_text(record, trial.value, objective(study))} ({source}, model code {model.code_name})"
     )
     if cfg.method != "full":
         lora_path = lora_config_path(out)
-        lora_path.write_text(lora_config_json(model, cfg))
+        files.append((lora_path, lora_config_json(model, cfg)))
         head += f"\nwrote {lora_path}: its peft LoraConfig"
     if accelerate_config is not None:
         accelerate_config = Path(accelerate_config)
-        accelerate_config.parent.mkdir(parents=True, exist_ok=True)
-        accelerate_config.write_text(accelerate_config_yaml(cfg, cluster, out))
+        files.append((accelerate_config, accelerate_config_yaml(cfg, cluster, out)))
         head += f"\nwrote {accelerate_config}: an `accelerate launch` config that starts DeepSpeed with it"
+    write_all(files)
     return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out, accelerate_config)
+
+
+def speed_text(record: st.TrialRecord, value: float, objective: str) -> str:
+    """The trial's throughput, each number with its unit: both samples/s and tokens/s where the run recorded both,
+    the study's objective (the value it ranked by) first."""
+    res = record.result
+    both = {
+        "samples": res.samples_per_s if res else None,
+        "tokens": res.tokens_per_s if res else None,
+    }
+    both[objective] = value
+    first, other = objective, "tokens" if objective == "samples" else "samples"
+
+    def fmt(v: float) -> str:  # as the report's table writes numbers
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+    text = f"{fmt(both[first])} {first}/s"
+    if both[other]:
+        text += f" and {fmt(both[other])} {other}/s"
+    return text + f" (ranked by {objective}/s)"
+
+
+def _target_problem(path: Path) -> str | None:
+    """Why `path` cannot be written as a file, checking only (nothing is created); None when it can."""
+    if path.is_dir():
+        return "is a directory; give a file path"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the folders that would be made: the nearest one that exists must take them
+    if not parent.is_dir():
+        return f"cannot be made: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be written: no permission to write in {parent}"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "cannot be written: the file exists and is read-only"
+    return None
+
+
+def write_all(files: list[tuple[Path, str]]) -> None:
+    """Write every file or none: each target checked first (SpecError naming each that cannot be written), then
+    each written to a temporary beside it and all renamed in place at the end; a write that fails removes the
+    temporaries, leaving every target as it was (and the folders made for them)."""
+    problems = [f"{p} {why}" for p, _ in files if (why := _target_problem(p)) is not None]
+    paths = [p.resolve() for p, _ in files]
+    if len(set(paths)) < len(paths):
+        problems.append("two outputs are the same file: " + ", ".join(str(p) for p, _ in files))
+    if problems:
+        raise SpecError("export wrote nothing: " + "; ".join(problems))
+    done: list[tuple[Path, Path]] = []
+    try:
+        for path, text in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            with open(tmp, "x") as f:  # "x": never another file's name; the mode is the umask's, as a plain write
+                done.append((tmp, path))
+                f.write(text)
+    except OSError as e:
+        for tmp, _ in done:
+            tmp.unlink(missing_ok=True)
+        raise SpecError(f"export wrote nothing: {e.filename or path}: {e.strerror or e}") from None
+    for tmp, path in done:
+        os.replace(tmp, path)
 
 
 def lora_config_path(ds_path: Path) -> Path:

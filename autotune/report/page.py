@@ -53,12 +53,23 @@ def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
         line1 += f"; its step: {share} ({t.source})"
     b = runs[0]
     largest = max(b.groups, key=b.groups.get)
+    allowance = sum(b.overhead.values())
+    # Two peaks, each named: the table's tensor peak, and that plus the framework allowance (memory/overhead.py),
+    # which is what the memory model holds against the capacity; on CPU ranks there is no allowance.
+    with_allowance = "with the framework allowance" if allowance else "of tensors (no framework allowance on CPU ranks)"
     line2 = (
-        f"**Memory**: peak {_gib(b.total_bytes)} of {_gib(b.capacity_bytes)} "
+        f"**Memory**: peak {_gib(b.total_bytes)} {with_allowance} of {_gib(b.capacity_bytes)} "
         f"({100 * b.total_bytes / b.capacity_bytes:.1f}%, headroom {_gib(b.capacity_bytes - b.total_bytes)}) "
-        f"in {b.phase}, "
+        f"in {b.phase}"
+        + (
+            f" = tensor peak {_gib(b.tensor_peak_bytes)} (the table's) + allowance {_gib(allowance)} "
+            f"({', '.join(k.replace('_', ' ') for k in b.overhead)})"
+            if allowance
+            else ""
+        )
+        + ", "
         + (f"largest: {largest} {_gib(b.groups[largest])}" if largest != NOT_RECORDED else "its terms not recorded")
-        + f"; {next_micro_batch(p.shown, c.micro_batch, win.number)}"
+        + f"; {next_micro_batch(p.shown, c.micro_batch, win.number, bool(allowance))}"
     )
     ran = {recs[x.trial].config.zero_stage for x in runs}
     ruled = [
@@ -67,8 +78,8 @@ def why_lines(study, p: Pictures, recs: list | None = None) -> list[str]:
         if x.status == "pruned" and (z := recs[x.trial].config.zero_stage) not in ran
     ]
     line3 = "**Ruled out**: " + (
-        "; ".join(ruled) + f" (capacity {_gib(b.capacity_bytes)}: no candidate of "
-        f"{'that stage' if len(ruled) == 1 else 'those stages'} fits)"
+        "; ".join(ruled) + f" ({'with the framework allowance' if allowance else 'tensors'}, estimated; capacity "
+        f"{_gib(b.capacity_bytes)}: no candidate of {'that stage' if len(ruled) == 1 else 'those stages'} fits)"
         if ruled
         else "no ZeRO stage entirely by memory"
         if "closest_pruned" in p.shown
@@ -93,8 +104,9 @@ def within_noise(margin: float, result) -> str:
     )
 
 
-def next_micro_batch(shown: dict, micro_batch: int, trial: int) -> str:
-    """What one more micro batch would need, as the search stored it for its best run (shown: Pictures.shown)."""
+def next_micro_batch(shown: dict, micro_batch: int, trial: int, allowance: bool = True) -> str:
+    """What one more micro batch would need, as the search stored it for its best run (shown: Pictures.shown): its
+    estimated total, with the framework allowance where the devices have one (`allowance`)."""
     nxt = shown.get("next_micro_batch") or {}
     if nxt.get("trial") != trial:
         return f"micro batch {micro_batch + 1}: not recorded (the search estimates it for its best run when it ends)"
@@ -102,6 +114,7 @@ def next_micro_batch(shown: dict, micro_batch: int, trial: int) -> str:
         return f"one more micro batch is not a valid config ({nxt['invalid']})"
     return (
         f"micro batch {nxt['micro_batch']} would need {_gib(nxt['total_bytes'])} "
+        f"{'with the framework allowance' if allowance else 'of tensors'} "
         f"({'fits' if nxt['fits'] else 'does not fit'}, estimated)"
     )
 

@@ -1,6 +1,6 @@
 """What `autotune search` does, as a library: `open_search(...)` resolves the inputs once, opens a new
-study or resumes one (which must agree with what is given again), chooses and starts the executor,
-and returns a `SearchSession` whose `run()` searches. The CLI parses, calls this and prints.
+study or continues one (which must agree with what is given again, and keeps its own settings), chooses and
+starts the executor, and returns a `SearchSession` whose `run()` searches. The CLI parses, calls this and prints.
 
     with open_search(model="13b", gpus="4xA100") as s:
         summary = s.run(n_trials=20)
@@ -8,7 +8,9 @@ and returns a `SearchSession` whose `run()` searches. The CLI parses, calls this
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
@@ -22,6 +24,7 @@ from autotune.search import study as st
 from autotune.search.loop import Search, Summary
 from autotune.search.prior import default_prior
 from autotune.search.space import SearchSpace, load_space, parse_space
+from autotune.units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -46,11 +49,21 @@ class SearchSession:
     """Which executor and why, in one sentence."""
     search: Search
     correction: Correction
+    settings: st.Settings = field(default_factory=st.Settings)
+    """How it searches: the study's settings, with those given replacing them (open_search)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines to show before it runs: a study continued, and with which settings (open_search)."""
 
     def run(self, *, n_trials: int | None = None, timeout_s: float | None = None, progress: bool = True) -> Summary:
+        """Search until the stopping rule (or every feasible group, exhaustive), the study's n_trials (`n_trials`
+        replaces it, and the study keeps the new one) or `timeout_s` of this call ends it."""
+        if n_trials is not None and n_trials != self.settings.n_trials:
+            _check_positive(n_trials=n_trials)
+            self.settings = dataclasses.replace(self.settings, n_trials=n_trials)
+            st.store_settings(self.study, self.settings)
         ended = False
         try:
-            summary = self.search.run(n_trials=n_trials, timeout_s=timeout_s, progress=progress)
+            summary = self.search.run(n_trials=self.settings.n_trials, timeout_s=timeout_s, progress=progress)
             ended = True
             return summary
         finally:
@@ -70,8 +83,6 @@ class SearchSession:
                 for z, (t, c) in sorted(closest.items())
             }
             if ended and self.search.summary.best_trial is not None:
-                import dataclasses
-
                 from autotune.memory import estimate
 
                 best = self.study.best_trial
@@ -125,6 +136,80 @@ def _resumed_inputs(study: optuna.Study, given: dict) -> Inputs:
     return Inputs(model, cluster, a["seq_len"], a["global_batch"], parse_space(a["space_text"], a["space_path"]))
 
 
+_SOURCE_KIND = {"measured": "ray", "simulated": "simulated"}
+"""A study's results (its ATTR's source) -> the executor that makes them: a study keeps its executor, as measured
+and simulated numbers do not mix."""
+
+
+def _as_stored(model: ModelSpec) -> dict:
+    """A ModelSpec as a study stores it (JSON: tuples become lists), to compare with the stored one."""
+    return json.loads(json.dumps(dataclasses.asdict(model), default=str))
+
+
+def _conflicts(study: optuna.Study, inputs: Inputs, objective: str, source: str) -> list[str]:
+    """What a new search of `inputs` would do differently from existing `study`, one phrase per input."""
+    a = study.user_attrs[st.ATTR]
+    stored = ModelSpec(**a["model"])
+    out = []
+    if inputs.model.name != stored.name:
+        out.append(f"--model {inputs.model.name} (the study: {stored.name})")
+    elif inputs.model.implementation != stored.implementation:
+        out.append(f"--impl {inputs.model.implementation} (the study: {stored.implementation})")
+    elif _as_stored(inputs.model) != a["model"]:
+        out.append(f"--model {inputs.model.name}: its config is not the one the study was searched with")
+    if inputs.cluster.text != a["gpus"]:
+        out.append(f"--gpus {inputs.cluster.text} (the study: {a['gpus']})")
+    elif inputs.cluster.capacity_bytes != a["capacity_bytes"]:
+        out.append(
+            f"--gpus {inputs.cluster.text}: {fmt_bytes(inputs.cluster.capacity_bytes)} per device now, "
+            f"{fmt_bytes(a['capacity_bytes'])} when the study was searched"
+        )
+    if inputs.seq_len != a["seq_len"]:
+        out.append(f"--seq-len {inputs.seq_len} (the study: {a['seq_len']})")
+    if inputs.global_batch != a["global_batch"]:
+        out.append(f"--global-batch {inputs.global_batch or 'none'} (the study: {a['global_batch'] or 'none'})")
+    if inputs.space.text != a["space_text"]:
+        out.append(f"--space {inputs.space.path} (the study: {a['space_path']}, another text)")
+    if objective != a.get("objective", "samples"):
+        out.append(f"--objective {objective} (the study: {a.get('objective', 'samples')})")
+    if source != a["source"]:
+        out.append(f"results {source} here (the study's: {a['source']})")
+    return out
+
+
+def _flag_text(name: str, value) -> str:
+    """A setting as the flag that gives it: --exhaustive / --no-exhaustive, --tolerance 2%, --n-trials 20."""
+    if name == "exhaustive":
+        return "--exhaustive" if value else "--no-exhaustive"
+    if name == "tolerance":
+        return f"--tolerance {100 * value:.4g}%"
+    flag = "--" + name.replace("_", "-")
+    return f"{flag} none" if value is None else f"{flag} {value}"
+
+
+def _settings(study: optuna.Study, given: dict, source: str) -> tuple[st.Settings, list[str]]:
+    """The settings a continued study searches with: the study's, each given one replacing its own (and said so);
+    and the lines that say which. Refused: other concurrent trials on a measured study (samples/s measured while
+    other trials shared the cores would rank against ones measured alone)."""
+    kept = st.settings_of(study)
+    base = kept or st.Settings()
+    changed = {k: v for k, v in given.items() if getattr(base, k) != v}
+    if "concurrent_trials" in changed and source == "measured":
+        raise SpecError(
+            f"study {study.study_name!r} measured its trials {base.concurrent_trials} at a time; "
+            f"--concurrent-trials {changed['concurrent_trials']} would rank samples/s measured under other sharing "
+            f"of the cores against them. Drop --concurrent-trials or start another --study"
+        )
+    settings = dataclasses.replace(base, **given)
+    if kept is None:  # a study from before studies kept their settings: what was given, or the defaults
+        return settings, [f"settings: {settings.describe()} (the study did not record its own; now it does)"]
+    lines = [f"settings: {settings.describe()}" + ("" if changed else " (the study's own)")]
+    lines += [
+        f"  {_flag_text(k, v)} replaces the study's {_flag_text(k, getattr(base, k))}" for k, v in changed.items()
+    ]
+    return settings, lines
+
+
 def open_search(
     *,
     model: str | None = None,
@@ -139,18 +224,37 @@ def open_search(
     executor: str = "auto",
     resume: bool = False,
     ray_address: str | None = None,
-    concurrent_trials: int = 1,
+    concurrent_trials: int | None = None,
     objective: str | None = None,
-    exhaustive: bool = False,
-    tolerance: float = 0.02,
+    exhaustive: bool | None = None,
+    tolerance: float | None = None,
+    n_trials: int | None = None,
 ) -> SearchSession:
-    """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts.
-    `impl`: the model code (hf when not given); on resume, only an explicit one is checked.
-    `exhaustive`: run every feasible group; else stop when no unrun candidate can beat the best by more
-    than `tolerance` (a fraction; autotune/search/stopping.py). Neither is kept by the study: a resume chooses again."""
-    _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials)
+    """Open a new search, or continue an existing study; bad input raises SpecError before anything starts.
+
+    A study keeps its inputs (model, `impl`, GPUs, sequence length, global batch, space, objective, executor)
+    and its settings (`exhaustive`, `tolerance`, `n_trials`, `concurrent_trials`: st.Settings).
+    `resume`: continue study `study` (default: the model's and GPUs'); an input not given is the study's, one given
+    must be the study's. Without `resume`, a study of that name that exists is continued when every input (as
+    given, or its default) is the study's, and refused otherwise, naming each that differs. A setting given (not
+    None) replaces the study's from then on, and `SearchSession.notes` says so; None keeps the study's (a new
+    study: the defaults). `exhaustive`: run every feasible group; else stop when no unrun candidate can beat the
+    best by more than `tolerance` (a fraction; autotune/search/stopping.py). `n_trials` counts runs over the
+    whole study."""
+    _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials, n_trials=n_trials)
+    asked = executor
+    if tolerance is not None and not 0 <= tolerance < 1:
+        raise SpecError(f"tolerance must be at least 0 and below 1 (a fraction: 0.02 = 2%), got {tolerance}")
     spec = resolve_model(model, implementation=impl or "hf", factory=model_factory) if model else None
     cluster = parse_gpus(gpus) if gpus else None
+    given_settings = {
+        k: v
+        for k, v in dict(
+            exhaustive=exhaustive, tolerance=tolerance, n_trials=n_trials, concurrent_trials=concurrent_trials
+        ).items()
+        if v is not None
+    }
+    notes: list[str] = []
     if resume:
         name = study or (st.default_name(spec, cluster) if spec and cluster else None)
         opened = st.load_study(name, storage)
@@ -164,18 +268,47 @@ def open_search(
             "--objective": objective,
         }
         inputs = _resumed_inputs(opened, given)
-        objective = opened.user_attrs[st.ATTR].get("objective", "samples")  # studies before --objective
-        # a study keeps its executor: measured and simulated numbers do not mix
-        executor = {"measured": "ray", "simulated": "simulated"}[opened.user_attrs[st.ATTR]["source"]]
+        source = opened.user_attrs[st.ATTR]["source"]
+        if executor not in ("auto", _SOURCE_KIND[source]):
+            raise SpecError(
+                f"--resume: study {opened.study_name!r} holds {source} results; --executor {executor} would mix "
+                f"measured and simulated numbers. Drop --executor or start another --study"
+            )
     else:
         if spec is None or cluster is None:
             raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
         inputs = Inputs(spec, cluster, seq_len or default_seq_len(spec), global_batch, load_space(space))
-        opened, name = None, study or st.default_name(spec, inputs.cluster)
+        name = study or st.default_name(spec, inputs.cluster)
+        kind_here, _ = executors.choose(executor, inputs.cluster, ray_address)  # starts nothing, creates nothing
+        opened = st.existing_study(name, storage)  # before starting Ray: a bad name, folder or storage fails fast
+        if opened is not None:
+            differ = _conflicts(
+                opened, inputs, objective or "samples", "measured" if kind_here == "ray" else "simulated"
+            )
+            if differ:
+                raise SpecError(
+                    f"study {name!r} already exists, searched with other inputs: {'; '.join(differ)}. Continue it "
+                    f"as it was searched with `autotune search --resume --study {name}`, or choose another --study "
+                    f"name (nothing was changed)"
+                )
+            inputs = _resumed_inputs(opened, {})  # the same; the cluster's capacity as the study has it
+            notes.append(
+                f"study {name!r} exists with the same model, GPUs, sequence length, global batch, space and "
+                f"objective: continuing it (no completed trial runs again; `--study NAME` starts another)"
+            )
+    if opened is not None:
+        a = opened.user_attrs[st.ATTR]
+        objective = a.get("objective", "samples")  # studies before --objective
+        executor = _SOURCE_KIND[a["source"]]  # a study keeps its executor: measured and simulated numbers do not mix
+        settings, said = _settings(opened, given_settings, a["source"])
+        notes += said
+    else:
+        settings = st.Settings(**given_settings)
     kind, how = executors.choose(executor, inputs.cluster, ray_address)  # starts nothing, creates nothing
-    if opened is None:
-        st.assert_new(name, storage)  # before starting Ray: a taken name or a bad storage fails fast
-    ex = executors.make(kind, inputs.cluster, ray_address, concurrent_trials)
+    if opened is not None and kind == "simulated" and asked == "auto":
+        auto, said = executors.choose("auto", inputs.cluster, ray_address)
+        how = said if auto == kind else how  # a continued study's line as its first search's (SIMULATED, ...)
+    ex = executors.make(kind, inputs.cluster, ray_address, settings.concurrent_trials)
     try:
         if opened is None:
             attrs = st.study_attrs(
@@ -187,8 +320,11 @@ def open_search(
                 space_path=inputs.space.path,
                 source=ex.source,
                 objective=objective or "samples",
+                settings=settings,
             )
             opened = st.create_study(name, storage, attrs, sampler=None)
+        else:
+            st.store_settings(opened, settings)
         correction = Correction()  # replayed from a resumed study's trials by Search
         prior = default_prior(inputs.model, inputs.cluster)  # the cost model on GPUs, the CPU prior on CPU ranks
         search = Search(
@@ -202,10 +338,10 @@ def open_search(
             corrector=correction,
             prior=prior,
             objective=objective or "samples",
-            exhaustive=exhaustive,
-            tolerance=tolerance,
+            exhaustive=settings.exhaustive,
+            tolerance=settings.tolerance,
         )
     except BaseException:
         ex.close()
         raise
-    return SearchSession(opened, inputs, ex, how, search, correction)
+    return SearchSession(opened, inputs, ex, how, search, correction, settings, notes)

@@ -136,7 +136,19 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         text = p.read_text()
     except FileNotFoundError:
         raise SpecError(f"search space {p} does not exist (examples in {SPACES_DIR})") from None
-    return parse_space(text, str(p))
+    except IsADirectoryError:
+        raise SpecError(f"search space {p} is a directory; give a YAML file (examples in {SPACES_DIR})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"search space {p} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    space = parse_space(text, str(p))
+    root = yaml.compose(text, Loader=yaml.SafeLoader)  # parse_space read it: valid YAML
+    if root is None or isinstance(root, yaml.MappingNode) and not root.value:
+        # an empty file, only comments, or `{}`, would search the default space while the user meant their own
+        raise SpecError(
+            f"search space {p} is empty (no keys); give at least one key ({', '.join(defaults())}, trial), "
+            f"or drop --space for the default space ({DEFAULT_SPACE.name})"
+        )
+    return space
 
 
 def parse_space(text: str, where: str = "<space>") -> SearchSpace:

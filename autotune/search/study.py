@@ -53,7 +53,10 @@ def study_dir(name: str) -> Path:
 
 def check_name(name: str) -> str:
     if not _NAME.fullmatch(name):
-        raise SpecError(f"study name {name!r} must be letters, digits, '.', '_' or '-' (it names a folder)")
+        raise SpecError(
+            f"study name {name!r} must start with a letter or a digit, then letters, digits, '.', '_' or '-' "
+            f"(it names a folder under {trials_root()}/)"
+        )
     return name
 
 
@@ -90,6 +93,8 @@ def _sqlite_file(url: str) -> Path | None:
 
 def _check_sqlite(path: Path) -> None:
     """Refuse a file that is not an Optuna SQLite database, reading it only (Optuna would add its tables)."""
+    if path.is_dir():
+        raise SpecError(f"{path} is a directory, not a study database file; pass a file path in --storage")
     with open(path, "rb") as f:
         header = f.read(16)
     if header and header != b"SQLite format 3\x00":
@@ -131,11 +136,26 @@ def open_storage(url: str, *, must_exist: bool) -> RDBStorage:
         # timeout: SQLite waits for a lock instead of failing when report and search overlap.
         storage = RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}} if path is not None else {})
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError, ValueError) as e:
-        raise SpecError(f"cannot open study storage {url}: {e}") from None
+        raise SpecError(f"cannot open study storage {_redacted(url)}: {e}") from None
+    except ImportError as e:  # Optuna's RDBStorage: SQLAlchemy could not import the URL's database driver
+        driver = getattr(e.__cause__, "name", None) or str(e.__cause__ or e)
+        raise SpecError(
+            f"cannot open study storage {_redacted(url)}: its database driver is not installed ({driver}); "
+            f"install the driver SQLAlchemy names for this URL's dialect into autotune's environment, or use "
+            f"the default SQLite storage (no --storage)"
+        ) from None
     if path is not None:
         sqlalchemy.event.listen(storage.engine, "connect", _sqlite_pragmas)
         storage.engine.dispose()  # connections opened during setup are replaced by ones with the pragmas
     return storage
+
+
+def _redacted(url: str) -> str:
+    """A storage URL without its password (an error message is printed and may be logged)."""
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except (sqlalchemy.exc.ArgumentError, ValueError):
+        return url
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -184,18 +204,26 @@ def _mtime(d: Path) -> float:
     return max((f.stat().st_mtime for f in files if f.exists()), default=d.stat().st_mtime)
 
 
-def assert_new(name: str, url: str | None) -> None:
-    """Refuse a study name already taken, creating nothing (called before anything starts for it)."""
+def existing_study(name: str, url: str | None) -> optuna.Study | None:
+    """Study `name` where it exists (as load_study opens it), else None, creating nothing but the folder of a new
+    SQLite database: a folder that cannot be made, or a bad storage, fails now, before an executor starts."""
     check_name(name)
     url = storage_url(name, url)
     path = _sqlite_file(url)
     if path is not None and not path.exists():
-        _make_folder(path.parent)  # a folder that cannot be made fails now, before an executor starts
-        return
+        _make_folder(path.parent)
+        return None
     if name in {s.study_name for s in open_storage(url, must_exist=False).get_all_studies()}:
+        return load_study(name, url)
+    return None
+
+
+def assert_new(name: str, url: str | None) -> None:
+    """Refuse a study name already taken, creating nothing (called before anything starts for it)."""
+    if existing_study(name, url) is not None:
         raise SpecError(
-            f"study {name!r} already exists in {url}; continue it with --resume, or choose "
-            f"another --study name (nothing was changed)"
+            f"study {name!r} already exists in {_redacted(storage_url(name, url))}; continue it with --resume, or "
+            f"choose another --study name (nothing was changed)"
         )
 
 
@@ -254,6 +282,42 @@ class ChosenSampler(optuna.samplers.BaseSampler):
 
 
 # ---- what a study records ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """How a study is searched, beyond its inputs: kept in the study (its ATTR's "settings") so that a resume, or
+    the same command run again, searches on as it was started; a value given again explicitly replaces it."""
+
+    exhaustive: bool = False
+    """Run every feasible group (no stopping rule)."""
+    tolerance: float = 0.02
+    """The stopping rule's tolerance, a fraction (autotune/search/stopping.py)."""
+    n_trials: int | None = None
+    """Runs over the whole study, across resumes (None: no limit)."""
+    concurrent_trials: int = 1
+    """Trials that may run at once on the same devices."""
+
+    def describe(self) -> str:
+        """`the stopping rule at --tolerance 2%, no --n-trials, 1 trial at a time`."""
+        how = (
+            "--exhaustive (every feasible group runs)"
+            if self.exhaustive
+            else f"the stopping rule at --tolerance {100 * self.tolerance:.4g}%"
+        )
+        budget = "no --n-trials" if self.n_trials is None else f"--n-trials {self.n_trials} over the study"
+        at_once = "1 trial at a time" if self.concurrent_trials == 1 else f"{self.concurrent_trials} trials at once"
+        return f"{how}, {budget}, {at_once}"
+
+
+def settings_of(study: optuna.Study) -> Settings | None:
+    """The settings a study was last searched with; None for a study from before studies kept them."""
+    kept = study.user_attrs[ATTR].get("settings")
+    return None if kept is None else Settings(**kept)
+
+
+def store_settings(study: optuna.Study, settings: Settings) -> None:
+    study.set_user_attr(ATTR, {**study.user_attrs[ATTR], "settings": dataclasses.asdict(settings)})
+
+
 def study_attrs(
     model: ModelSpec,
     cluster: Cluster,
@@ -264,8 +328,10 @@ def study_attrs(
     space_path: str,
     source: str,
     objective: str = "samples",
+    settings: Settings | None = None,
 ) -> dict:
     return {
+        **({"settings": dataclasses.asdict(settings)} if settings is not None else {}),
         "model": dataclasses.asdict(model),
         "gpus": cluster.text,
         "capacity_bytes": cluster.capacity_bytes,
