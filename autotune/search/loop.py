@@ -342,9 +342,12 @@ class Search:
                 continue
             total, cap = self._total_bytes(c), c.est.capacity_bytes
             corrected = "" if total == int(c.est.total_bytes) else " (after online correction)"
+            allowance = (
+                f", with the framework allowance {fmt_bytes(c.est.overhead_bytes)}" if c.est.overhead_bytes else ""
+            )
             dom = c.est.dominant_term
             why = (
-                f"memory: estimated {fmt_bytes(total)} per device{corrected} > capacity {fmt_bytes(cap)}; "
+                f"memory: estimated {fmt_bytes(total)} per device{corrected}{allowance} > capacity {fmt_bytes(cap)}; "
                 f"largest term {dom} = {fmt_bytes(c.est.terms.get(dom, 0))}"
             )
             out.append((c, {"pruned_by": "memory", "reason": why}))
@@ -480,4 +483,4 @@ class Search:
         s = self.summary
         best = "-" if s.best_value is None else f"{s.best_value:.3g}"
         sim = " simulated" if self.executor.source == "simulated" else ""
-        bar.set_postfix_str(f"done {s.ok}, pruned {s.pruned}, failed {s.failed}, best {best} samples/s{sim}")
+        bar.set_postfix_str(f"done {s.ok}, pruned {s.pruned}, failed {s.failed}, best {best} {self.objective}/s{sim}")
