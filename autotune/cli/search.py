@@ -77,6 +77,14 @@ def register(sub) -> None:
         help="trials that may run at once on the same devices (default 1: each trial has its "
         "cores to itself, so its samples/s do not depend on what else runs)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="place the first trials with Ray and start their ranks, which stop before the first CUDA call; print each "
+        "rank's plan (environment, DeepSpeed accelerator, backend, optimizer, threads). Nothing is measured or stored. "
+        "Without --ray-address the local Ray cluster has --gpus declared; --n-trials sets how many trials (default: one "
+        "per slot)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -113,10 +121,16 @@ def run(args: argparse.Namespace) -> int:
         objective=args.objective,
         exhaustive=args.exhaustive,
         tolerance=tolerance,
+        dry_run=args.dry_run,
     )
     study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
     print(f"executor: {session.how}")
+    if args.dry_run:
+        with session:
+            session.run(n_trials=args.n_trials, timeout_s=timeout_s, progress=False)
+            print(session.executor.dry_run_text())
+        return 0
     try:
         with session:
             _print_plan(session.search, study.study_name, session.inputs.space.path)

@@ -8,6 +8,7 @@ and returns a `SearchSession` whose `run()` searches. The CLI parses, calls this
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,8 +47,13 @@ class SearchSession:
     """Which executor and why, in one sentence."""
     search: Search
     correction: Correction
+    dry_run: bool = False
+    """A dry run (open_search(dry_run=True)): its study lives in memory only; `run` stops after one trial per slot
+    unless n_trials says otherwise."""
 
     def run(self, *, n_trials: int | None = None, timeout_s: float | None = None, progress: bool = True) -> Summary:
+        if self.dry_run and n_trials is None:
+            n_trials = max(1, self.executor.slots())
         ended = False
         try:
             summary = self.search.run(n_trials=n_trials, timeout_s=timeout_s, progress=progress)
@@ -143,11 +149,20 @@ def open_search(
     objective: str | None = None,
     exhaustive: bool = False,
     tolerance: float = 0.02,
+    dry_run: bool = False,
 ) -> SearchSession:
     """Open (or with `resume`, continue) a search; bad input raises SpecError before anything starts.
     `impl`: the model code (hf when not given); on resume, only an explicit one is checked.
     `exhaustive`: run every feasible group; else stop when no unrun candidate can beat the best by more
-    than `tolerance` (a fraction; autotune/search/stopping.py). Neither is kept by the study: a resume chooses again."""
+    than `tolerance` (a fraction; autotune/search/stopping.py). Neither is kept by the study: a resume chooses again.
+    `dry_run`: the Ray executor places the trials and starts their ranks, which stop before the first CUDA call
+    (autotune/executors/ray_executor.py); the study is kept in memory, never in the storage, and the rank plans go to
+    trials/NAME/dry-run/, so a real study of that name, new or resumed, is not touched."""
+    if dry_run and resume:
+        raise SpecError(
+            "--dry-run reads and writes no study: drop --resume (a dry run of the same model and GPUs shows "
+            "the trials a search would start)"
+        )
     _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials)
     spec = resolve_model(model, implementation=impl or "hf", factory=model_factory) if model else None
     cluster = parse_gpus(gpus) if gpus else None
@@ -172,11 +187,31 @@ def open_search(
             raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
         inputs = Inputs(spec, cluster, seq_len or default_seq_len(spec), global_batch, load_space(space))
         opened, name = None, study or st.default_name(spec, inputs.cluster)
-    kind, how = executors.choose(executor, inputs.cluster, ray_address)  # starts nothing, creates nothing
-    if opened is None:
+    kind, how = executors.choose(executor, inputs.cluster, ray_address, dry_run)  # starts nothing, creates nothing
+    if opened is None and not dry_run:
         st.assert_new(name, storage)  # before starting Ray: a taken name or a bad storage fails fast
-    ex = executors.make(kind, inputs.cluster, ray_address, concurrent_trials)
+    ex = executors.make(kind, inputs.cluster, ray_address, concurrent_trials, dry_run=dry_run)
     try:
+        if getattr(ex, "cluster", inputs.cluster) != inputs.cluster:  # the capacity the cluster's devices report
+            inputs = dataclasses.replace(inputs, cluster=ex.cluster)
+        if dry_run:
+            st.check_name(name)
+            opened = optuna.create_study(
+                study_name=name, storage=optuna.storages.InMemoryStorage(), direction="maximize"
+            )
+            opened.set_user_attr(
+                st.ATTR,
+                st.study_attrs(
+                    inputs.model,
+                    inputs.cluster,
+                    seq_len=inputs.seq_len,
+                    global_batch=inputs.global_batch,
+                    space_text=inputs.space.text,
+                    space_path=inputs.space.path,
+                    source=ex.source,
+                    objective=objective or "samples",
+                ),
+            )
         if opened is None:
             attrs = st.study_attrs(
                 inputs.model,
@@ -204,8 +239,9 @@ def open_search(
             objective=objective or "samples",
             exhaustive=exhaustive,
             tolerance=tolerance,
+            out_root=st.study_dir(name) / "dry-run" if dry_run else None,
         )
     except BaseException:
         ex.close()
         raise
-    return SearchSession(opened, inputs, ex, how, search, correction)
+    return SearchSession(opened, inputs, ex, how, search, correction, dry_run)
