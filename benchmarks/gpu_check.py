@@ -457,6 +457,10 @@ def run(
                 results = runner(make_requests([p], model, cluster, args.out, timeout_s=min(TRIAL_TIMEOUT_S, left)))
             stray = leftover(args.out)
             rows += rows_for([p], results, entries, {**gauge.reading(), "processes_left": len(stray)}, "")
+            if p.order == 0:  # findings 1 and 7: what the rank says it started with (autotune/trial/worker.py)
+                log = args.out / "trials" / p.name / "log.txt"
+                said = [ln for ln in log.read_text().splitlines() if "ready in" in ln] if log.exists() else []
+                head["rank 0 started with"] = said[0].split("; ", 1)[-1] if said else "(no ready line in its log)"
             write_summary(args.out, head, rows, time.monotonic() - t0)
             if p.order == 0 and results[0].status != "ok":
                 rest = [q for q in trials if q.order]

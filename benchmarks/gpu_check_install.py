@@ -32,8 +32,9 @@ TARGET_PYTHON = "3.12"
 """The lent GPU machine's python3 (docs/gpu_check.md, "The GPU machine")."""
 TARGET_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 """x86-64 Linux wheels: the manylinux tags PyPI's binary wheels carry (PEP 600, PEP 599)."""
-KEEP = {"torch"}
-"""Requirements never downloaded: the GPU machine's CUDA torch stays (the CPU pin is for CPU machines)."""
+KEEP = {"torch", "numpy"}
+"""Requirements never downloaded: the GPU machine's CUDA torch stays (the CPU pin is for CPU machines), and the numpy
+every torch image carries (DeepSpeed asks for any numpy; its 16.6 MB wheel would not fit the 64 MiB a call carries)."""
 ROOTS = ("deepspeed", "ray")
 """What the check installs, with what they require: DeepSpeed for the trials, Ray for the executor that places them."""
 RAY_UNUSED = (

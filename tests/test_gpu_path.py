@@ -24,11 +24,23 @@ from autotune.errors import SpecError
 from autotune.hardware import parse_gpus
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
-from autotune.trial import launch, memprof, ops, worker
+from autotune.trial import launch, memprof, worker
 from autotune.trial.record import RankReport, TrialRequest
 from autotune.units import GiB
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Ops:
+    """autotune.trial.ops, imported when a test uses it (so that each test, not the module, fails without it)."""
+
+    def __getattr__(self, name):
+        from autotune.trial import ops as module
+
+        return getattr(module, name)
+
+
+ops = _Ops()
 MODEL = resolve_model("tiny-llama")
 A100x4 = parse_gpus("4xA100")
 CFG = TrainConfig(zero_stage=2, precision="bf16", seq_len=32)
@@ -397,3 +409,34 @@ def test_the_issues_dry_run_command(tmp_path):
     assert not list(tmp_path.rglob("study.db")) and list(tmp_path.rglob("rank0.json"))
     again = subprocess.run(cmd + ["--dry-run", "--resume"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "--dry-run reads and writes no study" in again.stderr
+
+
+def test_export_writes_the_json_for_the_optimizer_the_trial_ran(tmp_path, monkeypatch):
+    """A trial that ran torch's fused AdamW (FusedAdam could not be built on its nodes) exports that JSON, through
+    the same deepspeed_config, and says which optimizer it names."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune.report.export import export
+    from autotune.search import study as st
+
+    monkeypatch.setenv("AUTOTUNE_TRIALS_DIR", str(tmp_path))
+    attrs = st.study_attrs(
+        MODEL, A100x1, seq_len=32, global_batch=None, space_text="", space_path="t", source="measured"
+    )
+    study = st.create_study("fallback", None, attrs, sampler=None)
+    dists = st.distributions([CFG])
+    result = {"status": "ok", "source": "measured", "samples_per_s": 10.0, "optimizer_impl": "torch_adamw_fused"}
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=TrialState.COMPLETE,
+            value=10.0,
+            params=st.params_of(CFG, dists),
+            distributions=dists,
+            user_attrs={"config": CFG.to_dict(), "status": "ok", "source": "measured", "result": result},
+        )
+    )
+    _, _, text = export(study, tmp_path / "ds.json")
+    ds = json.loads((tmp_path / "ds.json").read_text())
+    assert ds == deepspeed_config(CFG, MODEL, A100x1, "torch_adamw_fused")
+    assert ds["optimizer"]["params"]["fused"] is True and "torch.optim.AdamW(fused=True)" in text

@@ -65,9 +65,9 @@ def check_reachable(address: str, timeout_s: float = RAY_CONNECT_S) -> None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             pass
     except OSError as e:
-        why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        why = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
         raise SpecError(
-            f"--ray-address {address}: cannot reach a Ray cluster there ({why} within {timeout_s:g} s); start one "
+            f"--ray-address {address}: cannot reach a Ray cluster there ({why.lower()}); start one "
             f"with `ray start --head` on that machine, or check the host and port (the head's GCS port, 6379 by default)"
         ) from None
 

@@ -136,9 +136,14 @@ def main(argv: list[str]) -> int:
     # What is alive now lives as long as the process: keep it out of every later gc.collect()
     # (measured: 0.2 s per collect on 2 cores without this; each config collects once at teardown).
     gc.freeze()
+    from deepspeed.accelerator import get_accelerator
+
+    exported = sorted(k for k in os.environ if k.startswith(("NCCL", "UCX", "MV2")))
     print(
         f"rank {rank}/{world}: torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
-        f"{torch.get_num_threads()} threads, ready in {time.perf_counter() - t_start:.2f} s",
+        f"{torch.get_num_threads()} threads, ready in {time.perf_counter() - t_start:.2f} s; DeepSpeed accelerator "
+        f"{get_accelerator()._name} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', '')}), "
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}, exported {', '.join(exported) or '-'}",
         flush=True,
     )
     for index in range(int(os.environ.get("AUTOTUNE_START", "0")), len(requests)):
