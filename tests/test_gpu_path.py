@@ -162,6 +162,32 @@ def test_skipped_fp16_steps_are_left_out_of_the_step_time(tmp_path):
     assert launch.aggregate(req, launch.NodeOutcome(ranks={0: every})).status == "diverged"
 
 
+def test_steplog_marks_the_optimizer_steps_deepspeed_skipped():
+    """StepLog reads DeepSpeed's own counters around engine.step(): global_steps moves at each gradient-accumulation
+    boundary, skipped or not, skipped_steps with it on an overflow (runtime/engine.py _take_model_step). A stand-in
+    engine with those two counters (glue only: no GPU runs fp16 here), two micro batches per step."""
+
+    class Engine:
+        def __init__(self, overflow_at):
+            self.global_steps = self.skipped_steps = self.micro = 0
+            self.overflow_at, self.optimizer = overflow_at, type("Opt", (), {"loss_scale": 65536.0})()
+
+        def step(self):
+            self.micro += 1
+            if self.micro % 2 == 0:  # the boundary: one optimizer step
+                if self.global_steps in self.overflow_at:
+                    self.skipped_steps += 1
+                    self.optimizer.loss_scale /= 2
+                self.global_steps += 1
+
+    engine = Engine(overflow_at={0, 3})
+    log = worker.StepLog(engine)
+    for _ in range(5 * 2):
+        engine.step()
+    assert log.skipped == [True, False, False, True, False]
+    assert log.scales == [32768.0, 32768.0, 32768.0, 16384.0, 16384.0]
+
+
 # ---- finding 6: the capacity the devices report, and the devices --gpus names --------------------------------
 def test_capacity_and_type_come_from_the_devices_torch_sees():
     from autotune.executors.ray_executor import devices_seen
@@ -396,7 +422,21 @@ def test_dry_run_on_two_gpu_nodes_joined_by_address(two_gpu_nodes, tmp_path):
 def test_the_issues_dry_run_command(tmp_path):
     """`autotune search --model 13b --gpus 4xA100 --executor ray --dry-run` as issue 52 gives it, on this machine as it
     is: a local Ray with 4 GPUs declared, one trial's rank plan, no study stored; --resume is refused with it."""
+    from autotune.search import study as st
+
     env = {**os.environ, "AUTOTUNE_TRIALS_DIR": str(tmp_path)}
+    # a real study of the name the dry run takes: it must be left as it is (its --resume unaffected)
+    os.environ["AUTOTUNE_TRIALS_DIR"] = str(tmp_path)
+    try:
+        model, cluster = resolve_model("13b"), A100x4
+        attrs = st.study_attrs(
+            model, cluster, seq_len=2048, global_batch=None, space_text="", space_path="t", source="measured"
+        )
+        st.create_study(st.default_name(model, cluster), None, attrs, sampler=None)
+    finally:
+        del os.environ["AUTOTUNE_TRIALS_DIR"]
+    db = tmp_path / st.default_name(model, cluster) / "study.db"
+    before = db.read_bytes()
     cmd = [sys.executable, "-m", "autotune", "search", "--model", "13b", "--gpus", "4xA100", "--executor", "ray"]
     run = subprocess.run(cmd + ["--dry-run"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -406,7 +446,8 @@ def test_the_issues_dry_run_command(tmp_path):
         ln.split() for ln in out.splitlines() if ln.startswith("  ") and ln.split()[:1] in (["0"], ["1"], ["2"], ["3"])
     ]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"] and all("nccl" in r and "cuda" in r for r in rows)
-    assert not list(tmp_path.rglob("study.db")) and list(tmp_path.rglob("rank0.json"))
+    assert list(tmp_path.rglob("study.db")) == [db] and db.read_bytes() == before  # the real study untouched
+    assert list(tmp_path.rglob("dry-run/*/rank0.json"))
     again = subprocess.run(cmd + ["--dry-run", "--resume"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "--dry-run reads and writes no study" in again.stderr
 
