@@ -58,6 +58,13 @@ from autotune.train_config import TrainConfig, check_config  # noqa: E402
 from autotune.trial.record import TrialRequest, TrialResult  # noqa: E402
 from autotune.units import GiB  # noqa: E402
 
+FINDINGS = (
+    "verifies issue 52's findings 1 (ranks pick CUDA though the shell holds DS_ACCELERATOR=cpu), 2 (FusedAdam or "
+    "torch's fused AdamW, both run), 4 (host-RAM guard from the node: an offload trial past its 16 GiB cap), 5 (fp16 "
+    "skipped steps counted apart, not timed), 6 (capacity from the device), 7 (NCCL_* through Ray's runtime_env), 8 "
+    "(CUDA oom classified, no per-phase sync); not 3 (bitsandbytes is not installed here); docs/gpu_check.md"
+)
+"""The check's first printed line (and summary.md's), as the docstring says it."""
 MODEL_SHAPE = dict(
     num_layers=22,
     hidden_size=2048,
@@ -421,6 +428,7 @@ def run(
     """Preflight, the executor, then the plan trial by trial; rows written as each trial ends. `runner`,
     `prepare` and `executor` are replaced only by the tests (executor None: none is started)."""
     t0 = time.monotonic()
+    print(f"[gpu-check] {FINDINGS}", flush=True)
     # finding 1: the driver's shell as ./run left it before the fix; the ranks must pick CUDA whatever it holds
     os.environ["DS_ACCELERATOR"] = "cpu"
     # finding 7: a setting of the driver's shell that must reach the ranks (through Ray's runtime_env)
@@ -441,6 +449,7 @@ def run(
         write_plan(args.out, listed, model, cluster)
         entries = {e["name"]: e for e in listed}
         head = {
+            "checks": FINDINGS,
             "model": model.describe(),
             "implementation": implementation(model),
             "gpus": f"{cluster.describe()} (--gpus {cluster.text})",

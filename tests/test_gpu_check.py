@@ -190,6 +190,7 @@ def test_a_good_run_passes_and_writes_every_row(tmp_path, monkeypatch):
     assert float(fp16["loss_scale_initial"]) == 65536 and float(fp16["loss_scale_final"]) == 32768
     assert base["losses"] == "10.4;9.8" and base["processes_left"] == "0"
     assert "OOM probe: PASS" in summary and "processes left behind: 0" in summary
+    assert "verifies issue 52's findings 1" in summary  # as the first line printed
     assert len(json.loads((tmp_path / "plan.json").read_text())["trials"]) == len(NAMES)  # the plan beside the rows
 
 
