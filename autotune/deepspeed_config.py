@@ -30,6 +30,48 @@ FP16_LOSS_SCALER = {
     "min_loss_scale": 1,
 }
 
+OPTIMIZER_IMPLS = {
+    "fused_adam": "DeepSpeed's FusedAdam (its fused_adam op: prebuilt, or compiled with nvcc at first use)",
+    "torch_adamw_fused": "torch.optim.AdamW(fused=True): torch's own fused CUDA kernel, nothing to build",
+    "torch_adamw": "torch.optim.AdamW (CPU ranks)",
+    "cpu_adam": "DeepSpeed's DeepSpeedCPUAdam on the offloaded fp32 partition (its cpu_adam op, C++, built at first use)",
+    "bnb_adamw8bit": "bitsandbytes.optim.AdamW8bit, passed to deepspeed.initialize as a client optimizer",
+}
+"""Which code steps the optimizer: what a trial ran (TrialResult.optimizer_impl) and what `autotune export` writes the
+JSON for. DeepSpeed picks it from the JSON (runtime/engine.py get_optimizer_configuration): `torch_adam` gives
+torch.optim.AdamW with the remaining params as its arguments (so `fused` reaches it), else an offloaded optimizer
+DeepSpeedCPUAdam, else FusedAdam."""
+
+
+def default_optimizer_impl(cfg: TrainConfig, cluster: Cluster) -> str:
+    """The implementation a config runs with when nothing is known of the node (export of an old study): CPU ranks
+    torch's AdamW, 8-bit AdamW bitsandbytes', an offloaded optimizer DeepSpeedCPUAdam, else FusedAdam."""
+    if cfg.optimizer == "adamw8bit":
+        return "bnb_adamw8bit"
+    if cluster.gpu.is_cpu:
+        return "torch_adamw"
+    return "cpu_adam" if cfg.offload_optimizer else "fused_adam"
+
+
+def check_optimizer_impl(cfg: TrainConfig, cluster: Cluster, impl: str) -> None:
+    """`impl` must be one the config can run with; ValueError otherwise (a caller's bug, not the user's input)."""
+    allowed = (
+        {"bnb_adamw8bit"}
+        if cfg.optimizer == "adamw8bit"
+        else (
+            {"torch_adamw"}
+            if cluster.gpu.is_cpu
+            else {"cpu_adam", "torch_adamw_fused"}
+            if cfg.offload_optimizer
+            else {"fused_adam", "torch_adamw_fused"}
+        )
+    )
+    if impl not in allowed:
+        raise ValueError(
+            f"optimizer implementation {impl!r} cannot run {cfg.short()} on {cluster.describe()}: {allowed}"
+        )
+
+
 STAGE3_MAX_LIVE_PARAMETERS = int(1e9)
 STAGE3_MAX_REUSE_DISTANCE = int(1e9)
 """DeepSpeed's defaults (runtime/zero/config.py max_live_parameters, max_reuse_distance)."""
@@ -98,8 +140,12 @@ def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
     return z
 
 
-def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> dict:
-    """The DeepSpeed JSON for `cfg` (consistent batch sizes, ZeRO, precision, optimizer)."""
+def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, optimizer_impl: str | None = None) -> dict:
+    """The DeepSpeed JSON for `cfg` (consistent batch sizes, ZeRO, precision, optimizer). `optimizer_impl`: the
+    optimizer code the trial runs (OPTIMIZER_IMPLS; a trial's TrialResult.optimizer_impl for `autotune export`), by
+    default default_optimizer_impl's."""
+    impl = optimizer_impl or default_optimizer_impl(cfg, cluster)
+    check_optimizer_impl(cfg, cluster, impl)
     ds: dict = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
         "gradient_accumulation_steps": cfg.grad_accum,
@@ -140,14 +186,23 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster) -> di
     elif cfg.precision == "fp16":
         ds["fp16"] = {"enabled": True, **FP16_LOSS_SCALER}
     if cfg.optimizer == "adamw":
-        # torch_adam: torch.optim.AdamW instead of FusedAdam, which DeepSpeed compiles at first use
-        # (66 s measured on CPU) and which has no CPU kernel. GPUs keep FusedAdam.
         params = dict(ADAMW)
-        if cluster.gpu.is_cpu:
+        if impl in ("torch_adamw", "torch_adamw_fused"):
+            # torch_adam: torch.optim.AdamW instead of FusedAdam, which DeepSpeed compiles at first use (66 s measured
+            # on CPU; with nvcc only on a GPU) and which has no CPU kernel. DeepSpeed passes the params it does not
+            # pop to torch's constructor (runtime/engine.py get_optimizer_configuration, _configure_basic_optimizer):
+            # `fused` selects torch's fused kernel (torch/optim/adamw.py), CUDA and CPU tensors alike
             params["torch_adam"] = True
+            if impl == "torch_adamw_fused":
+                params["fused"] = True
         ds["optimizer"] = {"type": "AdamW", "params": params}
-    # adamw8bit: bitsandbytes' AdamW8bit is passed to deepspeed.initialize as a client optimizer;
-    # DeepSpeed's config has no type for it (see `autotune export`'s instructions).
+    else:
+        # adamw8bit: bitsandbytes' AdamW8bit is passed to deepspeed.initialize as a client optimizer; DeepSpeed's
+        # config has no type for it (see `autotune export`'s instructions). At ZeRO 1-3 DeepSpeed asserts that a
+        # client optimizer is one it tested (runtime/engine.py _do_optimizer_sanity_check: is_zero_supported_optimizer,
+        # runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS has no bitsandbytes) unless this key says otherwise.
+        if cfg.zero_stage >= 1:
+            ds["zero_allow_untested_optimizer"] = True
     if cfg.ckpt_layers:
         # Which layers are checkpointed is the model's code (torch.utils.checkpoint around the
         # first k blocks); DeepSpeed's section records the count and keeps its own options off.

@@ -1,24 +1,36 @@
-"""One prepared GPU check: everything one GPU can tell about the CUDA path, in a few minutes.
+"""One prepared GPU check: what one GPU can tell about the CUDA path, through the same Ray executor `autotune search`
+uses, in one call of at most 8 minutes, installs included.
 
     python3 benchmarks/gpu_check.py --out DIR                 on a GPU: install, pre-build ops, run
     python benchmarks/gpu_check.py --dry-run --out DIR        anywhere: plan, validate, write the plan
+    python benchmarks/gpu_check.py --dry-run --ray --out DIR  anywhere: also place every trial on a local Ray with
+                                                              the GPU declared and print each rank's plan
     python benchmarks/gpu_check.py --prepare-wheels           here, with the package index (once)
 
-Real trials through the real trial path (autotune.trial.run_trials) of a Llama-style 1.1B model on
-one GPU: ZeRO 0 and 3, bf16 and fp16, no or all layers checkpointed, micro batch 1 and 4, the most
-telling first, plus one micro batch the memory model says cannot fit (it must fail as `oom`, leaving
-no process behind). Per trial, measured beside predicted: the allocator's peaks against the memory
-estimate, samples/s against the cost model, the fp16 loss scale. Results go row by row to
-DIR/gpu_check.csv and DIR/summary.md, so a run cut short keeps what it has. Columns: docs/gpu_check.md.
-Exit code: 0 the checks held (however large an error), 1 a check failed (the first trial did not
-run ok, a trial crashed or timed out, the probe was not CUDA's `oom`, a rank was left), 2 bad input.
+It verifies issue 52's findings (docs/gpu_check.md says how, and what only a real GPU shows):
+  1 the ranks pick DeepSpeed's CUDA accelerator although the driver holds DS_ACCELERATOR=cpu (as ./run exported it);
+  2 FusedAdam where the node can build it, torch's fused AdamW where not (one trial runs the fallback on purpose);
+    the optimizer each trial ran is in its row;
+  4 an offload trial on a 16 GiB cap needs more host RAM than cap + 2 GiB: the guard takes the node's RAM;
+  5 fp16: steps skipped for an overflow are counted apart from the warm-up's and left out of the step time;
+  6 the capacity is the device's total as torch reports it, read by the executor, not the preset's;
+  7 NCCL_* of the driver's shell reach the ranks through Ray's runtime_env; threads from the GPU node;
+  8 the OOM probe ends as `oom` with CUDA's error; no per-phase device sync (the step times show it).
+
+Real trials of a Llama-style 1.1B model on one GPU (TinyLlama's shape), one process group each, placed by
+autotune.executors.ray_executor.RayExecutor as a search places them: the baseline first, then the OOM probe (a micro
+batch the memory model says cannot fit twice over: it must fail as `oom`, leaving no process behind), then the rest,
+most telling first. Per trial, measured beside predicted: the allocator's peaks against the memory estimate,
+samples/s against the cost model, the fp16 loss scale and skipped steps, the optimizer that ran. Results go row by
+row to DIR/gpu_check.csv and DIR/summary.md, so a run cut short keeps what it has. Columns: docs/gpu_check.md.
+Exit code: 0 the checks held (however large an error), 1 a check failed (the first trial did not run ok, a trial
+crashed or timed out, the probe was not CUDA's `oom`, a rank was left), 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import signal
@@ -46,6 +58,13 @@ from autotune.train_config import TrainConfig, check_config  # noqa: E402
 from autotune.trial.record import TrialRequest, TrialResult  # noqa: E402
 from autotune.units import GiB  # noqa: E402
 
+FINDINGS = (
+    "verifies issue 52's findings 1 (ranks pick CUDA though the shell holds DS_ACCELERATOR=cpu), 2 (FusedAdam or "
+    "torch's fused AdamW, both run), 4 (host-RAM guard from the node: an offload trial past its 16 GiB cap), 5 (fp16 "
+    "skipped steps counted apart, not timed), 6 (capacity from the device), 7 (NCCL_* through Ray's runtime_env), 8 "
+    "(CUDA oom classified, no per-phase sync); not 3 (bitsandbytes is not installed here); docs/gpu_check.md"
+)
+"""The check's first printed line (and summary.md's), as the docstring says it."""
 MODEL_SHAPE = dict(
     num_layers=22,
     hidden_size=2048,
@@ -65,27 +84,37 @@ IMPLEMENTATION: str | None = None
 name one here (e.g. "hf") to pin it; model_spec() applies it, the plan reports it."""
 SEQ_LEN = 2048
 """TinyLlama's max_position_embeddings, the context it was pre-trained with."""
-ZERO, PRECISION, MICRO_BATCH = (0, 3), ("bf16", "fp16"), (1, 4)
-"""The axes issue #15 asks for (world size 1); ckpt_layers takes 0 and L (every layer)."""
+TRIALS = (
+    # (zero, precision, checkpointed layers (-1: every one), micro batch, what else, why)
+    (0, "bf16", 0, 1, "", "baseline: the CUDA accelerator, NCCL, the optimizer node 0 can run (findings 1, 2, 7)"),
+    (0, "fp16", 0, 1, "", "fp16: skipped steps counted apart and left out of the step time (finding 5)"),
+    (2, "bf16", -1, 1, "offload", "optimizer offloaded to host RAM past the 16 GiB cap + 2 GiB (finding 4)"),
+    (3, "bf16", 0, 1, "", "ZeRO-3 partitions as it builds"),
+    (0, "bf16", 0, 1, "fallback", "the other optimizer of finding 2 on the same config as the baseline"),
+    (3, "fp16", -1, 4, "", "ZeRO-3 fp16, every layer checkpointed, micro batch 4"),
+    (0, "bf16", -1, 4, "", "every layer checkpointed, micro batch 4"),
+)
+"""The trials after the baseline and the OOM probe, in order: each one a config of its own (world size 1)."""
+OFFLOAD_CAP = "16GiB"
+"""The offload trial's per-device cap (--gpus 1xGPU@16GiB): its host memory, ~17.6 GB of fp32 master, Adam moments and
+fp32 gradients for 1.1B parameters (autotune/memory/host.py) plus the CUDA runtime, is past this cap + 2 GiB, where
+the old RSS guard (the GPU's capacity) killed it as `oom`; the node's RAM is the guard's cap now."""
 OOM_MARGIN = 2.0
 """The OOM probe's micro batch needs at least this multiple of the GPU's memory by the estimate:
 the estimate's GPU error is what this check measures, so the probe must fail even if it is off by
 half; past it the first activations already fail to allocate."""
-GROUP_SIZE = 4
-"""Configs per process group after the first trial and the probe: one spawn (python, torch,
-DeepSpeed, NCCL) per 4 configs, and a run cut short loses at most the group in flight."""
 STEPS, WARMUP_STEPS = 8, 2
 """TrialRequest's defaults are 6 and 2; 8 measured steps cost under 2 s here (the cost model gives
 0.05-0.21 s per step) and give the fp16 loss scale more steps to move."""
-TRIAL_TIMEOUT_S = 180.0
-"""Per config: build + initialize of 1.1B parameters (ZeRO-3 partitions it as it is built) and
-10 steps; generous, so that only a hang reaches it."""
+TRIAL_TIMEOUT_S = 150.0
+"""Per trial: a rank's spawn and imports, build + initialize of 1.1B parameters (ZeRO-3 partitions it as it is built;
+the offload trial first builds DeepSpeed's cpu_adam op) and 10 steps; generous, so that only a hang reaches it."""
 BUDGET_S = 450.0
-"""Issue #15: within 8 minutes (480 s) from a cold start. No group starts after BUDGET_S - MIN_GROUP_S
-= 405 s, and a group of 4 takes about a minute, so the run ends near 8 minutes at worst."""
-MIN_GROUP_S = 45.0
-"""No group starts with less left: its spawn alone (python, torch, DeepSpeed, NCCL) is expected to
-take 10-20 s on a GPU host, its first config as much again."""
+"""Issue #15: within 8 minutes (480 s) from a cold start, installs included. No trial starts after
+BUDGET_S - MIN_TRIAL_S = 420 s, and a trial takes about half a minute, so the run ends near 8 minutes at worst."""
+MIN_TRIAL_S = 30.0
+"""No trial starts with less left: its rank's spawn (python, torch, DeepSpeed) is expected to take 10 s on a GPU
+host, building and stepping the model as much again (expectations: no GPU has run this yet)."""
 DRY_RUN_GPUS = "1xH200"
 """The GPU lent to this project (autotune/data/gpus.yaml has its preset)."""
 
@@ -99,8 +128,13 @@ class Planned:
     role: str
     """'trial', or 'oom_probe': must end as status `oom`."""
     group: int
-    """Configs of one group share one process group (autotune.trial.run_trials)."""
+    """The trial's own process group (one trial per Ray placement, as a search runs them): its order."""
     config: TrainConfig
+    cap: str = ""
+    """A per-device cap for this trial (`@16GiB` of --gpus), empty: the detected one."""
+    optimizer_impl: str | None = None
+    """The optimizer this trial must run (the fallback trial), None: what the executor picks for the node."""
+    why: str = ""
 
 
 def model_spec() -> ModelSpec:
@@ -113,13 +147,6 @@ def implementation(model: ModelSpec) -> str:
     return getattr(model, "implementation", None) or (
         "autotune.impl.builtin.Transformer (autotune's own Llama-style code; ModelSpec has no implementation field yet)"
     )
-
-
-def importance(cfg: TrainConfig, base: TrainConfig) -> tuple:
-    """Fewer changes from the baseline first; among as many, ZeRO before precision, before
-    checkpointing, before micro batch (what the cost and memory models differ on most)."""
-    changed = [getattr(cfg, a) != getattr(base, a) for a in ("zero_stage", "precision", "ckpt_layers", "micro_batch")]
-    return (sum(changed), [not c for c in changed])
 
 
 def oom_micro_batch(model: ModelSpec, cluster: Cluster, base: TrainConfig, limit: int = 4096) -> int:
@@ -144,26 +171,65 @@ def oom_micro_batch(model: ModelSpec, cluster: Cluster, base: TrainConfig, limit
     return mb
 
 
-def plan(model: ModelSpec, cluster: Cluster) -> list[Planned]:
-    """Baseline alone, the OOM probe alone, then the rest by importance in groups of GROUP_SIZE."""
-    base = TrainConfig(zero_stage=0, precision="bf16", ckpt_layers=0, micro_batch=1, seq_len=SEQ_LEN)
-    rest = [
-        TrainConfig(zero_stage=z, precision=p, ckpt_layers=k, micro_batch=mb, seq_len=SEQ_LEN)
-        for z, p, k, mb in itertools.product(ZERO, PRECISION, (0, model.num_layers), MICRO_BATCH)
-    ]
-    rest = sorted((c for c in rest if c != base), key=lambda c: importance(c, base))
+def plan(model: ModelSpec, cluster: Cluster, fused_adam: bool = True) -> list[Planned]:
+    """The baseline, the OOM probe, then TRIALS; `fused_adam`: whether the node runs FusedAdam (then the fallback
+    trial runs torch's fused AdamW; else the fallback is what every trial runs, and that trial is left out)."""
+    L = model.num_layers
+    cfgs = []
+    for zero, precision, k, mb, extra, why in TRIALS:
+        cfg = TrainConfig(
+            zero_stage=zero,
+            precision=precision,
+            ckpt_layers=L if k < 0 else k,
+            micro_batch=mb,
+            seq_len=SEQ_LEN,
+            offload_optimizer=extra == "offload",
+        )
+        if extra == "fallback" and not fused_adam:
+            continue
+        cfgs.append((cfg, extra, why))
+    base = cfgs[0][0]
     probe = dataclasses.replace(base, micro_batch=oom_micro_batch(model, cluster, base))
     out = [
-        Planned(order=0, name=name(base), role="trial", group=0, config=base),
-        Planned(order=1, name="oom-probe-" + name(probe), role="oom_probe", group=1, config=probe),
+        Planned(order=0, name=name(base), role="trial", group=0, config=base, why=cfgs[0][2]),
+        Planned(
+            order=1,
+            name="oom-probe-" + name(probe),
+            role="oom_probe",
+            group=1,
+            config=probe,
+            why="must end as CUDA's oom, no process left (finding 8)",
+        ),
     ]
-    for i, cfg in enumerate(rest):
-        out.append(Planned(order=i + 2, name=name(cfg), role="trial", group=2 + i // GROUP_SIZE, config=cfg))
+    for cfg, extra, why in cfgs[1:]:
+        i = len(out)
+        label = name(cfg) + {"offload": "-offload", "fallback": "-torch-adamw"}.get(extra, "")
+        out.append(
+            Planned(
+                order=i,
+                name=label,
+                role="trial",
+                group=i,
+                config=cfg,
+                cap=OFFLOAD_CAP if extra == "offload" else "",
+                optimizer_impl="torch_adamw_fused" if extra == "fallback" else None,
+                why=why,
+            )
+        )
     return out
 
 
 def name(cfg: TrainConfig) -> str:
     return f"z{cfg.zero_stage}-{cfg.precision}-k{cfg.ckpt_layers}-mb{cfg.micro_batch}"
+
+
+def cluster_of(p: Planned, cluster: Cluster) -> Cluster:
+    """The trial's cluster: the detected one, or it with the trial's own cap (the offload trial's)."""
+    if not p.cap:
+        return cluster
+    return dataclasses.replace(
+        parse_gpus(f"{cluster.gpus_per_node}x{cluster.gpu.name}@{p.cap}"), text=f"{cluster.text}@{p.cap}"
+    )
 
 
 def make_requests(
@@ -173,13 +239,14 @@ def make_requests(
     return [
         TrialRequest(
             model=model,
-            cluster=cluster,
+            cluster=cluster_of(p, cluster),
             config=p.config,
             out_dir=root / "trials" / p.name,
             steps=STEPS,
             warmup_steps=WARMUP_STEPS,
             timeout_s=timeout_s,
             trial_id=p.order,
+            optimizer_impl=p.optimizer_impl,
         )
         for p in trials
     ]
@@ -232,18 +299,21 @@ def planned_entries(trials: list[Planned], model: ModelSpec, cluster: Cluster) -
     """Every trial checked (check_config, DeepSpeed's parser) and priced; raises on the first bad one."""
     out = []
     for p in trials:
-        check_config(p.config, model, cluster)
-        ds = deepspeed_config(p.config, model, cluster)
+        c = cluster_of(p, cluster)
+        check_config(p.config, model, c)
+        ds = deepspeed_config(p.config, model, c, p.optimizer_impl)
         out.append(
             {
                 "order": p.order,
                 "name": p.name,
                 "role": p.role,
                 "group": p.group,
+                "why": p.why,
+                "gpus": c.text,
                 "config": p.config.to_dict(),
                 "deepspeed_config": ds,
-                "parsed": validate(ds, cluster.world_size),
-                **expected(model, cluster, p.config),
+                "parsed": validate(ds, c.world_size),
+                **expected(model, c, p.config),
             }
         )
     return out
@@ -305,84 +375,137 @@ def preset_for(device: str) -> str:
 
 
 def detect_cluster(gpus: str | None) -> Cluster:
-    """--gpus if given, else the GPU torch sees: its preset (by name), with its real memory."""
+    """--gpus if given, else the preset of the GPU torch sees (by its name); its capacity is the executor's to read
+    from the device (finding 6), as it is in a search."""
     if gpus:
         return parse_gpus(gpus)
     import subprocess
 
     # In a child: this process stays without a CUDA context, so the device gauge sees only the ranks.
-    probe = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory); print(p.name)"
+    probe = "import torch; print(torch.cuda.get_device_properties(0).name)"
     seen = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if seen.returncode:
         raise SpecError(f"torch sees no CUDA device (pass --gpus, or --dry-run):\n{seen.stderr[-1000:]}")
-    total, device = seen.stdout.strip().splitlines()[-2:]
-    return parse_gpus(f"1x{preset_for(device)}@{int(total) // 2**20}MiB")
+    return parse_gpus(f"1x{preset_for(seen.stdout.strip().splitlines()[-1])}")
 
 
 def preflight(args) -> dict:
-    """Install from the wheels, then pre-build DeepSpeed's ops; each timed and printed."""
-    env = setup.install(args.wheels)
-    if os.environ.get("DS_ACCELERATOR") == "cpu":  # ./run's default: the ranks must pick CUDA
-        del os.environ["DS_ACCELERATOR"]
-    setup.put_scripts_on_path()  # inherited by the ranks
-    return env | setup.prebuild_ops()
+    """Install from the wheels, then pre-build DeepSpeed's FusedAdam where it can be built; each timed and printed.
+    Nothing of the environment is fixed up: the trials run in what the executor gives them."""
+    return setup.install(args.wheels) | setup.prebuild_ops()
+
+
+def start_executor(cluster: Cluster, dry_run: bool = False):
+    """The executor `autotune search` starts for this cluster (autotune.executors.make): a local Ray cluster, the
+    nodes asked what they can run, the devices read (finding 6), the capacity taken from them."""
+    from autotune.executors import make
+
+    return make("ray", cluster, dry_run=dry_run)
+
+
+def ray_runner(ex) -> Callable[[list[TrialRequest]], list[TrialResult]]:
+    """Trials through the executor, one at a time (one GPU), each placed, run and collected as the search does."""
+
+    def run(requests: list[TrialRequest]) -> list[TrialResult]:
+        out = []
+        for req in requests:
+            ticket = ex.submit(req)
+            done: dict = {}
+            while ticket not in done:
+                done.update(ex.wait_any())
+            out.append(done[ticket])
+        return out
+
+    return run
 
 
 def run(
     args,
     runner: Callable[[list[TrialRequest]], list[TrialResult]] | None = None,
     prepare: Callable[[argparse.Namespace], dict] = preflight,
+    executor: Callable[[Cluster], object] | None = start_executor,
 ) -> int:
-    """Preflight, then the plan group by group; rows written as each group ends. `runner`
-    (autotune.trial.run_trials) and `prepare` are replaced only by the tests."""
+    """Preflight, the executor, then the plan trial by trial; rows written as each trial ends. `runner`,
+    `prepare` and `executor` are replaced only by the tests (executor None: none is started)."""
     t0 = time.monotonic()
+    print(f"[gpu-check] {FINDINGS}", flush=True)
+    # finding 1: the driver's shell as ./run left it before the fix; the ranks must pick CUDA whatever it holds
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    # finding 7: a setting of the driver's shell that must reach the ranks (through Ray's runtime_env)
+    os.environ.setdefault("NCCL_DEBUG", "WARN")
     env = prepare(args)
     cluster, model = detect_cluster(args.gpus), model_spec()
-    trials = plan(model, cluster)
-    listed = planned_entries(trials, model, cluster)
-    write_plan(args.out, listed, model, cluster)
-    entries = {e["name"]: e for e in listed}
-    if runner is None:
-        from autotune.trial import run_trials as runner
-    head = {
-        "model": model.describe(),
-        "implementation": implementation(model),
-        "gpus": f"{cluster.describe()} (--gpus {cluster.text})",
-        **env,
-    }
-    rows, gauge = [], Gauge()
-    for group in sorted({p.group for p in trials}):
-        todo = [p for p in trials if p.group == group]
-        left = args.budget_s - (time.monotonic() - t0)
-        if left < MIN_GROUP_S:
-            rows += rows_for(todo, [None] * len(todo), entries, {}, f"not run: {left:.0f} s of the budget left")
-            continue
-        print(f"[gpu-check] group {group}: {', '.join(p.name for p in todo)}", flush=True)
-        with gauge:
-            results = runner(make_requests(todo, model, cluster, args.out, timeout_s=min(TRIAL_TIMEOUT_S, left)))
-        stray = leftover(args.out)
-        rows += rows_for(todo, results, entries, {**gauge.reading(), "processes_left": len(stray)}, "")
-        write_summary(args.out, head, rows, time.monotonic() - t0)
-        if group == 0 and results[0].status != "ok":
-            rows += rows_for(
-                [p for p in trials if p.group],
-                [None] * (len(trials) - 1),
-                entries,
-                {},
-                "not run: the first trial failed, and every other trial builds on it",
-            )
-            break
+    ex = executor(cluster) if executor is not None else None
+    try:
+        fused = True
+        if ex is not None:
+            cluster = ex.cluster  # the capacity the device reports (finding 6)
+            fused = not cluster.gpu.is_cpu and all(f.get("fused_adam") for f in ex.node_facts.values())
+            env |= {"executor_notes": "; ".join(ex.notes)}
+            print("[gpu-check] " + "\n[gpu-check] ".join(ex.notes), flush=True)
+            runner = runner or ray_runner(ex)
+        trials = plan(model, cluster, fused_adam=fused)
+        listed = planned_entries(trials, model, cluster)
+        write_plan(args.out, listed, model, cluster)
+        entries = {e["name"]: e for e in listed}
+        head = {
+            "checks": FINDINGS,
+            "model": model.describe(),
+            "implementation": implementation(model),
+            "gpus": f"{cluster.describe()} (--gpus {cluster.text})",
+            **env,
+        }
+        rows, gauge = [], Gauge()
+        for p in trials:
+            left = args.budget_s - (time.monotonic() - t0)
+            if left < MIN_TRIAL_S:
+                rows += rows_for([p], [None], entries, {}, f"not run: {left:.0f} s of the budget left")
+                continue
+            print(f"[gpu-check] trial {p.order}: {p.name} ({p.why})", flush=True)
+            with gauge:
+                results = runner(make_requests([p], model, cluster, args.out, timeout_s=min(TRIAL_TIMEOUT_S, left)))
+            stray = leftover(args.out)
+            rows += rows_for([p], results, entries, {**gauge.reading(), "processes_left": len(stray)}, "")
+            if p.order == 0:  # findings 1 and 7: what the rank says it started with (autotune/trial/worker.py)
+                log = args.out / "trials" / p.name / "log.txt"
+                said = [ln for ln in log.read_text().splitlines() if "ready in" in ln] if log.exists() else []
+                head["rank 0 started with"] = said[0].split("; ", 1)[-1] if said else "(no ready line in its log)"
+            write_summary(args.out, head, rows, time.monotonic() - t0)
+            if p.order == 0 and results[0].status != "ok":
+                rest = [q for q in trials if q.order]
+                note = "not run: the first trial failed, and every other trial builds on it"
+                rows += rows_for(rest, [None] * len(rest), entries, {}, note)
+                break
+    finally:
+        if ex is not None:
+            ex.close()
     write_summary(args.out, head, rows, time.monotonic() - t0)
     print(f"[gpu-check] {len(rows)} rows in {args.out / 'gpu_check.csv'}, {time.monotonic() - t0:.0f} s", flush=True)
     return int(any(r["check"] == "FAIL" for r in rows) or rows[0]["status"] != "ok")
+
+
+def dry_run_on_ray(args, model: ModelSpec, cluster: Cluster) -> int:
+    """Every planned trial through the executor's dry run: a local Ray with the GPU declared, each trial placed and
+    its rank started with its environment, stopped before the first CUDA call; the rank plans printed."""
+    ex = start_executor(cluster, dry_run=True)
+    try:
+        trials = plan(model, cluster, fused_adam=all(f.get("fused_adam") for f in ex.node_facts.values()))
+        results = ray_runner(ex)(make_requests(trials, model, cluster, args.out))
+        print(ex.dry_run_text())
+    finally:
+        ex.close()
+    return int(any(r.status != "dry-run" for r in results))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="folder for the plan or the results ($OUT on the GPU machine)")
     ap.add_argument("--dry-run", action="store_true", help="plan and validate every config; no GPU, no trial")
+    ap.add_argument(
+        "--ray", action="store_true", help="with --dry-run: place every trial on a local Ray (GPU declared)"
+    )
     ap.add_argument("--gpus", help=f"cluster, as autotune's --gpus (dry run: {DRY_RUN_GPUS}; GPU run: detected)")
-    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="no group starts past this (seconds)")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="no trial starts past this (seconds)")
     ap.add_argument("--wheels", type=Path, default=setup.WHEEL_DIR, help="wheel folder (default %(default)s)")
     ap.add_argument("--prepare-wheels", action="store_true", help="fill --wheels from the index (run here)")
     ap.add_argument("--install", action="store_true", help="only install from --wheels (run on the GPU machine)")
@@ -404,10 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         if not args.dry_run:
-            # A SIGTERM (a time limit) unwinds like Ctrl-C: run_trials kills its ranks, rows stay written.
+            # A SIGTERM (a time limit) unwinds like Ctrl-C: the executor kills its ranks, rows stay written.
             signal.signal(signal.SIGTERM, signal.default_int_handler)
             return run(args)
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # validation only: no device is touched
         t0 = time.monotonic()
         model, cluster = model_spec(), parse_gpus(args.gpus or DRY_RUN_GPUS)
         entries = planned_entries(plan(model, cluster), model, cluster)
@@ -417,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(entries)} trials planned, every DeepSpeed config parsed, in {time.monotonic() - t0:.1f} s; "
             f"plan in {args.out / 'plan.md'}"
         )
-        return 0
+        return dry_run_on_ray(args, model, cluster) if args.ray else 0
     except SpecError as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2

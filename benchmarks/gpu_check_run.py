@@ -46,9 +46,12 @@ COLUMNS = [
     "step_time_s",
     "sim_step_time_s",
     "mfu",
+    "optimizer_impl",
     "loss_scale_initial",
     "loss_scale_final",
     "overflow_count",
+    "warmup_overflow_count",
+    "skipped_steps",
     "losses",
     "wall_s",
     "processes_left",
@@ -62,7 +65,9 @@ SHOWN = [
     ("max_reserved_gib", "reserved", "{:.2f}"),
     ("samples_per_s", "samples/s", "{:.2f}"),
     ("sim_samples_per_s", "sim", "{:.2f}"),
+    ("optimizer_impl", "optimizer", "{}"),
     ("loss_scale_final", "scale", "{:g}"),
+    ("overflow_count", "skipped", "{}"),
 ]
 
 
@@ -157,6 +162,9 @@ def measured(res, cfg, group_reserved: int | None, extra: dict) -> dict:
         "loss_scale_initial": 2.0 ** FP16_LOSS_SCALER["initial_scale_power"] if cfg.precision == "fp16" else None,
         "loss_scale_final": res.loss_scale,
         "overflow_count": res.overflow_count,
+        "warmup_overflow_count": res.warmup_overflow_count,
+        "skipped_steps": ";".join(map(str, res.skipped_steps)),
+        "optimizer_impl": res.optimizer_impl,
         "losses": ";".join(f"{x:.4g}" for x in res.losses),
         "wall_s": res.wall_s,
     }

@@ -91,21 +91,26 @@ def test_waiting_on_a_running_trial_leaves_the_cores_to_its_ranks(tmp_path):
     one, out = parse_gpus("1xcpu"), tmp_path / "hang"
     ex = RayExecutor(one, num_cpus=2)
     try:
-        # The trial's timeout leaves room for the wait below: on a loaded machine its rank took over 8 s to
-        # reach the hang, and a 10 s timeout then ended it inside the 2 s wait (a full-suite run of 2026-12-06).
-        ticket = ex.submit(request(one, out, fault="hang", timeout_s=30.0))
-        log, end = out / "log.txt", time.monotonic() + 25
-        while not (log.exists() and "injected hang" in log.read_text()) and time.monotonic() < end:
-            time.sleep(0.2)  # placed, and its rank past the warm-up step
-        assert log.exists() and "injected hang" in log.read_text(), "the trial's rank did not reach the hang in 25 s"
+        # No wall clock decides when the rank is ready: the test waits on the rank's own signal (its "injected hang"
+        # line), for as long as the trial itself lives. A fresh clone's loaded machine took 19.2 s to get there, past
+        # the 25 s this wait once allowed less the placement (issue 49); the trial's timeout leaves the rank all the
+        # time it needs, and ends the trial only after the hang has been seen.
+        ticket = ex.submit(request(one, out, fault="hang", timeout_s=300.0))
+        log = out / "log.txt"
+        while not (log.exists() and "injected hang" in log.read_text()):
+            ended = ex.wait_any(timeout_s=0.2)  # returns at once if the trial ended before its rank hung
+            assert not ended, f"the trial ended before its rank reached the hang: {ended[0][1].reason}"
         cpu, wall = time.process_time(), time.monotonic()
         assert ex.wait_any(timeout_s=2.0) == []
         cpu, wall = time.process_time() - cpu, time.monotonic() - wall
         assert wall >= 1.9 and cpu < 0.2 * wall, (cpu, wall)
-        results, _ = wait_all(ex, 1, limit_s=60)
-        assert results[ticket].status == "timeout"
+        assert len(ranks_of(out)) == 1  # still hanging: closing the executor ends it
     finally:
         ex.close()
+    end = time.monotonic() + 10  # the rank dies with its Ray worker (worker.die_with_parent)
+    while ranks_of(out) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not ranks_of(out) and ticket
 
 
 @pytest.fixture(scope="class")

@@ -98,6 +98,14 @@ def register(sub) -> None:
         help="trials that may run at once on the same devices (default 1: each trial has its "
         "cores to itself, so its samples/s do not depend on what else runs; a continued study: its own)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="place the first trials with Ray and start their ranks, which stop before the first CUDA call; print each "
+        "rank's plan (environment, DeepSpeed accelerator, backend, optimizer, threads). Nothing is measured or stored. "
+        "Without --ray-address the local Ray cluster has --gpus declared; --n-trials sets how many trials (default: one "
+        "per slot)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -135,12 +143,18 @@ def run(args: argparse.Namespace) -> int:
         exhaustive=args.exhaustive,
         tolerance=tolerance,
         n_trials=args.n_trials,
+        dry_run=args.dry_run,
     )
     study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
     print(f"executor: {session.how}")
     for line in session.notes:  # a study continued, and with which settings
         print(line)
+    if args.dry_run:
+        with session:
+            session.run(timeout_s=timeout_s, progress=False)
+            print(session.executor.dry_run_text())
+        return 0
     try:
         with session:
             _print_plan(session.search, study.study_name, session.inputs.space.path)

@@ -44,9 +44,50 @@ def devices_present(cluster: Cluster) -> tuple[bool, str]:
     return True, f"{n} x {props.name} here"
 
 
-def choose(kind: str, cluster: Cluster, ray_address: str | None) -> tuple[Kind, str]:
+RAY_CONNECT_S = 5.0
+"""How long a --ray-address may take to accept a TCP connection. Ray's own client retries for about 20 s, printing a
+gcs_client warning each time, then raises ConnectionError (measured: 22 s and ~20 lines for 127.0.0.1:1)."""
+
+
+def check_reachable(address: str, timeout_s: float = RAY_CONNECT_S) -> None:
+    """SpecError (exit 2) at once when nothing accepts connections at `address` (HOST:PORT, or ray://HOST:PORT of Ray
+    Client); "auto" and other forms are left to Ray."""
+    import socket
+
+    text = address.strip()
+    rest = text.split("://", 1)[1] if "://" in text else text
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        if text in ("auto", "local") or "://" in text:
+            return
+        raise SpecError(f"--ray-address {address!r}: expected HOST:PORT of the Ray head node (e.g. 10.0.0.1:6379)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        raise SpecError(
+            f"--ray-address {address}: cannot reach a Ray cluster there ({why.lower()}); start one "
+            f"with `ray start --head` on that machine, or check the host and port (the head's GCS port, 6379 by default)"
+        ) from None
+
+
+def choose(kind: str, cluster: Cluster, ray_address: str | None, dry_run: bool = False) -> tuple[Kind, str]:
     """Which executor ("ray" or "simulated") for `kind` (auto, ray, simulated), and a sentence saying
-    which and why; starts nothing."""
+    which and why; starts nothing. A `dry_run` is Ray's (the ranks' plans, nothing measured): on a local Ray with the
+    cluster's GPUs declared when no --ray-address is given."""
+    if ray_address:
+        check_reachable(ray_address)
+    if dry_run:
+        if kind == "simulated":
+            raise SpecError("--dry-run shows what the Ray executor's ranks would run with: use --executor ray or auto")
+        where = (
+            f"the Ray cluster at {ray_address}"
+            if ray_address
+            else "a local Ray instance"
+            + ("" if cluster.gpu.is_cpu else f" with {cluster.gpus_per_node} GPU(s) per node declared")
+        )
+        return "ray", f"ray, DRY RUN on {where}: trials are placed and their ranks started, nothing is measured"
     here, why = devices_present(cluster)
     if ray_address and not here:
         why = f"{cluster.describe()} expected from the Ray cluster"
@@ -69,12 +110,14 @@ def choose(kind: str, cluster: Cluster, ray_address: str | None) -> tuple[Kind, 
     return "simulated", f"simulated: the throughput cost model ({why})"
 
 
-def make(kind: Kind, cluster: Cluster, ray_address: str | None = None, concurrent_trials: int = 1):
+def make(
+    kind: Kind, cluster: Cluster, ray_address: str | None = None, concurrent_trials: int = 1, dry_run: bool = False
+):
     """Start the executor `choose` picked."""
     if kind == "ray":
         from autotune.executors.ray_executor import RayExecutor
 
-        return RayExecutor(cluster, ray_address=ray_address, concurrent_trials=concurrent_trials)
+        return RayExecutor(cluster, ray_address=ray_address, concurrent_trials=concurrent_trials, dry_run=dry_run)
     from autotune.executors.simulated import SimulatedExecutor
 
     # As many in flight as the search would run on the GPUs: the stopping rule reads each result before it

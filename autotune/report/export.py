@@ -14,7 +14,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.deepspeed_config import ADAMW, deepspeed_config
+from autotune.deepspeed_config import ADAMW, OPTIMIZER_IMPLS, deepspeed_config, default_optimizer_impl
 from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
@@ -58,7 +58,10 @@ def export(
     model, cluster, _ = st.specs_of(study)
     record = st.record_of(trial)
     cfg = record.config
-    ds = deepspeed_config(cfg, model, cluster)
+    # the optimizer code the trial ran (FusedAdam, or torch's fused AdamW where FusedAdam could not be built): the
+    # same JSON as the trial's, through the same function; a study from before it was recorded gets the default
+    impl = (record.result.optimizer_impl if record.result else "") or default_optimizer_impl(cfg, cluster)
+    ds = deepspeed_config(cfg, model, cluster, impl)
     out = Path(out)
     # every output is made first, then written whole or not at all (write_all)
     files = [(out, json.dumps(ds, indent=2) + "\n")]
@@ -66,6 +69,8 @@ def export(
     head = (
         f"wrote {out}: trial {trial.number} of study {study.study_name} ({cfg.short()}), "
         f"{speed_text(record, trial.value, objective(study))} ({source}, model code {model.code_name})"
+        f"\noptimizer: {OPTIMIZER_IMPLS[impl]}"
+        + ("" if record.result and record.result.optimizer_impl else " (the default: the trial did not record its own)")
     )
     if cfg.method != "full":
         lora_path = lora_config_path(out)

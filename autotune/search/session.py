@@ -53,6 +53,9 @@ class SearchSession:
     """How it searches: the study's settings, with those given replacing them (open_search)."""
     notes: list[str] = field(default_factory=list)
     """Lines to show before it runs: a study continued, and with which settings (open_search)."""
+    dry_run: bool = False
+    """A dry run (open_search(dry_run=True)): its study lives in memory only; `run` stops after one trial per slot
+    unless n_trials says otherwise."""
 
     def run(self, *, n_trials: int | None = None, timeout_s: float | None = None, progress: bool = True) -> Summary:
         """Search until the stopping rule (or every feasible group, exhaustive), the study's n_trials (`n_trials`
@@ -61,9 +64,12 @@ class SearchSession:
             _check_positive(n_trials=n_trials)
             self.settings = dataclasses.replace(self.settings, n_trials=n_trials)
             st.store_settings(self.study, self.settings)
+        limit = self.settings.n_trials
+        if self.dry_run and limit is None:
+            limit = max(1, self.executor.slots())
         ended = False
         try:
-            summary = self.search.run(n_trials=self.settings.n_trials, timeout_s=timeout_s, progress=progress)
+            summary = self.search.run(n_trials=limit, timeout_s=timeout_s, progress=progress)
             ended = True
             return summary
         finally:
@@ -229,6 +235,7 @@ def open_search(
     exhaustive: bool | None = None,
     tolerance: float | None = None,
     n_trials: int | None = None,
+    dry_run: bool = False,
 ) -> SearchSession:
     """Open a new search, or continue an existing study; bad input raises SpecError before anything starts.
 
@@ -240,7 +247,14 @@ def open_search(
     None) replaces the study's from then on, and `SearchSession.notes` says so; None keeps the study's (a new
     study: the defaults). `exhaustive`: run every feasible group; else stop when no unrun candidate can beat the
     best by more than `tolerance` (a fraction; autotune/search/stopping.py). `n_trials` counts runs over the
-    whole study."""
+    whole study. `dry_run`: the Ray executor places the trials and starts their ranks, which stop before the first
+    CUDA call (autotune/executors/ray_executor.py); the study is kept in memory, never in the storage, and the rank
+    plans go to trials/NAME/dry-run/, so a real study of that name is not touched."""
+    if dry_run and resume:
+        raise SpecError(
+            "--dry-run reads and writes no study: drop --resume (a dry run of the same model and GPUs shows "
+            "the trials a search would start)"
+        )
     _check_positive(seq_len=seq_len, global_batch=global_batch, concurrent_trials=concurrent_trials, n_trials=n_trials)
     asked = executor
     if tolerance is not None and not 0 <= tolerance < 1:
@@ -279,8 +293,12 @@ def open_search(
             raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
         inputs = Inputs(spec, cluster, seq_len or default_seq_len(spec), global_batch, load_space(space))
         name = study or st.default_name(spec, inputs.cluster)
-        kind_here, _ = executors.choose(executor, inputs.cluster, ray_address)  # starts nothing, creates nothing
-        opened = st.existing_study(name, storage)  # before starting Ray: a bad name, folder or storage fails fast
+        kind_here, _ = executors.choose(executor, inputs.cluster, ray_address, dry_run)  # starts nothing
+        if dry_run:  # it reads no study
+            st.check_name(name)
+            opened = None
+        else:  # before starting Ray: a bad name, folder or storage fails fast
+            opened = st.existing_study(name, storage)
         if opened is not None:
             differ = _conflicts(
                 opened, inputs, objective or "samples", "measured" if kind_here == "ray" else "simulated"
@@ -304,13 +322,33 @@ def open_search(
         notes += said
     else:
         settings = st.Settings(**given_settings)
-    kind, how = executors.choose(executor, inputs.cluster, ray_address)  # starts nothing, creates nothing
+    kind, how = executors.choose(executor, inputs.cluster, ray_address, dry_run)  # starts nothing, creates nothing
     if opened is not None and kind == "simulated" and asked == "auto":
         auto, said = executors.choose("auto", inputs.cluster, ray_address)
         how = said if auto == kind else how  # a continued study's line as its first search's (SIMULATED, ...)
-    ex = executors.make(kind, inputs.cluster, ray_address, settings.concurrent_trials)
+    ex = executors.make(kind, inputs.cluster, ray_address, settings.concurrent_trials, dry_run=dry_run)
     try:
-        if opened is None:
+        if getattr(ex, "cluster", inputs.cluster) != inputs.cluster:  # the capacity the cluster's devices report
+            inputs = dataclasses.replace(inputs, cluster=ex.cluster)
+        if dry_run:
+            opened = optuna.create_study(
+                study_name=name, storage=optuna.storages.InMemoryStorage(), direction="maximize"
+            )
+            opened.set_user_attr(
+                st.ATTR,
+                st.study_attrs(
+                    inputs.model,
+                    inputs.cluster,
+                    seq_len=inputs.seq_len,
+                    global_batch=inputs.global_batch,
+                    space_text=inputs.space.text,
+                    space_path=inputs.space.path,
+                    source=ex.source,
+                    objective=objective or "samples",
+                    settings=settings,
+                ),
+            )
+        elif opened is None:
             attrs = st.study_attrs(
                 inputs.model,
                 inputs.cluster,
@@ -340,8 +378,9 @@ def open_search(
             objective=objective or "samples",
             exhaustive=settings.exhaustive,
             tolerance=settings.tolerance,
+            out_root=st.study_dir(name) / "dry-run" if dry_run else None,
         )
     except BaseException:
         ex.close()
         raise
-    return SearchSession(opened, inputs, ex, how, search, correction, settings, notes)
+    return SearchSession(opened, inputs, ex, how, search, correction, settings, notes, dry_run)

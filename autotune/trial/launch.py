@@ -43,6 +43,10 @@ RSS_ALLOWANCE_BYTES = 2 * GiB
 """Hard guard: a rank whose resident memory exceeds the cap plus this is killed as `oom`. The
 runtime itself (Python, torch, DeepSpeed, gloo) is ~0.25 GiB resident after import (measured:
 psutil rss after `import torch, deepspeed`); the rest is headroom for the allocator's cache."""
+EXPORT_PREFIXES = ("NCCL", "PYTHON", "MV2", "UCX", "MLFLOW")
+"""Variables of the driver's shell that reach every rank on every node, as DeepSpeed's launcher exports them
+(deepspeed/launcher/runner.py EXPORT_ENVS + the CUDA accelerator's export_envs(): NCCL), plus the lines of
+`.deepspeed_env` (DEEPSPEED_ENVIRONMENT_PATHS: the home folder, then the current one; DS_ENV_FILE renames it)."""
 POLL_S = 0.5
 LEAK_TOLERANCE_BYTES = 64 * 1024
 """Growth of the per-step peak (or end-of-step live bytes) that flags a leak. Measured: on CPU the
@@ -86,6 +90,33 @@ def loopback_interface() -> str:
     return "lo"
 
 
+def exported_env(environ: dict[str, str] | None = None, cwd: Path | None = None) -> dict[str, str]:
+    """What the driver sends to every rank of every node (EXPORT_PREFIXES, `.deepspeed_env`); the Ray executor gives it
+    to Ray as the job's runtime_env, so that a remote node's workers, started by another shell, have it too."""
+    environ = os.environ if environ is None else environ
+    out = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES)}
+    name = environ.get("DS_ENV_FILE", ".deepspeed_env")
+    for folder in (Path.home(), cwd or Path.cwd()):  # runner.py: later files win, as its add_export calls do
+        path = folder / name
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                if "=" in line and not line.lstrip().startswith("#"):
+                    key, value = line.split("=", 1)
+                    out[key.strip()] = value.strip()
+    return out
+
+
+def rss_cap(cluster, local_ranks: int, node_ram_bytes: int | None = None) -> int:
+    """The resident-memory cap of one rank (the hard guard adds RSS_ALLOWANCE_BYTES). CPU ranks: the per-rank cap the
+    trial is measured against (their device is the host). GPU ranks: this node's RAM shared by its ranks, whatever
+    the GPU holds: offloaded states live in host RAM (about 16 B per parameter per rank with offload_optimizer,
+    autotune/memory/host.py), and device memory is no part of a process's RSS."""
+    if cluster.gpu.is_cpu:
+        return cluster.capacity_bytes
+    ram = node_ram_bytes or psutil.virtual_memory().total
+    return max(1, ram // max(1, local_ranks) - RSS_ALLOWANCE_BYTES)
+
+
 def prepare(req: TrialRequest) -> None:
     """The trial's folder with the configs it will run; stale per-rank files removed."""
     out = Path(req.out_dir)
@@ -93,7 +124,7 @@ def prepare(req: TrialRequest) -> None:
     for old in [*out.glob("rank*.json"), out / "log.txt", out / "result.json"]:
         old.unlink(missing_ok=True)
     (out / "deepspeed_config.json").write_text(
-        json.dumps(deepspeed_config(req.config, req.model, req.cluster), indent=2)
+        json.dumps(deepspeed_config(req.config, req.model, req.cluster, req.optimizer_impl), indent=2)
     )
     config = {
         "config": req.config.to_dict(),
@@ -110,6 +141,8 @@ def prepare(req: TrialRequest) -> None:
         "timeout_s": req.timeout_s,
         "fault": req.fault,
         "trial_id": req.trial_id,
+        "optimizer_impl": req.optimizer_impl,
+        "dry_run": req.dry_run,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
@@ -128,11 +161,13 @@ class Group:
         master_port: int,
         threads: int | None,
         local_only: bool = False,
+        gpu_ids: list[str] | None = None,
     ):
         self.requests, self.events = requests, queue.Queue()
         cluster = requests[0].cluster
         # One node runs gpus_per_node ranks of a multi-node trial; alone, it runs them all.
         self.local = cluster.gpus_per_node if num_nodes > 1 else cluster.world_size
+        self.rss_cap = rss_cap(cluster, self.local)
         world = cluster.world_size
         payload = Path(requests[start].out_dir, "payload.pkl")
         payload.write_bytes(pickle.dumps(requests))
@@ -162,10 +197,18 @@ class Group:
                 "AUTOTUNE_THREADS": str(threads),
                 "OMP_NUM_THREADS": str(threads),
                 "AUTOTUNE_PARENT_PID": str(os.getpid()),
+                "AUTOTUNE_RSS_CAP": str(self.rss_cap),
                 "PYTHONUNBUFFERED": "1",
+                # DeepSpeed's accelerator by the cluster, never inherited: a DS_ACCELERATOR=cpu left in the shell
+                # (./run exported it) would make the engine's device `cpu` beside a CUDA batch and NCCL
+                # (deepspeed/accelerator/real_accelerator.py get_accelerator reads the variable before it detects)
+                "DS_ACCELERATOR": "cpu" if cluster.gpu.is_cpu else "cuda",
             }
-            if cluster.gpu.is_cpu:
-                env["DS_ACCELERATOR"] = "cpu"
+            if gpu_ids is not None:
+                # The GPUs Ray gave this node's task (ray.get_gpu_ids()), one per local rank, which selects its own with
+                # LOCAL_RANK; as Ray Train gives a node's workers the union of their GPU ids
+                # (ray/train/_internal/backend_executor.py _share_cuda_visible_devices)
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
             if local_only:
                 # The store is the launcher's (loopback_store). gloo's and NCCL's own sockets go on the loopback
                 # interface too: left alone, gloo binds the address the host name resolves to (torch's
@@ -293,6 +336,7 @@ def run_node(
     master_port: int | None = None,
     threads: int | None = None,
     fresh: bool = True,
+    gpu_ids: list[str] | None = None,
 ) -> list[NodeOutcome]:
     """Run `requests` on this node's ranks; one NodeOutcome per config.
 
@@ -300,15 +344,18 @@ def run_node(
     the next config. Several nodes: no restart (the other nodes cannot follow); what is left is
     recorded as not run. `fresh`: write each trial's folder anew (prepare); False when the caller
     (the Ray driver) has done so already. `master_addr`/`master_port` are rank 0's, for several nodes;
-    one node always meets on 127.0.0.1 (loopback_store).
+    one node always meets on 127.0.0.1 (loopback_store). `gpu_ids`: the node's GPUs Ray assigned (None: as
+    CUDA_VISIBLE_DEVICES is here). A request without its optimizer_impl gets this node's (autotune.trial.ops).
     """
+    if fresh:
+        requests = [with_optimizer(r) for r in requests]
     if num_nodes == 1 and len(runs := _parallel_runs(requests)) > 1:
         # DeepSpeed keeps its tensor-parallel groups for the life of the process (utils/groups.py
         # _init_tp_mesh_device returns early once _TENSOR_MODEL_PARALLEL_GROUP is set, and ZeRO then uses
         # its data-parallel group), and its Ulysses groups too (sequence_parallel/parallel_state_sp.py keeps them
         # in module globals, and transformers' ALL_ATTENTION_FUNCTIONS keeps the wrapped attention): each
         # (tp, sp) degree runs in a process group of its own.
-        return [o for run in runs for o in run_node(run, threads=threads, fresh=fresh)]
+        return [o for run in runs for o in run_node(run, threads=threads, fresh=fresh, gpu_ids=gpu_ids)]
     for req in requests:
         if fresh:
             prepare(req)
@@ -332,6 +379,7 @@ def run_node(
             master_port=port,
             threads=threads,
             local_only=store is not None,
+            gpu_ids=gpu_ids,
         )
         try:
             i = _watch(group, requests, i, outcomes)
@@ -387,9 +435,22 @@ def _watch(group: Group, requests: list[TrialRequest], i: int, outcomes: list) -
                 f"{f', still alive: {left}' if left else ', no process left'}"
             )
             return _record(requests, i, outcomes, "timeout", reason, t - t_ready)
-        if i < n and event is None and (guard := group.rss_over(requests[i].cluster.capacity_bytes)):
+        if i < n and event is None and (guard := group.rss_over(group.rss_cap)):
             group.kill()
             return _record(requests, i, outcomes, "oom", guard, t - t_ready)
+
+
+def with_optimizer(req: TrialRequest) -> TrialRequest:
+    """`req` with the optimizer code this node runs it with, when it names none (autotune.trial.ops: found out once
+    per process); SpecError (exit 2) for 8-bit AdamW without bitsandbytes."""
+    if req.optimizer_impl is not None:
+        return req
+    import dataclasses
+
+    from autotune.trial import ops
+
+    facts = [ops.node_facts(not req.cluster.gpu.is_cpu)]
+    return dataclasses.replace(req, optimizer_impl=ops.optimizer_impl(req.config, req.cluster, facts))
 
 
 def _failure(req: TrialRequest, group: Group, lr: int, code: int) -> tuple[str, str, int]:
@@ -460,11 +521,35 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
         out_dir=str(req.out_dir),
         implementation=req.model.code_name,
         wall_s=outcome.wall_s + outcome.timings_s.get("exit_s", 0.0),
+        optimizer_impl=req.optimizer_impl or "",
     )
+    if req.dry_run:
+        res.rank_plans = {str(r): d.plan for r, d in sorted(outcome.ranks.items())}
+        if status == "ok":
+            res.status, res.source = "dry-run", "dry-run"
+            res.reason = "dry run: placed and started, stopped before the first CUDA call; nothing measured"
+        return res
+    # fp16: a step DeepSpeed skipped for an overflow made no update, so it is faster than a real one: left out of the
+    # step time, counted apart from the warm-up's (runtime/engine.py _take_model_step: skipped_steps += 1 on overflow)
+    skipped = r0.step_skipped[req.warmup_steps :] if r0.step_skipped else []
+    if r0.step_skipped:
+        res.skipped_steps = [i for i, s in enumerate(skipped) if s]
+        res.overflow_count = len(res.skipped_steps)
+        res.warmup_overflow_count = sum(r0.step_skipped[: req.warmup_steps])
+        res.step_loss_scales = r0.step_loss_scales
     timed = [d.step_times_s for d in ranks if d.step_times_s]
     if timed and len(timed) == len(ranks):
         cfg, world = req.config, req.cluster.world_size
-        times = [max(ts) for ts in zip(*timed)]  # a step ends when its slowest rank does
+        every = [max(ts) for ts in zip(*timed)]  # a step ends when its slowest rank does
+        times = [t for i, t in enumerate(every) if not (i < len(skipped) and skipped[i])]
+        if not times:
+            if res.status == "ok":
+                res.status = "diverged"
+                res.reason = (
+                    f"fp16: DeepSpeed skipped every measured step for an overflow (loss scale {r0.loss_scale} at the "
+                    f"end): no update was timed"
+                )
+            times = every
         res.step_time_s = statistics.median(times)
         res.step_time_spread_s = max(times) - min(times)
         # the tp (or sp) ranks of a group train one micro batch: samples come from the world / (tp x sp)
@@ -481,7 +566,7 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
             per_token = model_flops_per_token(req.model, cfg, req.model.implementation)
         res.tflops = per_token * res.tokens_per_s / world / TFLOPS
         res.mfu = res.tflops * TFLOPS / peak if peak else None
-        res.overhead_s = res.wall_s - sum(times)
+        res.overhead_s = res.wall_s - sum(every)
     if ranks and all(d.peak_bytes is not None for d in ranks):
         res.peak_bytes_per_rank = [d.peak_bytes for d in ranks]
         res.peak_bytes = max(res.peak_bytes_per_rank)
@@ -491,7 +576,9 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
     res.leak = leaks(res.step_peak_bytes, res.step_end_bytes)
     res.phase_peak_bytes, res.baseline_bytes = r0.phase_peak_bytes, r0.baseline_bytes
     res.reserved_bytes = max((d.reserved_bytes or 0 for d in ranks), default=0) or None
-    res.losses, res.loss_scale, res.overflow_count = r0.losses, r0.loss_scale, r0.overflow_count
+    res.losses, res.loss_scale = r0.losses, r0.loss_scale
+    if not r0.step_skipped:
+        res.overflow_count = r0.overflow_count
     res.timings_s = _timings(outcome, r0)
     return res
 

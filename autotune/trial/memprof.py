@@ -173,25 +173,28 @@ class CpuCurve:
 
 
 class GpuPhases:
-    """Peak bytes per phase on a GPU: reset the allocator's high-water mark at each phase start."""
+    """Peak bytes per phase on a GPU: reset the allocator's high-water mark at each phase start.
+
+    No device synchronization: the caching allocator keeps its counters on the host and updates them when a block is
+    handed out or returned, which happens as the host enqueues the work, not when the device runs it
+    (c10/cuda/CUDACachingAllocator.cpp: DeviceStats, updated in malloc/free); reading or resetting them
+    (torch.cuda.memory_allocated, max_memory_allocated, reset_peak_memory_stats) only reads host state. Six syncs per
+    micro batch (two per phase) inside the timed step would have stalled the host's run-ahead of the device."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # once, before the window: whatever was queued before has run
         self.baseline_bytes = torch.cuda.memory_allocated(device)
 
     def start(self) -> None:
-        torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
         """Peak allocated bytes since start(), relative to the baseline."""
-        torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - self.baseline_bytes
 
     def live(self) -> int:
         """Allocated bytes now, relative to the baseline."""
-        torch.cuda.synchronize(self.device)
         return torch.cuda.memory_allocated(self.device) - self.baseline_bytes
 
     def reserved(self) -> int:

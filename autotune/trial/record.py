@@ -22,14 +22,17 @@ from autotune.hardware import Cluster
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig
 
-Status = Literal["ok", "oom", "diverged", "timeout", "crashed", "pruned"]
-"""How a trial ended. `pruned`: decided without a run (memory model, dominance, implied oom)."""
+Status = Literal["ok", "oom", "diverged", "timeout", "crashed", "pruned", "dry-run"]
+"""How a trial ended. `pruned`: decided without a run (memory model, dominance, implied oom). `dry-run`: placed and
+its ranks started with their environment, stopped before the first CUDA call (`autotune search --dry-run`): nothing
+was measured."""
+DRY_RUN = "dry-run"
 FAILED: tuple[str, ...] = ("oom", "diverged", "timeout", "crashed")
 """Statuses of a run that did not produce a throughput."""
 RUN: tuple[str, ...] = ("ok", *FAILED)
 """Statuses of a trial that ran (or was simulated)."""
-Source = Literal["measured", "simulated"]
-assert set(typing.get_args(Status)) == {*RUN, "pruned"}
+Source = Literal["measured", "simulated", "dry-run"]
+assert set(typing.get_args(Status)) == {*RUN, "pruned", DRY_RUN}
 
 
 class _Json:
@@ -60,7 +63,14 @@ class TrialRequest:
     """Also write a profiler trace (chrome://tracing / Perfetto) into out_dir."""
     trial_id: int | None = None
     fault: str | None = None
-    """Test hook, injected into the worker: 'nan' (non-finite loss), 'hang', 'crash'. None in use."""
+    """Test hook, injected into the worker: 'nan' (non-finite loss), 'hang', 'crash', 'exit', 'cuda-oom' (an
+    out-of-memory error raised outside the caching allocator, as NCCL and cuBLAS raise it). None in use."""
+    optimizer_impl: str | None = None
+    """Which optimizer code runs (autotune.deepspeed_config.OPTIMIZER_IMPLS); None: the launcher decides on the node
+    it runs on (autotune.trial.ops.optimizer_impl), the Ray executor decides once for every node."""
+    dry_run: bool = False
+    """Place the trial and start its ranks with their environment, then stop before the first CUDA call: each rank
+    reports what it would run with (RankReport.plan) and measures nothing."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +97,12 @@ class RankReport(_Json):
     param_bytes: int | None = None
     loss_scale: float | None = None
     overflow_count: int | None = None
+    step_skipped: list[bool] = field(default_factory=list)
+    """fp16, per optimizer step (warm-up steps first): DeepSpeed skipped its update for an overflow."""
+    step_loss_scales: list[float] = field(default_factory=list)
+    """fp16, per optimizer step (warm-up steps first): the loss scale after it."""
+    plan: dict[str, Any] = field(default_factory=dict)
+    """A dry run's rank plan: the environment and choices this rank would train with (TrialRequest.dry_run)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Where the rank's time went: setup_s, build_s, init_s, train_s, profiler_stop_s, analysis_s,
     teardown_s (cumulative from the config's start where the name says so; see launch._timings)."""
@@ -141,6 +157,18 @@ class TrialResult(_Json):
     losses: list[float] = field(default_factory=list)
     loss_scale: float | None = None
     overflow_count: int | None = None
+    """fp16: measured steps whose update DeepSpeed skipped for an overflow; they are left out of step_time_s."""
+    warmup_overflow_count: int | None = None
+    """fp16: warm-up steps skipped for an overflow (the first ones usually are: the scale starts at 2^16)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """fp16: the measured steps (0 = the first measured one) whose update was skipped."""
+    step_loss_scales: list[float] = field(default_factory=list)
+    """fp16: the loss scale after each optimizer step, warm-up steps first (rank 0)."""
+    optimizer_impl: str = ""
+    """The optimizer code that ran (autotune.deepspeed_config.OPTIMIZER_IMPLS): it changes the step time, and
+    `autotune export` writes the JSON for the same one."""
+    rank_plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """A dry run's plan per global rank (RankReport.plan), plus the node's and the executor's under "node<i>"."""
     wall_s: float | None = None
     """Whole trial, spawn to teardown."""
     overhead_s: float | None = None

@@ -16,7 +16,9 @@ import json
 import math
 import os
 import pickle
+import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,6 +31,28 @@ MARK = "@@autotune"
 EXIT_ABANDON = 3
 FAULT_EXIT_CODE = 13
 """Exit code of the 'exit' test fault: a rank that dies without a Python exception."""
+OUT_OF_MEMORY = re.compile(
+    r"CUDA error: out of memory|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED"
+    r"|Cuda failure \d* ?'out of memory'|NCCL[^\n]*out of memory"
+)
+"""Out-of-memory errors raised outside the caching allocator (which raises torch.OutOfMemoryError): a CUDA runtime
+call (c10/cuda/CUDAException.h C10_CUDA_CHECK: "CUDA error: " + cudaGetErrorString, "out of memory" for
+cudaErrorMemoryAllocation), cuBLAS's handle or workspace (aten/src/ATen/cuda/CUDABlas.cpp, CUBLAS_STATUS_ALLOC_FAILED),
+cuDNN's, and NCCL's buffers (nccl src/include/checks.h CUDACHECK: "Cuda failure 'out of memory'", inside torch's
+"NCCL error ... ncclUnhandledCudaError")."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An out-of-memory error, the caching allocator's or one raised outside it (OUT_OF_MEMORY), along the cause
+    chain (torch.distributed re-raises NCCL's as DistBackendError)."""
+    import torch
+
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, torch.OutOfMemoryError) or OUT_OF_MEMORY.search(str(e)):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def emit(event: str, index: int) -> None:
@@ -100,6 +124,8 @@ def main(argv: list[str]) -> int:
     if threads:
         torch.set_num_threads(threads)
     on_gpu = not requests[0].cluster.gpu.is_cpu
+    if requests[0].dry_run:
+        return dry_run(requests, rank=rank, world=world, local_rank=local_rank, on_gpu=on_gpu)
     if on_gpu:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
@@ -110,9 +136,14 @@ def main(argv: list[str]) -> int:
     # What is alive now lives as long as the process: keep it out of every later gc.collect()
     # (measured: 0.2 s per collect on 2 cores without this; each config collects once at teardown).
     gc.freeze()
+    from deepspeed.accelerator import get_accelerator
+
+    exported = sorted(k for k in os.environ if k.startswith(("NCCL", "UCX", "MV2")))
     print(
         f"rank {rank}/{world}: torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
-        f"{torch.get_num_threads()} threads, ready in {time.perf_counter() - t_start:.2f} s",
+        f"{torch.get_num_threads()} threads, ready in {time.perf_counter() - t_start:.2f} s; DeepSpeed accelerator "
+        f"{get_accelerator()._name} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', '')}), "
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}, exported {', '.join(exported) or '-'}",
         flush=True,
     )
     for index in range(int(os.environ.get("AUTOTUNE_START", "0")), len(requests)):
@@ -121,12 +152,9 @@ def main(argv: list[str]) -> int:
         abandon = False
         try:
             result = run_config(req, rank=rank, world=world, local_rank=local_rank)
-        except torch.OutOfMemoryError as e:
-            traceback.print_exc()
-            result, abandon = failure("oom", e), True
         except Exception as e:
             traceback.print_exc()
-            result, abandon = failure("crashed", e), True
+            result, abandon = failure("oom" if is_out_of_memory(e) else "crashed", e), True
         result.index = index
         Path(req.out_dir, f"rank{rank}.json").write_text(json.dumps(result.to_dict(), allow_nan=True))
         emit("done", index)
@@ -139,6 +167,48 @@ def main(argv: list[str]) -> int:
         torch.distributed.destroy_process_group()  # NCCL warns at exit without it
     # Every result is on disk: skip the interpreter's teardown of torch and DeepSpeed (measured
     # 0.5-1 s per trial on 2 CPU cores), which no one waits for.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def dry_run(requests, *, rank: int, world: int, local_rank: int, on_gpu: bool) -> int:
+    """What this rank would train each config with, written as its RankReport.plan; no CUDA call, no process group.
+    The accelerator is the one DeepSpeed picks in this environment (deepspeed.accelerator.get_accelerator, which a
+    real trial's deepspeed.initialize asks), the backend the one main() would pass to init_distributed."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from autotune.deepspeed_config import OPTIMIZER_IMPLS
+    from autotune.trial.launch import EXPORT_PREFIXES, RSS_ALLOWANCE_BYTES
+    from autotune.trial.record import RankReport
+
+    accelerator = get_accelerator()
+    env = os.environ
+    for index in range(int(env.get("AUTOTUNE_START", "0")), len(requests)):
+        req = requests[index]
+        emit("start", index)
+        plan = {
+            "host": socket.gethostname(),
+            **{k: env.get(k, "") for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")},
+            "MASTER_PORT": env.get("MASTER_PORT", ""),
+            "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "(unset: every device)"),
+            "DS_ACCELERATOR": env.get("DS_ACCELERATOR", "(unset)"),
+            "accelerator": accelerator._name,
+            "backend": "nccl" if on_gpu else "gloo",
+            "accelerator_backend": accelerator.communication_backend_name(),
+            "device": f"cuda:{local_rank}" if on_gpu else "cpu",
+            "optimizer_impl": req.optimizer_impl or "",
+            "optimizer": OPTIMIZER_IMPLS.get(req.optimizer_impl or "", ""),
+            "threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", ""),
+            "host_ram_cap_bytes": int(env.get("AUTOTUNE_RSS_CAP", "0")) + RSS_ALLOWANCE_BYTES,
+            "deepspeed_config": str(Path(req.out_dir, "deepspeed_config.json").resolve()),
+            "exported": {k: v for k, v in sorted(env.items()) if k.startswith(EXPORT_PREFIXES)},
+        }
+        Path(req.out_dir, f"rank{rank}.json").write_text(
+            json.dumps(RankReport(status="ok", index=index, plan=plan).to_dict())
+        )
+        emit("done", index)
     sys.stdout.flush()
     os._exit(0)
 
@@ -227,6 +297,55 @@ def inject(fault: str | None, rank: int) -> None:
     if fault == "exit":
         print(f"injected exit: rank 0 exits with code {FAULT_EXIT_CODE}", flush=True)
         os._exit(FAULT_EXIT_CODE)
+    if fault == "cuda-oom":
+        # what C10_CUDA_CHECK raises when a CUDA call outside the caching allocator (a cuBLAS workspace, NCCL's
+        # buffers) finds no memory (c10/cuda/CUDAException.h): a RuntimeError, not torch.OutOfMemoryError
+        raise RuntimeError(
+            "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call"
+        )
+
+
+class StepLog:
+    """fp16: per optimizer step, whether DeepSpeed skipped its update for an overflow, and the loss scale after it.
+    Wraps the engine's own step() on the instance; an optimizer step happened when global_steps moved (it does at
+    every gradient-accumulation boundary, skipped or not), skipped when skipped_steps moved with it
+    (runtime/engine.py _take_model_step)."""
+
+    def __init__(self, engine):
+        self.skipped: list[bool] = []
+        self.scales: list[float] = []
+        self._engine, self._step, self._seen = engine, engine.step, engine.global_steps
+        engine.step = self
+
+    def __call__(self, *args, **kwargs):
+        e = self._engine
+        before = e.skipped_steps
+        out = self._step(*args, **kwargs)
+        if e.global_steps != self._seen:
+            self._seen = e.global_steps
+            self.skipped.append(e.skipped_steps > before)
+            self.scales.append(float(e.optimizer.loss_scale))
+        return out
+
+
+def profiler(on_gpu: bool, profile: bool):
+    """The window the config is measured in. CPU: the autograd profiler with memory events, which IS the memory
+    measurement (torch.profiler.profile would import torch._inductor at its first start: 1.2-4 s per rank on 2
+    cores). GPU with --profile: torch.profiler.profile with CPU and CUDA activities (Kineto, CUPTI), not the autograd
+    profiler's use_device="cuda", which without use_kineto is the legacy profiler timing every op with CUDA events
+    (torch/autograd/profiler.py: ProfilerState.CUDA). GPU without --profile: nothing (the allocator's counters)."""
+    import contextlib
+
+    if on_gpu:
+        if not profile:
+            return contextlib.nullcontext()
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as kineto
+
+        return kineto(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True)
+    from torch.autograd.profiler import profile as autograd_profile
+
+    return autograd_profile(use_cpu=True, profile_memory=True)
 
 
 def device_of(tokens):
@@ -365,11 +484,8 @@ def train(engine, req, rank: int, world: int, data, phases: Phases, sync) -> dic
 
 def run_config(req, *, rank: int, world: int, local_rank: int):
     """Build, initialise, train and measure one config on this rank; its RankReport."""
-    import contextlib
-
     import deepspeed
     import torch
-    from torch.autograd.profiler import profile
 
     from autotune.deepspeed_config import deepspeed_config
     from autotune.parallel import data_parallel_rank
@@ -381,7 +497,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     on_gpu = not cluster.gpu.is_cpu
     device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
     sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
-    ds_cfg = deepspeed_config(cfg, req.model, cluster)
+    ds_cfg = deepspeed_config(cfg, req.model, cluster, req.optimizer_impl)
     # A fixed batch per data-parallel rank (the loss must fall). The tp ranks of one group must see the same
     # batch (DeepSpeed asserts it at the first forward, engine.py check_dataloader_inputs_same_across_ranks),
     # and the sp ranks of a Ulysses group share one too (UlyssesSPDataLoaderAdapter cuts it along the sequence).
@@ -394,14 +510,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
     if sp > 1:  # before the window, as the plain batch is: this rank's share of it is not the step's memory
         mpu, sp_saved = sequence_parallel_attention(req)
         data = (sequence_parallel_batch(data[0], device, mpu), sequence_parallel_loss)
-    # On CPU the profiler IS the memory measurement. Not torch.profiler.profile: its first start imports
-    # torch._inductor (1.2-4 s of CPU per rank on 2 cores) for a CUDA-graphs flag a trial never uses.
-    measuring = not on_gpu or req.profile
-    window = (
-        profile(use_cpu=True, use_device="cuda" if on_gpu else None, profile_memory=True)
-        if measuring
-        else contextlib.nullcontext()
-    )
+    window = profiler(on_gpu, req.profile)
     gpu_mem = memprof.GpuPhases(device) if on_gpu else None
     phases = Phases(gpu_mem)
     t0 = time.perf_counter()
@@ -418,6 +527,7 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
             )[0]
             if cfg.deepcompile:  # DeepSpeed runs without DeepCompile until compile() is called (engine.forward)
                 engine.compile()
+            steps = StepLog(engine) if cfg.precision == "fp16" else None
         timings["init_s"] = time.perf_counter() - t0
         param_bytes = local_param_bytes(engine.module)
         init_peak_gpu = phases.peaks.pop("init", None)
@@ -442,12 +552,13 @@ def run_config(req, *, rank: int, world: int, local_rank: int):
         # `loss_scale` is a property of every DeepSpeed fp16 optimizer (fp16/fused_optimizer.py,
         # fp16/unfused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py): the scaler's cur_scale.
         out["loss_scale"] = float(engine.optimizer.loss_scale)
-        out["overflow_count"] = int(engine.skipped_steps)
+        out["overflow_count"] = int(engine.skipped_steps)  # warm-up and measured steps; aggregate tells them apart
+        out["step_skipped"], out["step_loss_scales"] = steps.skipped, steps.scales
     t3 = time.perf_counter()
     release(engine)
     if sp_saved is not None:
         sequence_parallel_release(sp_saved)
-    del engine, model, prof
+    del engine, model, prof, steps
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()
