@@ -74,7 +74,7 @@ def run(args) -> int:
             **res.to_dict(),
             "estimate": estimate,
             "config": {**cfg.to_dict(), "model": model.name, "gpus": cluster.text},
-            "deepspeed_config": deepspeed_config(cfg, model, cluster),
+            "deepspeed_config": deepspeed_config(cfg, model, cluster, res.optimizer_impl or None),
         }
         print(json.dumps(doc, indent=2, default=str))
     else:
