@@ -8,7 +8,8 @@ The work is `jobs()`, each a library call (autotune.estimate, autotune.search.op
 that does the same (`commands()`, stored in the pack): each preset, with transformers' code and the stand-in,
 on 1 to 64 A100s and V100s at ZeRO 0-3 (`GPUS`, `COUNTS`); on 4 GPUs also the largest sequence length and
 micro batch (their families); LoRA and QLoRA on as many A100s; and the simulated 13B x 4xA100 searches of
-`PLANNED_SPACES`. They run in this process against an empty cache folder; what they store there is the file.
+`PLANNED_SPACES`, the longest Ulysses sequence of docs/parallelism.md, and `autotune plan` of 13B over every
+priced option. They run in this process against an empty cache folder; what they store there is the file.
 Its entries hold under trace_cache.fingerprint() (the torch, transformers and peft versions and TRACE_FORMAT):
 run this again after a change to what is traced or to constraints.txt (tests/test_trace_pack.py fails then).
 """
@@ -59,18 +60,29 @@ def _breakdown(model: str, gpus: str, impl: str | None, config: dict, largest: t
 
 
 def estimate_job(
-    model: str, gpus: str, zero: int, *, precision: str | None = None, impl: str | None = None, method=None, largest=()
+    model: str,
+    gpus: str,
+    zero: int,
+    *,
+    precision: str | None = None,
+    impl: str | None = None,
+    method=None,
+    largest=(),
+    sp: int = 1,
 ) -> Job:
-    """autotune.estimate.breakdown of one configuration; `largest`: ("seq_len",) or ("micro_batch",) or ()."""
+    """autotune.estimate.breakdown of one configuration; `largest`: ("seq_len",) or ("micro_batch",) or ();
+    `sp`: the Ulysses sequence-parallel size."""
     argv = ["estimate", "--model", model, "--gpus", gpus]
     argv += ["--precision", precision] if precision else []
     argv += ["--impl", impl] if impl else []
     argv += ["--method", method] if method else []
+    argv += ["--sequence-parallel-size", str(sp)] if sp > 1 else []
     argv += ["--zero", str(zero), *(f"--max-{n.replace('_', '-')}" for n in largest)]
     config = {
         "zero_stage": zero,
         **({"precision": precision} if precision else {}),
         **({"method": method} if method else {}),
+        **({"sequence_parallel_size": sp} if sp > 1 else {}),
     }
     return Job(argv, partial(_breakdown, model, gpus, impl, config, tuple(largest)))
 
@@ -85,9 +97,33 @@ def _search(space: str, study: str) -> None:
 def search_job(space: str) -> Job:
     """One simulated trial of 13B x 4xA100 over a shipped space: every candidate estimated and priced."""
     path, study = str(SPACES / space), f"pack-{Path(space).stem}"
-    argv = ["search", "--model", "13b", "--gpus", "4xA100", "--space", path, "--executor", "simulated"]
+    # the record names the space as from the repository's root, wherever this checkout is
+    argv = [
+        "search",
+        "--model",
+        "13b",
+        "--gpus",
+        "4xA100",
+        "--space",
+        f"search_spaces/{space}",
+        "--executor",
+        "simulated",
+    ]
     argv += ["--n-trials", "1", "--no-progress", "--study", study]
     return Job(argv, partial(_search, path, study))
+
+
+def _plan() -> None:
+    from autotune.plan import plan_gpus
+
+    with tempfile.TemporaryDirectory(prefix="autotune-pack-plan-") as folder:
+        plan_gpus("13b", 1e9, picture=Path(folder) / "plan.png")
+
+
+def plan_job() -> Job:
+    """The README's plan of 13B over every priced GPU option (1-64 of each type; measured: a plan at a fixed
+    --global-batch then traces nothing more)."""
+    return Job(["plan", "--model", "13b", "--tokens", "1e9"], _plan)
 
 
 def jobs() -> list[Job]:
@@ -109,7 +145,9 @@ def jobs() -> list[Job]:
             for method in ("lora", "qlora"):
                 for zero in (0, 1, 2, 3):
                     out.append(estimate_job(name, f"{n}x{GPUS[0][0]}", zero, method=method))
-    return out + [search_job(space) for space in PLANNED_SPACES]
+    # docs/parallelism.md's Ulysses case: the longest sequence on 8 GPUs, with and without sp 8
+    out += [estimate_job("llama-3-8b", "8xH100", 3, largest=("seq_len",), sp=sp) for sp in (1, 8)]
+    return out + [search_job(space) for space in PLANNED_SPACES] + [plan_job()]
 
 
 def commands() -> list[list[str]]:
