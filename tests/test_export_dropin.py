@@ -167,7 +167,7 @@ def test_trainer_accepts_the_export_with_its_own_hyperparameters(study, tmp_path
         "gradient_checkpointing": False,
         "bf16": True,
     }
-    assert "--concrete" in text  # which file suits which loop
+    assert "--concrete" in text and "no scheduler section, so the Trainer's own runs" in text  # which file, which loop
     ds = _trainer_checks(out, printed, learning_rate=1e-5, weight_decay=0.0)
     assert ds["optimizer"]["params"] == {
         "lr": 1e-5,
@@ -211,6 +211,7 @@ def test_into_keeps_hf_example_config_and_the_trainer_accepts_it(study, tmp_path
     assert '  bf16.enabled: "auto" -> true' in text
     assert "zero_optimization.stage3_max_live_parameters: 1000000000.0 -> (absent)" in text
     assert "scheduler" not in text.split("kept as you wrote them")[0]  # listed as kept, not changed
+    assert "no scheduler section" not in text  # the user's WarmupLR runs
     ds = _trainer_checks(
         mine, printed_arguments(text), learning_rate=1e-5, weight_decay=0.0, warmup_steps=1, max_steps=2
     )

@@ -538,8 +538,9 @@ def usage(
     if style == "trainer":
         lines = [
             f'{path} is for the Hugging Face Trainer (and accelerate): "auto" where the Trainer fills the value from '
-            "its TrainingArguments (batch sizes, learning rate, betas, eps, weight decay, gradient clipping; no "
-            "scheduler section, so the Trainer's own runs); the tuned keys (ZeRO, precision, ...) are numbers.",
+            "its TrainingArguments (batch sizes, learning rate, betas, eps, weight decay, gradient clipping"
+            + ("" if "scheduler" in ds else "; no scheduler section, so the Trainer's own runs")
+            + "); the tuned keys (ZeRO, precision, ...) are numbers.",
             "  " + trainer_line(cfg, model, path),
             "  plus your own learning_rate, weight_decay, warmup_steps, lr_scheduler_type, max_grad_norm, ...: none is "
             "set above. per_device_train_batch_size and gradient_accumulation_steps are the tuned values: the JSON's "
@@ -557,7 +558,7 @@ def usage(
             lines += _accelerate_lines(accelerate_config, path)
         lines += [
             'Without the Trainer (a plain deepspeed.initialize loop): DeepSpeed resolves no "auto"; export again with '
-            "--concrete for a file of numbers, then:",
+            "--concrete (the same options) for a file of numbers at this path, then:",
             *launcher,
         ]
     else:
