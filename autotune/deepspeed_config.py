@@ -140,10 +140,36 @@ def zero_section(cfg: TrainConfig, model: ModelSpec) -> dict:
     return z
 
 
-def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, optimizer_impl: str | None = None) -> dict:
+def deepspeed_config(
+    cfg: TrainConfig,
+    model: ModelSpec,
+    cluster: Cluster,
+    optimizer_impl: str | None = None,
+    *,
+    style: str = "concrete",
+    base: dict | None = None,
+) -> dict:
     """The DeepSpeed JSON for `cfg` (consistent batch sizes, ZeRO, precision, optimizer). `optimizer_impl`: the
     optimizer code the trial runs (OPTIMIZER_IMPLS; a trial's TrialResult.optimizer_impl for `autotune export`), by
-    default default_optimizer_impl's."""
+    default default_optimizer_impl's.
+
+    `style` (STYLES): "concrete", every value a number, what autotune's own trials run and a plain
+    `deepspeed.initialize` loop takes (DeepSpeed resolves no "auto"); "trainer", "auto" at TRAINER_AUTO, the keys
+    the Hugging Face Trainer fills from its TrainingArguments (the batch sizes then reach it as
+    per_device_train_batch_size and gradient_accumulation_steps: trainer_arguments()). `base`: a user's own
+    DeepSpeed config, kept but for the keys autotune tuned (merge_into); the result is a new dict."""
+    if style not in STYLES:
+        raise ValueError(f"style {style!r}: one of {STYLES}")
+    ds = _concrete(cfg, model, cluster, optimizer_impl)
+    if style == "trainer":
+        for path in TRAINER_AUTO:
+            if _has(ds, path):
+                _set(ds, path, "auto")
+    return ds if base is None else merge_into(base, ds, style)
+
+
+def _concrete(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, optimizer_impl: str | None) -> dict:
+    """deepspeed_config's concrete style, without a base."""
     impl = optimizer_impl or default_optimizer_impl(cfg, cluster)
     check_optimizer_impl(cfg, cluster, impl)
     ds: dict = {
@@ -154,7 +180,8 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, optim
         "train_batch_size": global_batch(cfg, cluster.world_size),
         "gradient_clipping": GRADIENT_CLIPPING,
         "zero_optimization": zero_section(cfg, model),
-        "steps_per_print": 10**9,
+        # no steps_per_print: DeepSpeed's default (None in 0.19.8, runtime/constants.py STEPS_PER_PRINT_DEFAULT)
+        # prints no progress line, trials and users alike; a user's own value is kept (merge_into)
         "wall_clock_breakdown": False,
     }
     if cfg.autotp_size > 1:
@@ -215,3 +242,227 @@ def deepspeed_config(cfg: TrainConfig, model: ModelSpec, cluster: Cluster, optim
             "profile": False,
         }
     return ds
+
+
+STYLES = ("concrete", "trainer")
+"""deepspeed_config's styles: "concrete" for autotune's trials and a plain deepspeed.initialize loop, "trainer" for the
+Hugging Face Trainer (and accelerate), with "auto" where it fills the value in."""
+
+TRAINER_FILLED = {
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size",),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps",),
+    "train_batch_size": (),  # world x per_device_train_batch_size x gradient_accumulation_steps
+    "gradient_clipping": ("max_grad_norm",),
+    "optimizer.params.lr": ("learning_rate",),
+    "optimizer.params.betas": ("adam_beta1", "adam_beta2"),
+    "optimizer.params.eps": ("adam_epsilon",),
+    "optimizer.params.weight_decay": ("weight_decay",),
+    "scheduler.params.warmup_min_lr": None,  # fill_only: 0, never checked
+    "scheduler.params.warmup_max_lr": ("learning_rate",),
+    "scheduler.params.total_num_steps": (),  # the Trainer's own count of steps (max_steps, or epochs x data)
+    "scheduler.params.warmup_num_steps": ("warmup_steps",),
+    "fp16.enabled": ("fp16",),
+    "bf16.enabled": ("bf16",),
+}
+"""Every key the Hugging Face Trainer fills from its TrainingArguments where it is "auto" and, where it is not, checks
+against them (a mismatch is a ValueError), with the arguments a fixed value must then be repeated in (None: never
+checked): transformers 5.24 integrations/deepspeed.py HfTrainerDeepSpeedConfig trainer_config_process and
+trainer_config_finalize, fill_match. The ZeRO bucket keys it also fills are tuned here (bucket_sizes) and stay numbers."""
+
+TRAINER_AUTO = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+)
+"""The keys the "trainer" style writes as "auto": those of TRAINER_FILLED that deepspeed_config writes, but precision,
+which is tuned and stays a number (the Trainer checks it against bf16= / fp16=). The batch sizes are tuned too: they
+reach the Trainer as its arguments (trainer_arguments). No scheduler section is written: the Trainer's own
+(lr_scheduler_type, warmup_steps) runs (integrations/deepspeed.py deepspeed_optim_sched)."""
+
+HYPERPARAMETERS = (
+    "gradient_clipping",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+)
+"""TRAINER_AUTO less the batch sizes: the training's hyperparameters, which autotune does not tune (ADAMW,
+GRADIENT_CLIPPING fill them in the concrete style only)."""
+
+PRECISION_FLAGS = ("bf16.enabled", "bfloat16.enabled", "fp16.enabled", "amp.enabled", "torch_autocast.enabled")
+"""A precision section's switch (deepspeed runtime/constants.py BFLOAT16, BFLOAT16_OLD, FP16, AMP, TORCH_AUTOCAST):
+merge_into sets a user's to false where the tuned config runs another precision."""
+
+TUNED_KEYS = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    *(
+        "zero_optimization." + k
+        for k in (
+            "stage",
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "contiguous_gradients",
+            "overlap_comm",
+            "reduce_scatter",
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+            "zero_quantized_weights",
+            "zero_quantized_gradients",
+            "zero_hpz_partition_size",
+            "offload_param",
+            "offload_optimizer",
+        )
+    ),
+    *PRECISION_FLAGS,
+    "bf16.bf16_master_weights_and_grads",
+    "bf16.bf16_optimizer_states",
+    "data_types.grad_accum_dtype",
+    "tensor_parallel.autotp_size",
+    "sequence_parallel_size",
+    "compile.deepcompile",
+    "optimizer.type",
+    "optimizer.params.torch_adam",
+    "optimizer.params.fused",
+    "zero_allow_untested_optimizer",
+    "activation_checkpointing.number_checkpoints",
+)
+"""The keys whose values decide the memory and speed a trial measured: with a user's config as `base` each gets the
+tuned config's value, or goes where the tuned config has none (an offload section the winner runs without, a
+train_batch_size under tp or sp), or, for PRECISION_FLAGS, becomes false. Every other key of the user's stays as
+it is; the tuned config's other keys fill in only what the user's lacks."""
+
+MISSING = "(absent)"
+"""How config_changes names a key that is not there."""
+
+
+def _get(d: dict, path: str):
+    for k in path.split("."):
+        if not isinstance(d, dict) or k not in d:
+            return MISSING
+        d = d[k]
+    return d
+
+
+def _has(d: dict, path: str) -> bool:
+    return _get(d, path) is not MISSING
+
+
+def _set(d: dict, path: str, value) -> None:
+    *parents, last = path.split(".")
+    for k in parents:
+        if not isinstance(d.get(k), dict):
+            d[k] = {}
+        d = d[k]
+    d[last] = value
+
+
+def _remove(d: dict, path: str) -> None:
+    """Remove the key, and the sections left empty by it."""
+    *parents, last = path.split(".")
+    chain = [d]
+    for k in parents:
+        if not isinstance(chain[-1].get(k), dict):
+            return
+        chain.append(chain[-1][k])
+    chain[-1].pop(last, None)
+    for k, parent in zip(reversed(parents), reversed(chain[:-1])):
+        if parent[k]:
+            break
+        del parent[k]
+
+
+def leaves(d: dict, prefix: str = "") -> dict[str, object]:
+    """{dotted path: value} of every non-dict value of `d` (lists are values)."""
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        path = prefix + str(k)
+        if isinstance(v, dict) and v:
+            out.update(leaves(v, path + "."))
+        else:
+            out[path] = v
+    return out
+
+
+def merge_into(base: dict, tuned: dict, style: str) -> dict:
+    """A user's DeepSpeed config `base` with the keys autotune tuned (TUNED_KEYS) taken from `tuned` (deepspeed_config
+    of `style`), removed where `tuned` has none (precision switches: false), and `tuned`'s other keys filling in only
+    what `base` lacks; `base` is not changed. The tuned config's optimizer is DeepSpeed's AdamW or, for 8-bit AdamW,
+    none (a client optimizer): a user's optimizer section of another type is replaced, or removed.
+
+    Concrete style: DeepSpeed resolves no "auto" (runtime/config.py takes values as they are), so a user's "auto"
+    hyperparameter (HYPERPARAMETERS) gets autotune's value, and an "auto" left anywhere else is a SpecError."""
+    import copy
+
+    from autotune.errors import SpecError
+
+    if not isinstance(base, dict):
+        raise SpecError(f"a DeepSpeed config is a JSON object, not {type(base).__name__}")
+    out = copy.deepcopy(base)
+    if "optimizer" not in tuned:
+        out.pop("optimizer", None)
+    elif isinstance(out.get("optimizer"), dict) and _get(out, "optimizer.type") != tuned["optimizer"]["type"]:
+        # another optimizer's params (Lion's, SGD's) may not be AdamW's: the user's lr, betas, eps, weight decay stay
+        params = _get(out, "optimizer.params")
+        keep = (
+            {k: params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in params}
+            if isinstance(params, dict)
+            else {}
+        )
+        out["optimizer"] = {"type": tuned["optimizer"]["type"], "params": keep}
+    for path in TUNED_KEYS:
+        if path == "optimizer.type" and str(_get(out, path)).lower() == str(_get(tuned, path)).lower():
+            continue  # DeepSpeed lower-cases its own types (runtime/config.py DeepSpeedConfig._initialize_params)
+        if _has(tuned, path):
+            _set(out, path, copy.deepcopy(_get(tuned, path)))
+        elif path in PRECISION_FLAGS and _has(out, path):
+            _set(out, path, False)
+        else:
+            _remove(out, path)
+    for path, value in leaves(tuned).items():
+        if not _has(out, path):
+            _set(out, path, copy.deepcopy(value))
+    if style == "concrete":
+        for path in HYPERPARAMETERS:
+            if _get(out, path) == "auto":
+                _set(out, path, copy.deepcopy(_get(tuned, path)))
+        left = [p for p, v in leaves(out).items() if v == "auto"]
+        if left:
+            raise SpecError(
+                'DeepSpeed resolves no "auto", and autotune has no value for ' + ", ".join(left) + " of your "
+                'config: give numbers there, or use it with the Hugging Face Trainer (the "trainer" style), '
+                "which fills them in"
+            )
+    return out
+
+
+def config_changes(before: dict, after: dict) -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for every value that differs between two configs, MISSING for an absent one;
+    in the order of `after`'s keys, then the removed ones."""
+    a, b = leaves(before), leaves(after)
+    changed = [(p, a.get(p, MISSING), v) for p, v in b.items() if a.get(p, MISSING) != v]
+    return changed + [(p, v, MISSING) for p, v in a.items() if p not in b]
+
+
+def trainer_arguments(cfg: TrainConfig, model: ModelSpec) -> dict:
+    """The Hugging Face TrainingArguments autotune tuned, to go with the "trainer" style's JSON, whose batch sizes are
+    "auto" (filled from per_device_train_batch_size and gradient_accumulation_steps: HfTrainerDeepSpeedConfig
+    trainer_config_process) and whose precision is checked against bf16= / fp16=. Nothing else: the learning rate,
+    weight decay, warmup, scheduler and clipping are the user's. gradient_checkpointing covers every layer; a
+    partial k (0 < k < layers) is set on the model instead (`autotune export` prints how)."""
+    args: dict = {
+        "per_device_train_batch_size": cfg.micro_batch,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_checkpointing": cfg.ckpt_layers >= model.num_layers,
+    }
+    if cfg.precision in ("bf16", "fp16"):
+        args[cfg.precision] = True
+    return args

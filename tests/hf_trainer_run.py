@@ -1,6 +1,7 @@
 """One rank of `test_trainer_runs_the_exported_json` (tests/test_hf.py), started by torch.distributed.run:
-the Hugging Face Trainer trains a tiny Llama for 2 steps with autotune's exported DeepSpeed JSON, the
-arguments `autotune export` prints, and checkpointing of the first k layers by autotune.impl.hf.
+the Hugging Face Trainer trains a tiny Llama for 2 steps with a DeepSpeed JSON of numbers (deepspeed_config's
+concrete style, what the trials run: the arguments repeat its values) and checkpointing of the first k layers by
+autotune.impl.hf.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_run.py CONFIG_DIR DS_JSON K OUT_DIR
 """
@@ -11,32 +12,45 @@ import sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
-from autotune.deepspeed_config import ADAMW
 from autotune.impl.hf import checkpoint_first_layers, decoder_layers
 
 
-def trainer_args(ds_path: str, out_dir: str) -> TrainingArguments:
-    """The TrainingArguments `autotune export` prints for the JSON at `ds_path`, for 2 logged CPU steps
-    (also tests/test_export_parallel.py's ranks)."""
+def printed_arguments(text: str) -> dict:
+    """The keyword arguments of the `TrainingArguments(deepspeed=..., ...)` line `autotune export` printed, evaluated
+    as the Python it is (the first such line: the one for the file written)."""
+    line = next(x.strip() for x in text.splitlines() if x.strip().startswith("TrainingArguments(deepspeed="))
+    return eval(line, {"__builtins__": {}, "TrainingArguments": dict})
+
+
+def trainer_args(ds_path: str, out_dir: str, printed: dict | None = None, **own) -> TrainingArguments:
+    """TrainingArguments for 2 logged CPU steps with the JSON at `ds_path` (also the export tests' ranks):
+    `printed`, the arguments `autotune export` printed for it (printed_arguments), else, for a JSON of numbers
+    (deepspeed_config's concrete style), its batch sizes and precision; then the values the JSON fixes, repeated as
+    the Trainer demands (fixed_for_trainer), and `own`, the script's own (learning_rate=..., deepspeed=None to take
+    the JSON accelerate launch names)."""
+    from autotune.report.export import fixed_for_trainer
+
     ds = json.loads(open(ds_path).read())
+    if printed is None:
+        printed = {
+            "per_device_train_batch_size": ds["train_micro_batch_size_per_gpu"],
+            "gradient_accumulation_steps": ds["gradient_accumulation_steps"],
+            "bf16": ds.get("bf16", {}).get("enabled", False),
+        }
     return TrainingArguments(
-        output_dir=out_dir,
-        deepspeed=ds_path,
-        per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
-        gradient_accumulation_steps=ds["gradient_accumulation_steps"],
-        bf16=ds.get("bf16", {}).get("enabled", False),
-        learning_rate=ADAMW["lr"],
-        adam_beta1=ADAMW["betas"][0],
-        adam_beta2=ADAMW["betas"][1],
-        adam_epsilon=ADAMW["eps"],
-        weight_decay=ADAMW["weight_decay"],
-        max_grad_norm=1.0,
-        max_steps=2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
+        **{
+            **printed,
+            **fixed_for_trainer(ds)[1],
+            "output_dir": out_dir,
+            "deepspeed": ds_path,
+            "max_steps": 2,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "report_to": [],
+            "use_cpu": True,
+            "disable_tqdm": True,
+            **own,
+        }
     )
 
 

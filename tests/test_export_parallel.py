@@ -6,7 +6,7 @@ ranks with exactly what was exported, started by `accelerate launch --config_fil
 
 Run as a script, this file is one rank of that training:
 
-    accelerate launch --config_file ACCELERATE.yaml tests/test_export_parallel.py CONFIG_DIR DS_JSON OUT_DIR
+    accelerate launch --config_file ACCELERATE.yaml tests/test_export_parallel.py CONFIG_DIR DS_JSON OUT_DIR ARGS_JSON
 
 and writes OUT_DIR/rank<r>.json: its own losses, steps, shard shapes and the Trainer's total batch.
 """
@@ -86,7 +86,7 @@ def test_export_of_tp2_writes_tensor_parallel_and_the_trainer_lines(tmp_path, mo
     assert main(["export", "--study", "tp", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     ds = json.loads(out.read_text())
-    assert ds == deepspeed_config(cfg, model, cluster)
+    assert ds == deepspeed_config(cfg, model, cluster, style="trainer")
     assert ds["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in ds
     assert (
         f'TrainingArguments(deepspeed="{out}", per_device_train_batch_size=2, gradient_accumulation_steps=1, '
@@ -124,7 +124,8 @@ def test_accelerate_config_loads_with_accelerates_own_loader(tmp_path, monkeypat
     conf = load_config_from_file(str(acc))
     assert isinstance(conf, ClusterConfig) and conf.distributed_type == DistributedType.DEEPSPEED
     assert conf.num_processes == 2 and conf.num_machines == 1 and conf.use_cpu
-    assert conf.deepspeed_config == {"deepspeed_config_file": str(out.resolve()), "zero3_init_flag": True}
+    # relative to the YAML's folder (accelerate_config_yaml): ../ds.json from acc/
+    assert conf.deepspeed_config == {"deepspeed_config_file": "../ds.json", "zero3_init_flag": True}
     assert conf.mixed_precision is None  # the JSON's bf16 section decides
 
 
@@ -136,7 +137,7 @@ def test_accelerate_config_for_two_nodes(tmp_path):
     from autotune.train_config import TrainConfig
 
     acc = tmp_path / "a.yaml"
-    acc.write_text(accelerate_config_yaml(TrainConfig(**TP2), parse_gpus("16xH100"), tmp_path / "ds.json"))
+    acc.write_text(accelerate_config_yaml(TrainConfig(**TP2), parse_gpus("16xH100"), tmp_path / "ds.json", acc))
     assert "set main_process_ip" in acc.read_text()
     conf = load_config_from_file(str(acc))
     assert (conf.num_machines, conf.num_processes, conf.use_cpu) == (2, 16, False)
@@ -178,10 +179,10 @@ def test_accelerate_launch_accepts_the_file_for_gpus_and_would_refuse_mixed_prec
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps(deepspeed_config(cfg, resolve_model(str(DATA / "hf-llama")), cluster)))
     acc = tmp_path / "accelerate.yaml"
-    acc.write_text(accelerate_config_yaml(cfg, cluster, ds))
-    monkeypatch.chdir(tmp_path)
+    acc.write_text(accelerate_config_yaml(cfg, cluster, ds, acc))
+    monkeypatch.chdir(tmp_path)  # the YAML's folder, where the relative path it names resolves
     env = _launch_env(acc, tmp_path / "train.py")
-    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(ds)
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == "ds.json"
     assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
     for k, v in env.items():
         if k.startswith("ACCELERATE_"):
@@ -224,7 +225,7 @@ def test_export_of_deepcompile_prints_who_calls_engine_compile(tmp_path, monkeyp
     assert 'Accelerator(dynamo_backend="inductor")' in text
     assert "accelerate launch does not call it" in text and "the file written above has none" in text
     assert "# deepcompile: this file cannot turn it on" in acc.read_text()
-    assert "dynamo" not in acc.read_text().split("\n# accelerate launch")[1]  # no dynamo_config section
+    assert "dynamo" not in acc.read_text().split("in this file's folder\n")[1]  # no dynamo_config section
     capsys.readouterr()
     make_study("plain", gpus="8xH100", autotp_size=1)
     assert main(["export", "--study", "plain", "--out", str(out)]) == 0
@@ -273,7 +274,7 @@ def test_the_deepcompile_lines_against_transformers_and_accelerate(tmp_path, mon
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps(deepspeed_config(cfg, resolve_model(str(DATA / "hf-llama")), cluster)))
     acc = tmp_path / "accelerate.yaml"
-    conf = yaml.safe_load(accelerate_config_yaml(cfg, cluster, ds))
+    conf = yaml.safe_load(accelerate_config_yaml(cfg, cluster, ds, acc))
     conf["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     acc.write_text(yaml.safe_dump(conf))
     monkeypatch.chdir(tmp_path)
@@ -298,7 +299,12 @@ def test_trainer_trains_2_steps_with_the_exported_tp2_config(tmp_path, monkeypat
     assert main(["export", "--study", "tp", "--out", str(out), "--accelerate-config", str(acc)]) == 0
     text = capsys.readouterr().out
     assert "per_device_train_batch_size=2, gradient_accumulation_steps=1" in text
+    from hf_trainer_run import printed_arguments
+
     from autotune.trial.launch import free_port
+
+    printed = tmp_path / "args.json"
+    printed.write_text(json.dumps(printed_arguments(text)))  # the ranks' TrainingArguments: what export printed
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": "2", "HF_HUB_OFFLINE": "1"}
     accelerate = Path(sys.executable).with_name("accelerate")
@@ -313,6 +319,7 @@ def test_trainer_trains_2_steps_with_the_exported_tp2_config(tmp_path, monkeypat
         str(DATA / "hf-llama"),
         str(out),
         str(tmp_path / "out"),
+        str(printed),
     ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     # each rank writes its record to a file (the two ranks' stdout interleaves)
@@ -330,8 +337,8 @@ def test_trainer_trains_2_steps_with_the_exported_tp2_config(tmp_path, monkeypat
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
-def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
-    """One rank: the Trainer with the exported JSON and the TrainingArguments `autotune export` prints."""
+def rank_main(config_dir: str, ds_path: str, out_dir: str, args_path: str) -> None:
+    """One rank: the Trainer with the exported JSON and the TrainingArguments `autotune export` printed (ARGS_JSON)."""
     import torch
     from hf_trainer_run import (
         exit_rank,
@@ -341,7 +348,7 @@ def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
     )  # a sibling: the script's folder is on sys.path
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    args = trainer_args(ds_path, out_dir)
+    args = trainer_args(ds_path, out_dir, json.loads(Path(args_path).read_text()))
     import deepspeed.ops
 
     # As the trial worker does: skip compiling DeepSpeed's shared-memory comm op (not used by the JSON)
@@ -363,4 +370,4 @@ def rank_main(config_dir: str, ds_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    rank_main(*sys.argv[1:4])
+    rank_main(*sys.argv[1:5])

@@ -5,9 +5,10 @@ Trainer training 2 steps at sp 2 on 2 CPU ranks with them (docs/parallelism.md, 
 
 Run as a script, this file is one rank of that training:
 
-    accelerate launch --config_file ACCELERATE.yaml tests/test_export_sp.py CONFIG_DIR DS_JSON CODE_FILE OUT_DIR
+    accelerate launch --config_file ACCELERATE.yaml tests/test_export_sp.py CONFIG_DIR DS_JSON CODE_FILE OUT_DIR ARGS_JSON
 
-CODE_FILE holds the ParallelismConfig lines export printed; the rank writes OUT_DIR/rank<r>.json.
+CODE_FILE holds the ParallelismConfig lines export printed, ARGS_JSON the TrainingArguments it printed; the rank
+writes OUT_DIR/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def test_export_prints_a_parallelism_config_that_accelerate_builds(tmp_path, mon
     assert main(["export", "--study", "sp", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     ds = json.loads(out.read_text())
-    assert ds == deepspeed_config(cfg, model, cluster) and ds["sequence_parallel_size"] == 2
+    assert ds == deepspeed_config(cfg, model, cluster, style="trainer") and ds["sequence_parallel_size"] == 2
     assert "Ulysses 2, dp = 4 / 2 = 2" in text and "parallelism_config=parallelism_config" in text
     assert "= 2 x 2 x 1 = 4 sequences of 64 tokens" in text and "position_ids" in text
     scope: dict = {}
@@ -126,7 +127,7 @@ def test_yaml_counts_data_parallel_ranks(tmp_path, sp, gpus, dp):
     from autotune.train_config import TrainConfig
 
     cfg = TrainConfig(sequence_parallel_size=sp, zero_stage=3, seq_len=4096)
-    conf = yaml.safe_load(accelerate_config_yaml(cfg, parse_gpus(gpus), tmp_path / "ds.json"))
+    conf = yaml.safe_load(accelerate_config_yaml(cfg, parse_gpus(gpus), tmp_path / "ds.json", tmp_path / "a.yaml"))
     assert conf["parallelism_config"]["parallelism_config_dp_shard_size"] == dp
     assert conf["parallelism_config"]["parallelism_config_sp_size"] == sp
 
@@ -155,8 +156,12 @@ def test_trainer_trains_2_steps_at_sp2_with_the_export(tmp_path, monkeypatch, ca
     make_study("sp", **SP2)
     out, acc = tmp_path / "ds.json", tmp_path / "accelerate.yaml"
     assert main(["export", "--study", "sp", "--out", str(out), "--accelerate-config", str(acc)]) == 0
-    code = tmp_path / "pc.py"
-    code.write_text(_printed_code(capsys.readouterr().out))
+    from hf_trainer_run import printed_arguments
+
+    text = capsys.readouterr().out
+    code, printed = tmp_path / "pc.py", tmp_path / "args.json"
+    code.write_text(_printed_code(text))
+    printed.write_text(json.dumps(printed_arguments(text)))
     if json_as != "exported":
         ds = json.loads(out.read_text())
         ds.pop("train_batch_size", None)
@@ -175,6 +180,7 @@ def test_trainer_trains_2_steps_at_sp2_with_the_export(tmp_path, monkeypatch, ca
         str(out),
         str(code),
         str(tmp_path / "out"),
+        str(printed),
     ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     records = sorted((tmp_path / "out").glob("rank*.json"))
@@ -187,7 +193,7 @@ def test_trainer_trains_2_steps_at_sp2_with_the_export(tmp_path, monkeypatch, ca
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
-def rank_main(config_dir: str, ds_path: str, code_path: str, out_dir: str) -> None:
+def rank_main(config_dir: str, ds_path: str, code_path: str, out_dir: str, args_path: str) -> None:
     """One rank: the Trainer with the exported JSON, the TrainingArguments export prints and the printed
     ParallelismConfig."""
     import torch
@@ -201,7 +207,7 @@ def rank_main(config_dir: str, ds_path: str, code_path: str, out_dir: str) -> No
 
     scope: dict = {}
     exec(Path(code_path).read_text(), scope)
-    args = trainer_args(ds_path, out_dir)
+    args = trainer_args(ds_path, out_dir, json.loads(Path(args_path).read_text()))
     args.parallelism_config = scope["parallelism_config"]
     import deepspeed
     import deepspeed.ops
@@ -231,4 +237,4 @@ def rank_main(config_dir: str, ds_path: str, code_path: str, out_dir: str) -> No
 
 
 if __name__ == "__main__":
-    rank_main(*sys.argv[1:5])
+    rank_main(*sys.argv[1:6])

@@ -479,5 +479,5 @@ def test_export_writes_the_json_for_the_optimizer_the_trial_ran(tmp_path, monkey
     )
     _, _, text = export(study, tmp_path / "ds.json")
     ds = json.loads((tmp_path / "ds.json").read_text())
-    assert ds == deepspeed_config(CFG, MODEL, A100x1, "torch_adamw_fused")
+    assert ds == deepspeed_config(CFG, MODEL, A100x1, "torch_adamw_fused", style="trainer")
     assert ds["optimizer"]["params"]["fused"] is True and "torch.optim.AdamW(fused=True)" in text

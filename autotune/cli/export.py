@@ -9,11 +9,30 @@ ORDER = 50
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="write the best (or a given) trial's DeepSpeed config JSON")
+    p = sub.add_parser(
+        "export",
+        help="write the best (or a given) trial's DeepSpeed config JSON (for the Hugging Face Trainer; --concrete "
+        "for a plain deepspeed.initialize loop; --into your own config)",
+    )
     p.add_argument("--study", default=None, help="study name (default: the most recent one under trials/)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's own)")
     p.add_argument("--trial", type=int, default=None, help="trial number (default: the fastest successful run)")
-    p.add_argument("--out", required=True, type=Path, help="where to write the JSON")
+    p.add_argument(
+        "--out", default=None, type=Path, help="where to write the JSON (required unless --into, which it then leaves)"
+    )
+    p.add_argument(
+        "--into",
+        default=None,
+        type=Path,
+        metavar="YOUR_DS_CONFIG",
+        help="your own DeepSpeed config JSON: keep it, change only the keys autotune tuned (listed, old -> new); "
+        "updated in place unless --out",
+    )
+    p.add_argument(
+        "--concrete",
+        action="store_true",
+        help='numbers instead of the Hugging Face Trainer\'s "auto": for a plain deepspeed.initialize loop',
+    )
     p.add_argument(
         "--accelerate-config",
         default=None,
@@ -29,6 +48,13 @@ def run(args: argparse.Namespace) -> int:
     from autotune.search import study as st
 
     study = st.load_study(args.study, args.storage)
-    _, _, text = export(study, args.out, args.trial, args.accelerate_config)
+    _, _, text = export(
+        study,
+        args.out,
+        args.trial,
+        args.accelerate_config,
+        into=args.into,
+        style="concrete" if args.concrete else "trainer",
+    )
     print(text)
     return 0

@@ -1,7 +1,9 @@
 """`autotune export`: the winning (or a chosen) trial's DeepSpeed JSON, and how to use it.
 
-The JSON is `deepspeed_config(cfg, model, cluster)`, the same function every trial ran with, so
-what was measured is what is exported.
+The JSON is `deepspeed_config(cfg, model, cluster, ...)`, the same function every trial ran with, so
+what was measured is what is exported: by default in its "trainer" style ("auto" where the Hugging Face Trainer
+fills the value from its TrainingArguments), with `style="concrete"` the numbers a trial ran (a plain
+deepspeed.initialize loop), and with `into` merged into a user's own DeepSpeed config (only the tuned keys change).
 """
 
 from __future__ import annotations
@@ -14,7 +16,19 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.deepspeed_config import ADAMW, OPTIMIZER_IMPLS, deepspeed_config, default_optimizer_impl
+from autotune.deepspeed_config import (
+    MISSING,
+    OPTIMIZER_IMPLS,
+    PRECISION_FLAGS,
+    STYLES,
+    TRAINER_FILLED,
+    TUNED_KEYS,
+    config_changes,
+    deepspeed_config,
+    default_optimizer_impl,
+    leaves,
+    trainer_arguments,
+)
 from autotune.errors import SpecError
 from autotune.hardware import Cluster
 from autotune.models import ModelSpec
@@ -50,10 +64,26 @@ def pick_trial(study: optuna.Study, number: int | None = None) -> FrozenTrial:
 
 
 def export(
-    study: optuna.Study, out: Path, number: int | None = None, accelerate_config: Path | None = None
+    study: optuna.Study,
+    out: Path | None,
+    number: int | None = None,
+    accelerate_config: Path | None = None,
+    *,
+    into: Path | None = None,
+    style: str = "trainer",
 ) -> tuple[FrozenTrial, TrainConfig, str]:
     """Write the DeepSpeed JSON of the chosen trial to `out` (and, given `accelerate_config`, an
-    `accelerate launch` config file that points at it); return the trial, its config, and usage text."""
+    `accelerate launch` config file that points at it); return the trial, its config, and usage text.
+
+    `style`: deepspeed_config's ("trainer": "auto" where the Hugging Face Trainer fills the value; "concrete": the
+    numbers, for a plain deepspeed.initialize loop). `into`: a user's DeepSpeed config JSON, kept but for the keys
+    autotune tuned (deepspeed_config's `base`); the result goes to `out`, by default back into `into`."""
+    if style not in STYLES:
+        raise SpecError(f"export style {style!r}: one of {', '.join(STYLES)}")
+    if out is None and into is None:
+        raise SpecError("export needs --out FILE, or --into YOUR_DS_CONFIG.json to update your own config")
+    user = read_user_config(Path(into)) if into is not None else None
+    out = Path(out if out is not None else into)
     trial = pick_trial(study, number)
     model, cluster, _ = st.specs_of(study)
     record = st.record_of(trial)
@@ -61,8 +91,7 @@ def export(
     # the optimizer code the trial ran (FusedAdam, or torch's fused AdamW where FusedAdam could not be built): the
     # same JSON as the trial's, through the same function; a study from before it was recorded gets the default
     impl = (record.result.optimizer_impl if record.result else "") or default_optimizer_impl(cfg, cluster)
-    ds = deepspeed_config(cfg, model, cluster, impl)
-    out = Path(out)
+    ds = deepspeed_config(cfg, model, cluster, impl, style=style, base=user)
     # every output is made first, then written whole or not at all (write_all)
     files = [(out, json.dumps(ds, indent=2) + "\n")]
     source = record.source or "measured"
@@ -72,16 +101,81 @@ def export(
         f"\noptimizer: {OPTIMIZER_IMPLS[impl]}"
         + ("" if record.result and record.result.optimizer_impl else " (the default: the trial did not record its own)")
     )
+    if user is not None:
+        head += "\n" + "\n".join(into_lines(Path(into), out, user, ds, cfg))
     if cfg.method != "full":
         lora_path = lora_config_path(out)
         files.append((lora_path, lora_config_json(model, cfg)))
         head += f"\nwrote {lora_path}: its peft LoraConfig"
     if accelerate_config is not None:
         accelerate_config = Path(accelerate_config)
-        files.append((accelerate_config, accelerate_config_yaml(cfg, cluster, out)))
+        files.append((accelerate_config, accelerate_config_yaml(cfg, cluster, out, accelerate_config)))
         head += f"\nwrote {accelerate_config}: an `accelerate launch` config that starts DeepSpeed with it"
     write_all(files)
-    return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out, accelerate_config)
+    return trial, cfg, head + "\n\n" + usage(cfg, model, cluster, out, accelerate_config, style=style, ds=ds)
+
+
+def read_user_config(path: Path) -> dict:
+    """A user's DeepSpeed config JSON (`--into`): a JSON object, else SpecError."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"--into {path}: no such file (give your DeepSpeed config JSON)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"--into {path}: cannot be read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"--into {path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"--into {path}: a DeepSpeed config is a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _is_tuned(path: str) -> bool:
+    return any(path == k or path.startswith(k + ".") for k in TUNED_KEYS)
+
+
+def _fmt(v: object) -> str:
+    return MISSING if v is MISSING else json.dumps(v)
+
+
+def into_lines(into: Path, out: Path, user: dict, ds: dict, cfg: TrainConfig) -> list[str]:
+    """What `--into` did to the user's config: each tuned key changed (old -> new), each of the user's keys that
+    conflicted with the tuned configuration (removed or switched off, and why), what was filled in, what was kept."""
+    changes = config_changes(user, ds)
+    order = {k: i for i, k in enumerate(TUNED_KEYS)}
+    tuned = sorted(
+        (c for c in changes if _is_tuned(c[0])),
+        key=lambda c: min(i for k, i in order.items() if c[0] == k or c[0].startswith(k + ".")),
+    )
+    other = [c for c in changes if not _is_tuned(c[0])]
+    where = "updated in place" if out.resolve() == into.resolve() else f"written to {out}, {into} untouched"
+    lines = [
+        f"--into {into}: your config kept, {where}; {len(tuned)} tuned value(s) changed (old -> new):",
+    ]
+    for path, old, new in tuned:
+        why = ""
+        if new is MISSING:
+            why = "  (removed: the tuned configuration runs without it; the measured memory and speed are without it)"
+        elif path in PRECISION_FLAGS and new is False:
+            why = f"  (switched off: the tuned configuration runs {cfg.precision})"
+        elif new == "auto":
+            why = "  (the Trainer fills it from TrainingArguments: the tuned value is printed below)"
+        elif path == "optimizer.type":
+            why = "  (the trials measured AdamW's memory and speed; your lr, betas, eps, weight decay are kept)"
+        lines.append(f"  {path}: {_fmt(old)} -> {_fmt(new)}{why}")
+    for path, old, new in other:
+        if old is MISSING:
+            lines.append(f"  added (your config had none): {path}: {_fmt(new)}")
+        elif new is MISSING:
+            lines.append(f"  removed: {path}: {_fmt(old)}  (your optimizer section gave way to the tuned one)")
+        else:  # concrete style: DeepSpeed resolves no "auto"
+            lines.append(f'  {path}: {_fmt(old)} -> {_fmt(new)}  (DeepSpeed resolves no "auto": autotune\'s value)')
+    kept = [p for p in leaves(user) if p in leaves(ds) and leaves(ds)[p] == leaves(user)[p] and not _is_tuned(p)]
+    if kept:
+        lines.append(
+            f"  kept as you wrote them: {len(kept)} other key(s) ({', '.join(kept[:8])}{', ...' if len(kept) > 8 else ''})"
+        )
+    return lines
 
 
 def speed_text(record: st.TrialRecord, value: float, objective: str) -> str:
@@ -197,16 +291,28 @@ def _lora_lines(cfg: TrainConfig, path: Path) -> list[str]:
     return lines
 
 
-def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) -> str:
-    """An `accelerate launch --config_file` YAML (accelerate/commands/config/config_args.py ClusterConfig) that
-    starts the exported JSON with DeepSpeed on `cluster`; why each key is (or is not) there, with the accelerate
-    1.16 sources: docs/measurements/report.md, "Export: the accelerate config file"."""
+def json_path_for_yaml(ds_path: Path, yaml_path: Path | None) -> str:
+    """The JSON's path as the accelerate YAML names it: relative to the YAML's folder (by default the current one),
+    so the two files move together (to a cluster, another checkout). accelerate 1.16 passes the string on as it is
+    (commands/launch.py _validate_launch_command copies it onto args.deepspeed_config_file, utils/launch.py
+    prepare_deepspeed_cmd_env exports it as ACCELERATE_DEEPSPEED_CONFIG_FILE) and each rank opens it from its working
+    directory (utils/dataclasses.py DeepSpeedPlugin.__post_init__ -> HfDeepSpeedConfig): it resolves against the
+    folder `accelerate launch` runs in, not the YAML's, so the printed usage says to launch in the YAML's folder."""
+    folder = (Path(yaml_path).resolve().parent if yaml_path is not None else Path.cwd()).resolve()
+    return Path(os.path.relpath(Path(ds_path).resolve(), folder)).as_posix()
+
+
+def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path, yaml_path: Path | None = None) -> str:
+    """An `accelerate launch --config_file` YAML (accelerate/commands/config/config_args.py ClusterConfig), to be
+    written at `yaml_path`, that starts the exported JSON with DeepSpeed on `cluster`; why each key is (or is not)
+    there, with the accelerate 1.16 sources: docs/measurements/report.md, "Export: the accelerate config file"."""
     import yaml
 
-    # absolute: the ranks read it from their own working directory; zero3_init_flag: the model built under
+    # relative to the YAML's folder (json_path_for_yaml); zero3_init_flag: the model built under
     # deepspeed.zero.Init, as the trials built it; no mixed_precision key: accelerate refuses one beside a
     # deepspeed_config_file (commands/launch.py ACCELERATE_CONFIG_DS_FIELDS), the JSON's bf16 / fp16 decides
-    ds: dict = {"deepspeed_config_file": str(Path(ds_path).resolve()), "zero3_init_flag": cfg.zero_stage == 3}
+    rel = json_path_for_yaml(ds_path, yaml_path)
+    ds: dict = {"deepspeed_config_file": rel, "zero3_init_flag": cfg.zero_stage == 3}
     conf: dict = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "DEEPSPEED",
@@ -244,7 +350,8 @@ def accelerate_config_yaml(cfg: TrainConfig, cluster: Cluster, ds_path: Path) ->
             if cfg.deepcompile
             else ""
         )
-        + "# accelerate launch --config_file THIS_FILE train.py\n"
+        + f"# deepspeed_config_file ({rel}) is relative to this file's folder, and accelerate opens it from the folder\n"
+        "# it is launched in: run `accelerate launch --config_file THIS_FILE train.py` in this file's folder\n"
     )
     return head + yaml.safe_dump(conf, sort_keys=False)
 
@@ -379,21 +486,47 @@ def _tp_lines(cfg: TrainConfig, cluster: Cluster) -> list[str]:
     ]
 
 
-def usage(
-    cfg: TrainConfig, model: ModelSpec, cluster: Cluster, path: Path, accelerate_config: Path | None = None
-) -> str:
-    nodes = f" --num_nodes {cluster.num_nodes} --hostfile HOSTFILE" if cluster.num_nodes > 1 else ""
-    prec = {"bf16": ", bf16=True", "fp16": ", fp16=True", "fp32": ""}[cfg.precision]
-    # The Trainer refuses a DeepSpeed config whose optimizer values differ from its own arguments
-    # (transformers/integrations/deepspeed.py, trainer_config_process: fill_match on lr, betas,
-    # eps, weight_decay, gradient_clipping), so the arguments repeat the JSON's values.
-    opt = (
-        f", learning_rate={ADAMW['lr']}, adam_beta1={ADAMW['betas'][0]}, adam_beta2={ADAMW['betas'][1]}, "
-        f"adam_epsilon={ADAMW['eps']}, weight_decay={ADAMW['weight_decay']}, max_grad_norm=1.0"
+def fixed_for_trainer(ds: dict) -> tuple[list[str], dict]:
+    """The JSON's values the Trainer checks against its arguments (TRAINER_FILLED) that are numbers and not the
+    tuned ones trainer_arguments gives: (the dotted keys with their values, the TrainingArguments repeating them)."""
+    flat = leaves(ds)
+    keys, args = [], {}
+    for path in TRAINER_FILLED:
+        v = flat.get(path, MISSING)
+        names = TRAINER_FILLED[path]
+        if v is MISSING or v == "auto" or _is_tuned(path) or names is None:
+            continue
+        keys.append(f"{path}={json.dumps(v)}")
+        args.update(zip(names, v if len(names) == 2 and isinstance(v, list) else [v]))
+    return keys, args
+
+
+def trainer_line(cfg: TrainConfig, model: ModelSpec, path: Path, extra: dict | None = None) -> str:
+    """The TrainingArguments line export prints, as Python: the JSON, the tuned arguments (trainer_arguments), and
+    `extra`."""
+    kwargs = {**trainer_arguments(cfg, model), **(extra or {})}
+    return (
+        f"TrainingArguments(deepspeed={json.dumps(str(path))}, "
+        + ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        + ")"
     )
-    full = cfg.ckpt_layers >= model.num_layers
-    lines = [
-        "Use it with the DeepSpeed launcher:",
+
+
+def usage(
+    cfg: TrainConfig,
+    model: ModelSpec,
+    cluster: Cluster,
+    path: Path,
+    accelerate_config: Path | None = None,
+    *,
+    style: str = "trainer",
+    ds: dict | None = None,
+) -> str:
+    """How to use the exported files, which file suits which loop first."""
+    ds = ds if ds is not None else deepspeed_config(cfg, model, cluster, style=style)
+    nodes = f" --num_nodes {cluster.num_nodes} --hostfile HOSTFILE" if cluster.num_nodes > 1 else ""
+    fixed, fixed_args = fixed_for_trainer(ds)
+    launcher = [
         f"  deepspeed --num_gpus {cluster.gpus_per_node}{nodes} train.py --deepspeed_config {path}",
         "  (train.py: engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, "
         + (
@@ -401,13 +534,48 @@ def usage(
             if cfg.method == "full"
             else "model_parameters=[p for p in model.parameters() if p.requires_grad]))"
         ),
-        "or with the Hugging Face Trainer:",
-        f'  TrainingArguments(deepspeed="{path}", per_device_train_batch_size={cfg.micro_batch}, '
-        f"gradient_accumulation_steps={cfg.grad_accum}, gradient_checkpointing={full}{prec}{opt})",
-        f"  (transformers >= 5 names it activation_checkpointing; seq len {cfg.seq_len})",
     ]
-    if accelerate_config is not None:
-        lines.append(f"  started by accelerate: accelerate launch --config_file {accelerate_config} train.py")
+    if style == "trainer":
+        lines = [
+            f'{path} is for the Hugging Face Trainer (and accelerate): "auto" where the Trainer fills the value from '
+            "its TrainingArguments (batch sizes, learning rate, betas, eps, weight decay, gradient clipping"
+            + ("" if "scheduler" in ds else "; no scheduler section, so the Trainer's own runs")
+            + "); the tuned keys (ZeRO, precision, ...) are numbers.",
+            "  " + trainer_line(cfg, model, path),
+            "  plus your own learning_rate, weight_decay, warmup_steps, lr_scheduler_type, max_grad_norm, ...: none is "
+            "set above. per_device_train_batch_size and gradient_accumulation_steps are the tuned values: the JSON's "
+            '"auto" batch sizes are filled from them.',
+        ]
+        if fixed:
+            lines.append(
+                f"  Your config fixes {', '.join(fixed)}: the Trainer refuses TrainingArguments that differ "
+                f"(transformers integrations/deepspeed.py fill_match), so pass "
+                f"{', '.join(f'{k}={v!r}' for k, v in fixed_args.items()) or 'the same'}, "
+                'or write "auto" there to take the Trainer\'s.'
+            )
+        lines.append(f"  (transformers >= 5 names it activation_checkpointing; seq len {cfg.seq_len})")
+        if accelerate_config is not None:
+            lines += _accelerate_lines(accelerate_config, path)
+        lines += [
+            'Without the Trainer (a plain deepspeed.initialize loop): DeepSpeed resolves no "auto"; export again with '
+            "--concrete (the same options) for a file of numbers at this path, then:",
+            *launcher,
+        ]
+    else:
+        lines = [
+            f"{path} is for a plain deepspeed.initialize loop (no Trainer): every value a number"
+            + (f" ({', '.join(fixed)})" if fixed else "")
+            + ".",
+            "Use it with the DeepSpeed launcher:",
+            *launcher,
+            'With the Hugging Face Trainer, export without --concrete ("auto" values, and your own '
+            "hyperparameters); this file fixes them, and the Trainer refuses TrainingArguments that differ "
+            "(transformers integrations/deepspeed.py fill_match), so it would need",
+            "  " + trainer_line(cfg, model, path, fixed_args),
+            f"  (transformers >= 5 names it activation_checkpointing; seq len {cfg.seq_len})",
+        ]
+        if accelerate_config is not None:
+            lines += _accelerate_lines(accelerate_config, path)
     lines += _tp_lines(cfg, cluster)
     lines += _sp_lines(cfg, cluster, accelerate_config)
     lines += _compile_lines(cfg, accelerate_config)
@@ -420,6 +588,21 @@ def usage(
             "Trainer(optim='adamw_bnb_8bit')."
         )
     return "\n".join(lines)
+
+
+def _accelerate_lines(accelerate_config: Path, path: Path) -> list[str]:
+    """How to start the exported YAML: in its own folder, since accelerate opens the JSON it names from the folder
+    it is launched in (json_path_for_yaml)."""
+    folder = Path(accelerate_config).parent
+    here = Path(folder).resolve() == Path.cwd().resolve()
+    rel = json_path_for_yaml(path, accelerate_config)
+    return [
+        f"  started by accelerate: accelerate launch --config_file {accelerate_config} train.py"
+        + ("" if here else f", in {folder}"),
+        f"  ({accelerate_config} names the JSON as {rel}, relative to its own folder: move the two together; "
+        "accelerate opens it from the folder it is launched in. The Trainer then needs no deepspeed=: "
+        "TrainingArguments takes the JSON accelerate names)",
+    ]
 
 
 _HF_LAYERS = {"gpt2": "model.transformer.h", "gpt_neox": "model.gpt_neox.layers", "mpt": "model.transformer.blocks"}
