@@ -188,7 +188,7 @@ def script_argv(req: TrialRequest, json_path: Path) -> list[str]:
     arguments for the candidate's batch and precision, as DeepSpeed's autotuner's arg_mappings pass them)."""
     s, cfg = req.script, req.config
     argv = [s.path, *s.args, s.config_flag, str(json_path)]
-    if s.trainer_args and not s.as_given:
+    if s.trainer_args:
         argv += ["--per_device_train_batch_size", str(cfg.micro_batch), "--gradient_accumulation_steps"]
         argv += [str(cfg.grad_accum)]
         argv += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(cfg.precision, [])
