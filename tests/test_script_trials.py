@@ -190,3 +190,37 @@ def test_trial_script_failure_keeps_the_scripts_output(here, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["status"] == "crashed" and "my data is missing" in doc["reason"]
     assert "my script starts" in doc["log_tail"] and doc["script"] == "bad_train.py"
+
+
+@pytest.mark.slow
+def test_trial_script_that_hangs_is_a_timeout_and_leaves_nothing_running(here, capsys):
+    import psutil
+
+    hang = here / "hang_train.py"
+    hang.write_text("import time\nprint('my script waits', flush=True)\ntime.sleep(600)\n")
+    rc = main(
+        ["trial", "--model", str(here / "tiny" / "config.json"), "--gpus", "2xcpu", "--seq-len", "64"]
+        + ["--script", str(hang), "--out", str(here / "t"), "--json", "--timeout", "25"]
+    )
+    assert rc == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["status"] == "timeout" and "my script waits" in doc["log_tail"]
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(here / "t") in " ".join(p.info["cmdline"] or [])]
+    assert not left
+
+
+@pytest.mark.slow
+def test_trial_script_over_the_cap_is_oom_measured(here, capsys):
+    # 2 MiB per rank: the tiny Llama's weights, grads and Adam states alone are ~3 MiB (fp32), so the script's
+    # measured peak is over the cap
+    rc = main(
+        ["trial", "--model", str(here / "tiny" / "config.json"), "--gpus", "2xcpu@2MiB", "--seq-len", "64"]
+        + ["--precision", "fp32", "--script", str(EXAMPLES / "train_deepspeed.py"), "--script-config"]
+        + [str(EXAMPLES / "ds_config.json"), "--script-config-flag", "deepspeed_config", "--steps", "2"]
+        + ["--warmup-steps", "1", "--script-args", f"--seq_len 64 --model_config {here / 'tiny' / 'config.json'}"]
+        + ["--out", str(here / "t"), "--json"]
+    )
+    assert rc == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["status"] == "oom" and "exceeds the per-rank cap of 2,097,152 bytes" in doc["reason"]
+    assert doc["peak_bytes"] > 2 * 2**20
