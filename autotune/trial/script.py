@@ -129,7 +129,9 @@ def stop_section(req: TrialRequest) -> dict:
     """DeepSpeed's `autotuning` section that ends the script after warmup_steps + steps optimizer steps: the engine
     exits once global_steps == end_profile_step + 1 (runtime/engine.py step), so end_profile_step is the last
     step's index. start_profile_step is the step whose forward DeepSpeed's flops profiler wraps on rank 0 (its
-    functional patches slow that step): the last warm-up step, so no measured step carries it."""
+    functional patches slow that step): the last warm-up step, so no measured step carries it. The section also
+    turns the engine's global timers on (runtime/engine.py EngineTimers: enable_global_timers=wall_clock_breakdown or
+    flops_profiler_enabled, which autotuning sets), logged on rank 0 at each step (docs/trials.md)."""
     last = req.warmup_steps + req.steps - 1
     return {
         "enabled": True,
