@@ -147,6 +147,15 @@ def test_search_script_deepspeed_stops_ranks_and_exports(here, tmp_path):
     again = _search(here, *script, "--study", "ds")
     assert again.returncode == 0 and "continuing it" in again.stdout
     assert len([r for r in st.records(st.load_study("ds")) if r.status == "ok"]) == 2
+    resumed = subprocess.run(
+        [sys.executable, "-m", "autotune", "search", "--resume", "--study", "ds", "--no-progress"],
+        cwd=ROOT,
+        env={**os.environ, "AUTOTUNE_TRIALS_DIR": str(here / "trials"), "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0 and "script: train_deepspeed.py" in resumed.stdout  # --resume: the study's script
     other = _search(here, *script[:-1], "--seq_len 32", "--study", "ds")
     assert other.returncode == 2 and "--script" in other.stderr
     out = tmp_path / "winner.json"
