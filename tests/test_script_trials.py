@@ -233,3 +233,47 @@ def test_trial_script_over_the_cap_is_oom_measured(here, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["status"] == "oom" and "exceeds the per-rank cap of 2,097,152 bytes" in doc["reason"]
     assert doc["peak_bytes"] > 2 * 2**20
+
+
+NAN_SCRIPT = """\
+import argparse, json
+import deepspeed, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+p = argparse.ArgumentParser()
+p.add_argument("--model_config")
+p.add_argument("--deepspeed")
+a = p.parse_args()
+ds = json.load(open(a.deepspeed))
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(a.model_config))
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+x = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), 64))
+for _ in range(100):
+    loss = engine(input_ids=x, labels=x).loss * float("nan")
+    engine.backward(loss)
+    engine.step()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["diverged", "ignores the JSON"])
+def test_trial_script_diverged_and_one_that_ignores_the_json(here, capsys, case):
+    model = str(here / "tiny" / "config.json")
+    if case == "diverged":
+        script = here / "nan_train.py"
+        script.write_text(NAN_SCRIPT)
+        extra = ["--script", str(script), "--script-config", str(EXAMPLES / "ds_config.json")]
+        extra += ["--script-args", f"--model_config {model}"]
+    else:  # the Trainer without the candidate's batch arguments fills "auto" with its default, 8 per device
+        extra = ["--script", str(EXAMPLES / "train_hf.py"), "--no-script-trainer-args"]
+        extra += ["--script-args", f"--model_config {model} --seq_len 64"]
+    rc = main(
+        ["trial", "--model", model, "--gpus", "2xcpu", "--seq-len", "64", "--precision", "fp32", "--micro-batch", "2"]
+        + ["--steps", "2", "--warmup-steps", "1", "--out", str(here / "t"), "--json", *extra]
+    )
+    assert rc == 1
+    doc = json.loads(capsys.readouterr().out)
+    if case == "diverged":
+        assert doc["status"] == "diverged" and "non-finite loss" in doc["reason"]
+    else:
+        assert doc["status"] == "crashed" and "did not run the candidate" in doc["reason"]
+        assert "micro_batch 8 (the candidate's: 2)" in doc["reason"]
