@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         from autotune.report.verify import verify
 
-        res, said = verify(study, trial, args.out, ray_address=args.ray_address)
+        # the JSON export wrote (an `--into` config updated in place, where export has that option)
+        written = args.out if args.out is not None else getattr(args, "into", None)
+        res, said = verify(study, trial, written, ray_address=args.ray_address)
         print(said)
         return 0 if res.status == "ok" else 1
     return 0
