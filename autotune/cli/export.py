@@ -40,6 +40,13 @@ def register(sub) -> None:
         metavar="FILE",
         help="also write an `accelerate launch --config_file` YAML that starts DeepSpeed with the JSON",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="then run the exported trial once through the Hugging Face Trainer with the written JSON, on the study's "
+        "cluster (Ray, as its trials), and show its measured samples/s and peak beside the study's (exit 1 if it fails)",
+    )
+    p.add_argument("--ray-address", default=None, help="with --verify: an existing Ray cluster (default: a local one)")
     p.set_defaults(func=run)
 
 
@@ -48,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from autotune.search import study as st
 
     study = st.load_study(args.study, args.storage)
-    _, _, text = export(
+    trial, _, text = export(
         study,
         args.out,
         args.trial,
@@ -57,4 +64,11 @@ def run(args: argparse.Namespace) -> int:
         style="concrete" if args.concrete else "trainer",
     )
     print(text)
+    if args.verify:
+        from autotune.report.verify import verify
+
+        written = args.out if args.out is not None else args.into  # an --into config is updated in place
+        res, said = verify(study, trial, written, ray_address=args.ray_address)
+        print(said)
+        return 0 if res.status == "ok" else 1
     return 0

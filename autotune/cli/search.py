@@ -7,6 +7,7 @@ import signal
 import sys
 
 from autotune.cli.common import add_impl
+from autotune.cli.trial import add_script, script_from_args
 from autotune.errors import SpecError
 
 ORDER = 30
@@ -107,6 +108,7 @@ def register(sub) -> None:
         "per slot)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_script(p)
     p.set_defaults(func=run)
 
 
@@ -144,10 +146,13 @@ def run(args: argparse.Namespace) -> int:
         tolerance=tolerance,
         n_trials=args.n_trials,
         dry_run=args.dry_run,
+        script=script_from_args(args),
     )
     study, model, cluster = session.study, session.inputs.model, session.inputs.cluster
     print(f"{model.describe()}\non {cluster.describe()}{'; ' + cluster.note if cluster.note else ''}")
     print(f"executor: {session.how}")
+    if session.search.script is not None:
+        print(f"script: {session.search.script.label()} (each trial runs it; measured from its DeepSpeed engine)")
     for line in session.notes:  # a study continued, and with which settings
         print(line)
     if args.dry_run:

@@ -31,7 +31,66 @@ def register(sub) -> None:
     p.add_argument("--profile", action="store_true", help="also write a profiler trace (trace.json, Perfetto)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.add_argument("--fault", choices=["nan", "hang", "crash", "exit"], default=None, help=argparse.SUPPRESS)
+    add_script(p)
     p.set_defaults(func=run)
+
+
+def add_script(p: argparse.ArgumentParser) -> None:
+    """--script and its options (`autotune trial` and `autotune search`; docs/trials.md "Your own script")."""
+    p.add_argument(
+        "--script",
+        default=None,
+        metavar="TRAIN.PY",
+        help="run your own DeepSpeed or Hugging Face Trainer script as the trial instead of autotune's loop: each rank "
+        "runs `python TRAIN.PY ARGS --deepspeed JSON`, and DeepSpeed's autotuning hook stops it after the warm-up "
+        "and measured steps (docs/trials.md)",
+    )
+    p.add_argument(
+        "--script-args", default=None, metavar="ARGS", help="the script's own arguments, one string (split as a shell)"
+    )
+    p.add_argument(
+        "--script-config",
+        default=None,
+        metavar="DS.JSON",
+        help="your own DeepSpeed JSON: the script gets it with only the keys a candidate decides changed "
+        "(default: the candidate's JSON in the Trainer's style, \"auto\" where the Trainer fills a value in)",
+    )
+    p.add_argument(
+        "--script-config-flag",
+        default=None,
+        metavar="FLAG",
+        help="the script's option that takes the JSON's path, with or without its dashes: deepspeed_config or "
+        "--script-config-flag=--deepspeed_config (default --deepspeed, the Trainer's)",
+    )
+    p.add_argument(
+        "--script-trainer-args",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also pass --per_device_train_batch_size, --gradient_accumulation_steps and --bf16/--fp16 for the "
+        "candidate (default: on without --script-config, off with it)",
+    )
+
+
+def script_from_args(args: argparse.Namespace):
+    """The ScriptSpec of --script and its options (None without --script); the script options alone are refused."""
+    if args.script is None:
+        extra = [
+            f
+            for f in ("script_args", "script_config", "script_config_flag", "script_trainer_args")
+            if getattr(args, f) is not None
+        ]
+        if extra:
+            raise SpecError(f"--{extra[0].replace('_', '-')} needs --script")
+        return None
+    from autotune.trial.script import script_spec
+
+    return script_spec(
+        args.script,
+        args.script_args or (),
+        config=args.script_config,
+        config_flag=args.script_config_flag or "--deepspeed",
+        trainer_args=args.script_trainer_args,
+    )
 
 
 def run(args) -> int:
@@ -40,6 +99,7 @@ def run(args) -> int:
     from autotune.trial.record import TrialRequest
 
     model, cluster, cfg = specs_from_args(args)
+    script = script_from_args(args)
     if args.steps < 1 or args.warmup_steps < 0:
         raise SpecError(f"--steps must be >= 1 and --warmup-steps >= 0, got {args.steps}, {args.warmup_steps}")
     try:
@@ -67,6 +127,7 @@ def run(args) -> int:
         timeout_s=timeout_s,
         profile=args.profile,
         fault=args.fault,
+        script=script,
     )
     res = run_trial(req)
     if args.json:
@@ -74,7 +135,10 @@ def run(args) -> int:
             **res.to_dict(),
             "estimate": estimate,
             "config": {**cfg.to_dict(), "model": model.name, "gpus": cluster.text},
-            "deepspeed_config": deepspeed_config(cfg, model, cluster, res.optimizer_impl or None),
+            # a script trial: the JSON its script got (autotune.trial.script.script_config)
+            "deepspeed_config": json.loads(Path(out, "deepspeed_config.json").read_text())
+            if script is not None
+            else deepspeed_config(cfg, model, cluster, res.optimizer_impl or None),
         }
         print(json.dumps(doc, indent=2, default=str))
     else:
@@ -95,6 +159,7 @@ def summary(req, res, estimate: dict) -> str:
     cfg = req.config
     lines = [
         f"{req.model.name} ({req.model.code_name}) on {req.cluster.describe()}: {cfg.short()}, seq {cfg.seq_len}",
+        *([f"script      {res.script} (measured from its DeepSpeed engine)"] if res.script else []),
         f"status      {res.status}{'  (' + res.reason + ')' if res.reason else ''}",
     ]
     if res.samples_per_s is not None:

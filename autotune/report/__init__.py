@@ -187,11 +187,13 @@ def header(study: optuna.Study) -> list[str]:
         if seqs == ("auto",)
         else "seq len searched: " + ", ".join(str(a["seq_len"] if s == "auto" else s) for s in seqs)
     )
+    script = st.script_of(study)
     return [
         f"study {study.study_name}: {model.describe()}",
         f"on {cluster.describe()}, {seq}"
         + (f", global batch {gb}" if gb else "")
         + f"; results {a.get('source', 'measured')}; ranked by {objective(study)}/s",
+        *([f"script: {script.label()} (each trial ran it; figures read from its DeepSpeed engine)"] if script else []),
     ]
 
 
@@ -230,6 +232,7 @@ def render(
                     "study": study.study_name,
                     "source": source_label(df) if len(df) else None,
                     "implementation": st.specs_of(study)[0].code_name,
+                    "script": (s := st.script_of(study)) and s.label(),
                     "ranked": ranked_rows,
                     **counts,
                     "memory_correction": study.user_attrs.get("memory_correction"),
@@ -242,7 +245,7 @@ def render(
     lines = header(study)
     if fmt == "markdown":
         # title=False: report_page writes the title and the winner above the table
-        lines = ([f"# {lines[0]}", "", lines[1], ""] if title else []) + [
+        lines = ([f"# {lines[0]}", "", *[x for line in lines[1:] for x in (line, "")]] if title else []) + [
             markdown_table(table) if len(table) else "_no successful run_"
         ]
     else:

@@ -184,10 +184,10 @@ def to_html(md: str, out_dir: Path) -> str:
 def write_page(
     study, out_dir: Path, p: Pictures, pictures: list[Path], head: list[str], body: str, recs: list | None = None
 ) -> list[Path]:
-    """report.md and report.html in out_dir; `head` is report.header()'s two lines and `body`
+    """report.md and report.html in out_dir; `head` is report.header()'s lines (a third for a script's study) and `body`
     render()'s Markdown without its title (passed in: report imports this module, not the reverse);
     `recs` the study's records where the caller read them."""
-    md = markdown(head[0], head[1], why_lines(study, p, recs), pictures, body)
+    md = markdown(head[0], "\n\n".join(head[1:]), why_lines(study, p, recs), pictures, body)
     (out_dir / "report.md").write_text(md)
     (out_dir / "report.html").write_text(to_html(md, out_dir))
     return [out_dir / "report.md", out_dir / "report.html"]

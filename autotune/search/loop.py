@@ -38,7 +38,7 @@ from autotune.search.prior import Prior, default_prior
 from autotune.search.space import SearchSpace, expand
 from autotune.search.stopping import Bounded, Strategy
 from autotune.train_config import TrainConfig
-from autotune.trial.record import RUN, TrialRequest, TrialResult
+from autotune.trial.record import RUN, ScriptSpec, TrialRequest, TrialResult
 from autotune.units import fmt_bytes
 
 OBJECTIVES = {"samples": "samples_per_s", "tokens": "tokens_per_s"}
@@ -192,6 +192,7 @@ class Search:
         objective: str = "samples",
         exhaustive: bool = False,
         tolerance: float = 0.02,
+        script: ScriptSpec | None = None,
     ):
         """`prior`: what to rank by before any measurement (default_prior when None; a bare callable of samples/s is
         a caller's own, Prior.given). `strategy`: what picks and stops (stopping.Bounded over the prior when None;
@@ -204,6 +205,7 @@ class Search:
             # their stage: full.yaml's 48,996 for 13B on 4 x A100 are 14,436 estimates (autotune/search/reads_memo.py)
             estimate_fn = ReadsMemo(estimate)
         self.study, self.model, self.cluster, self.space, self.executor = study, model, cluster, space, executor
+        self.script = script  # the user's script each trial runs (autotune/trial/script.py); None: autotune's loop
         self.corrector = corrector
         exp = expand(space, model, cluster, seq_len=seq_len, global_batch=global_batch)
         self.dists = st.distributions(exp.candidates)
@@ -369,6 +371,7 @@ class Search:
                 warmup_steps=t.warmup_steps,
                 timeout_s=t.timeout_s,
                 trial_id=trial.number,
+                script=self.script,
             )
             try:
                 ticket = self.executor.submit(req)

@@ -24,6 +24,7 @@ from autotune.search import study as st
 from autotune.search.loop import Search, Summary
 from autotune.search.prior import default_prior
 from autotune.search.space import SearchSpace, load_space, parse_space
+from autotune.trial.record import ScriptSpec
 from autotune.units import fmt_bytes
 
 
@@ -152,7 +153,9 @@ def _as_stored(model: ModelSpec) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(model), default=str))
 
 
-def _conflicts(study: optuna.Study, inputs: Inputs, objective: str, source: str) -> list[str]:
+def _conflicts(
+    study: optuna.Study, inputs: Inputs, objective: str, source: str, script: ScriptSpec | None = None
+) -> list[str]:
     """What a new search of `inputs` would do differently from existing `study`, one phrase per input."""
     a = study.user_attrs[st.ATTR]
     stored = ModelSpec(**a["model"])
@@ -180,7 +183,27 @@ def _conflicts(study: optuna.Study, inputs: Inputs, objective: str, source: str)
         out.append(f"--objective {objective} (the study: {a.get('objective', 'samples')})")
     if source != a["source"]:
         out.append(f"results {source} here (the study's: {a['source']})")
+    out += _script_conflict(study, script)
     return out
+
+
+def _script_conflict(study: optuna.Study, script: ScriptSpec | None) -> list[str]:
+    """What differs between the script given (None: autotune's own loop) and the one the study's trials ran."""
+    kept = st.script_of(study)
+    if kept is None and script is None:
+        return []
+    if kept is None:
+        return [f"--script {script.label()} (the study's trials ran autotune's own loop)"]
+    if script is None:
+        return [f"autotune's own loop (the study's trials ran the script {kept.label()}: give --script again)"]
+    if not script.same_inputs(kept):
+        return [f"--script {script.label()} and its options (the study's: {kept.label()}, {_script_options(kept)})"]
+    return []
+
+
+def _script_options(s: ScriptSpec) -> str:
+    config = f"--script-config {s.template_path}" if s.template is not None else "the Trainer-style JSON"
+    return f"{config}, {s.config_flag}, " + ("with" if s.trainer_args else "without") + " --script-trainer-args"
 
 
 def _flag_text(name: str, value) -> str:
@@ -236,6 +259,7 @@ def open_search(
     tolerance: float | None = None,
     n_trials: int | None = None,
     dry_run: bool = False,
+    script: ScriptSpec | None = None,
 ) -> SearchSession:
     """Open a new search, or continue an existing study; bad input raises SpecError before anything starts.
 
@@ -249,7 +273,9 @@ def open_search(
     best by more than `tolerance` (a fraction; autotune/search/stopping.py). `n_trials` counts runs over the
     whole study. `dry_run`: the Ray executor places the trials and starts their ranks, which stop before the first
     CUDA call (autotune/executors/ray_executor.py); the study is kept in memory, never in the storage, and the rank
-    plans go to trials/NAME/dry-run/, so a real study of that name is not touched."""
+    plans go to trials/NAME/dry-run/, so a real study of that name is not touched. `script`: every trial runs the
+    user's script (autotune/trial/script.py) instead of autotune's loop; the study keeps it as an input (its default
+    name ends in the script's stem), and a continued study runs its own script when none is given."""
     if dry_run and resume:
         raise SpecError(
             "--dry-run reads and writes no study: drop --resume (a dry run of the same model and GPUs shows "
@@ -270,8 +296,14 @@ def open_search(
     }
     notes: list[str] = []
     if resume:
-        name = study or (st.default_name(spec, cluster) if spec and cluster else None)
+        name = study or (st.default_name(spec, cluster, script) if spec and cluster else None)
         opened = st.load_study(name, storage)
+        if script is not None and (differ := _script_conflict(opened, script)):
+            raise SpecError(
+                f"--resume: study {opened.study_name!r} was searched with another script: {differ[0]}; drop --script "
+                f"or start another --study"
+            )
+        script = st.script_of(opened)
         given = {
             "--model": spec and spec.name,
             "--impl": impl,
@@ -292,8 +324,14 @@ def open_search(
         if spec is None or cluster is None:
             raise SpecError("--model and --gpus are needed to start a search (only --resume can omit them)")
         inputs = Inputs(spec, cluster, seq_len or default_seq_len(spec), global_batch, load_space(space))
-        name = study or st.default_name(spec, inputs.cluster)
+        name = study or st.default_name(spec, inputs.cluster, script)
         kind_here, _ = executors.choose(executor, inputs.cluster, ray_address, dry_run)  # starts nothing
+        if script is not None and kind_here != "ray":
+            raise SpecError(
+                f"--script {script.name}: a script is measured by running it, and --executor {executor} chose the "
+                f"simulated executor (--gpus {inputs.cluster.text}: those devices are not here). Run it where the "
+                f"devices are, or with --ray-address"
+            )
         if dry_run:  # it reads no study
             st.check_name(name)
             opened = None
@@ -301,7 +339,7 @@ def open_search(
             opened = st.existing_study(name, storage)
         if opened is not None:
             differ = _conflicts(
-                opened, inputs, objective or "samples", "measured" if kind_here == "ray" else "simulated"
+                opened, inputs, objective or "samples", "measured" if kind_here == "ray" else "simulated", script
             )
             if differ:
                 raise SpecError(
@@ -346,6 +384,7 @@ def open_search(
                     source=ex.source,
                     objective=objective or "samples",
                     settings=settings,
+                    script=script,
                 ),
             )
         elif opened is None:
@@ -359,6 +398,7 @@ def open_search(
                 source=ex.source,
                 objective=objective or "samples",
                 settings=settings,
+                script=script,
             )
             opened = st.create_study(name, storage, attrs, sampler=None)
         else:
@@ -379,6 +419,7 @@ def open_search(
             exhaustive=settings.exhaustive,
             tolerance=settings.tolerance,
             out_root=st.study_dir(name) / "dry-run" if dry_run else None,
+            script=script,
         )
     except BaseException:
         ex.close()

@@ -33,7 +33,7 @@ from autotune.errors import SpecError
 from autotune.hardware import Cluster, parse_gpus
 from autotune.models import ModelSpec
 from autotune.train_config import TrainConfig, searched_fields
-from autotune.trial.record import Status, TrialResult
+from autotune.trial.record import ScriptSpec, Status, TrialResult
 
 ATTR = "autotune"
 """Study user attr holding what a resumed search, the report and the export need."""
@@ -60,15 +60,16 @@ def check_name(name: str) -> str:
     return name
 
 
-def default_name(model: ModelSpec, cluster: Cluster) -> str:
+def default_name(model: ModelSpec, cluster: Cluster, script: ScriptSpec | None = None) -> str:
     """`llama-2-13b_4xA100`; a config.json model is named after its folder (or file stem); code
     other than Hugging Face's adds its name (`tiny-llama_builtin_2xcpu`), so studies of two codes
-    never resume each other."""
+    never resume each other; a script trial's study adds the script's stem (`llama-2-13b_4xA100_train`)."""
     p = Path(model.name)
     base = (p.parent.name or p.stem) if p.suffix == ".json" else model.name
     if model.implementation != "hf":
         base += f"_{model.implementation}"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{base}_{cluster.text or cluster.world_size}").strip("-")
+    tail = f"_{Path(script.path).stem}" if script is not None else ""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{base}_{cluster.text or cluster.world_size}{tail}").strip("-")
 
 
 def _meta_path(name: str) -> Path:
@@ -329,9 +330,11 @@ def study_attrs(
     source: str,
     objective: str = "samples",
     settings: Settings | None = None,
+    script: ScriptSpec | None = None,
 ) -> dict:
     return {
         **({"settings": dataclasses.asdict(settings)} if settings is not None else {}),
+        **({"script": script.to_attrs()} if script is not None else {}),
         "model": dataclasses.asdict(model),
         "gpus": cluster.text,
         "capacity_bytes": cluster.capacity_bytes,
@@ -343,6 +346,12 @@ def study_attrs(
         "source": source,
         "objective": objective,
     }
+
+
+def script_of(study: optuna.Study) -> ScriptSpec | None:
+    """The user's script a study's trials run (`autotune search --script`); None: autotune's own loop."""
+    kept = study.user_attrs[ATTR].get("script")
+    return None if kept is None else ScriptSpec.from_attrs(kept)
 
 
 def specs_of(study: optuna.Study) -> tuple[ModelSpec, Cluster, dict]:

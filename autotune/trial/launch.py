@@ -123,9 +123,7 @@ def prepare(req: TrialRequest) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("rank*.json"), out / "log.txt", out / "result.json"]:
         old.unlink(missing_ok=True)
-    (out / "deepspeed_config.json").write_text(
-        json.dumps(deepspeed_config(req.config, req.model, req.cluster, req.optimizer_impl), indent=2)
-    )
+    write_deepspeed_json(req)
     config = {
         "config": req.config.to_dict(),
         "model": vars(req.model),
@@ -143,8 +141,23 @@ def prepare(req: TrialRequest) -> None:
         "trial_id": req.trial_id,
         "optimizer_impl": req.optimizer_impl,
         "dry_run": req.dry_run,
+        "script": req.script.to_attrs() if req.script else None,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+
+
+def write_deepspeed_json(req: TrialRequest) -> Path:
+    """The trial's `deepspeed_config.json`: the JSON its ranks run (deepspeed_config), or the one a script trial's
+    script gets (autotune.trial.script.script_config)."""
+    if req.script is not None:
+        from autotune.trial.script import script_config
+
+        ds = script_config(req)
+    else:
+        ds = deepspeed_config(req.config, req.model, req.cluster, req.optimizer_impl)
+    path = Path(req.out_dir, "deepspeed_config.json")
+    path.write_text(json.dumps(ds, indent=2))
+    return path
 
 
 class Group:
@@ -171,6 +184,12 @@ class Group:
         world = cluster.world_size
         payload = Path(requests[start].out_dir, "payload.pkl")
         payload.write_bytes(pickle.dumps(requests))
+        # A script trial's ranks run the user's script (one request per group: the script ends with its run); a dry
+        # run's rank plan is the worker's either way
+        script = requests[start].script if not requests[start].dry_run else None
+        if script is not None and not Path(requests[start].out_dir, "deepspeed_config.json").exists():
+            write_deepspeed_json(requests[start])  # a node of several, whose folder the driver did not write
+        module = "autotune.trial.script_rank" if script is not None else "autotune.trial.worker"
         threads = threads or cpu_threads_per_rank(self.local)
         self.procs: list[subprocess.Popen] = []
         self.ranks: list[int] = []
@@ -220,8 +239,9 @@ class Group:
             group = _join_group(self.procs[0].pid if self.procs else 0)
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "autotune.trial.worker", str(payload)],
+                    [sys.executable, "-m", module, str(payload.resolve())],
                     env=env,
+                    cwd=script.cwd if script is not None else None,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
@@ -349,6 +369,9 @@ def run_node(
     """
     if fresh:
         requests = [with_optimizer(r) for r in requests]
+    if len(requests) > 1 and any(r.script is not None for r in requests):
+        # a script's run ends its ranks (DeepSpeed's autotuning exit): one process group per script trial
+        return [o for r in requests for o in run_node([r], threads=threads, fresh=fresh, gpu_ids=gpu_ids)]
     if num_nodes == 1 and len(runs := _parallel_runs(requests)) > 1:
         # DeepSpeed keeps its tensor-parallel groups for the life of the process (utils/groups.py
         # _init_tp_mesh_device returns early once _TENSOR_MODEL_PARALLEL_GROUP is set, and ZeRO then uses
@@ -580,13 +603,17 @@ def aggregate(req: TrialRequest, outcome: NodeOutcome) -> TrialResult:
     if not r0.step_skipped:
         res.overflow_count = r0.overflow_count
     res.timings_s = _timings(outcome, r0)
+    if req.script is not None:  # samples and tokens from the script's engine, the per-rank cap held here
+        from autotune.trial.script import finish
+
+        res = finish(req, res, ranks)
     return res
 
 
 def _timings(outcome: NodeOutcome, r0: RankReport) -> dict[str, float]:
     t = dict(outcome.timings_s)
     w = r0.timings
-    if w:
+    if w and "init_s" in w:  # a script that failed before deepspeed.initialize has its setup only
         measured = sum(r0.step_times_s)
         t.update(
             setup_s=w["setup_s"],

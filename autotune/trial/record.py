@@ -13,6 +13,7 @@ Optuna's user attributes.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,54 @@ class _Json:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScriptSpec:
+    """The user's own training script as the trial (`autotune search --script`, docs/trials.md "Your own script"):
+    every candidate runs `python PATH ARGS CONFIG_FLAG JSON` on the placed ranks (autotune/trial/script_rank.py), where
+    JSON is the candidate's DeepSpeed JSON (autotune.trial.script.script_config). A study keeps it as an input."""
+
+    path: str
+    """The script, an absolute path (on a cluster of several nodes: the same path on every node)."""
+    args: tuple[str, ...] = ()
+    """Its own arguments, before autotune's."""
+    config_flag: str = "--deepspeed"
+    """The argument that takes the JSON's path: the Trainer's `--deepspeed`, or e.g. `--deepspeed_config`."""
+    template: dict | None = None
+    """The user's own DeepSpeed JSON (`--script-config`): kept, only the keys autotune tunes changed. None: the JSON
+    in the Trainer's style ("auto" wherever the Trainer fills a value in)."""
+    template_path: str = ""
+    trainer_args: bool = True
+    """Also pass the Trainer's arguments for what autotune tunes and the Trainer fills in
+    (--per_device_train_batch_size, --gradient_accumulation_steps, --bf16 / --fp16), as DeepSpeed's autotuner maps
+    them for the Hugging Face Trainer (its `arg_mappings`)."""
+    cwd: str = "."
+    """Where the script runs (the directory `autotune search` ran in: its relative paths mean what they meant there)."""
+    as_given: bool = False
+    """The template is the whole JSON, only the stop hook added (`autotune export --verify`: the exported file)."""
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name
+
+    def label(self) -> str:
+        """`train.py --model_config tiny.json`: what the record and the report say after "script: "."""
+        return shlex.join([self.name, *self.args])
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "args": list(self.args)}
+
+    @classmethod
+    def from_attrs(cls, d: dict[str, Any]) -> "ScriptSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in d.items() if k in names}, "args": tuple(d.get("args") or ())})
+
+    def same_inputs(self, other: "ScriptSpec") -> bool:
+        """Whether two specs run the same thing (where they run from aside)."""
+        a, b = self.to_attrs(), other.to_attrs()
+        a.pop("cwd"), b.pop("cwd")
+        return a == b
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrialRequest:
     model: ModelSpec
     cluster: Cluster
@@ -71,6 +120,8 @@ class TrialRequest:
     dry_run: bool = False
     """Place the trial and start its ranks with their environment, then stop before the first CUDA call: each rank
     reports what it would run with (RankReport.plan) and measures nothing."""
+    script: ScriptSpec | None = None
+    """Run the user's script instead of autotune's own loop (autotune/trial/script_rank.py); None: the worker."""
 
 
 @dataclass(kw_only=True)
@@ -106,6 +157,10 @@ class RankReport(_Json):
     timings: dict[str, float] = field(default_factory=dict)
     """Where the rank's time went: setup_s, build_s, init_s, train_s, profiler_stop_s, analysis_s,
     teardown_s (cumulative from the config's start where the name says so; see launch._timings)."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """A script trial: what the script's DeepSpeed engine ran, read from it (train_batch_size, micro batch, grad
+    accum, ZeRO stage, precision), the tokens of each measured step (its forward's input_ids), and on rank 0
+    DeepSpeed's own autotuning metric (autotune/trial/script_rank.py)."""
 
 
 @dataclass(kw_only=True)
@@ -188,3 +243,7 @@ class TrialResult(_Json):
     timings_s: dict[str, float] = field(default_factory=dict)
     """Where wall_s went: spawn_s, setup_s, build_s, initialize_s, warmup_s, measured_s,
     profiler_stop_s, analysis_s, teardown_s, exit_s, and under Ray placement_s and ray_s."""
+    script: str = ""
+    """A script trial: the script and its own arguments (ScriptSpec.label), empty for autotune's own loop."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """A script trial: what its engine ran (rank 0's RankReport.engine) and DeepSpeed's autotuning metric."""
