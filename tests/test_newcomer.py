@@ -104,7 +104,7 @@ def test_export_writes_all_its_outputs_or_none(trials, tmp_path, capsys):
     "argv,why",
     [
         (["--gpus", "4xA100@1GiB", "--space", "one.yaml"], "nothing fits"),  # 13B on 1 GiB devices: all pruned
-        (["--timeout", "0"], "--timeout"),
+        (["--timeout", "0", "--space", "one.yaml"], "--timeout"),  # the budget ends before the first trial
     ],
 )
 def test_a_search_without_a_successful_run_exits_3_without_an_export_hint(trials, tmp_path, capsys, argv, why):
