@@ -159,7 +159,8 @@ def test_search_script_deepspeed_stops_ranks_and_exports(here, tmp_path):
     other = _search(here, *script[:-1], "--seq_len 32", "--study", "ds")
     assert other.returncode == 2 and "--script" in other.stderr
     out = tmp_path / "winner.json"
-    assert main(["export", "--study", "ds", "--out", str(out)]) == 0
+    # a plain deepspeed.initialize script takes the concrete export (DeepSpeed resolves no "auto")
+    assert main(["export", "--study", "ds", "--out", str(out), "--concrete"]) == 0
     assert json.loads(out.read_text())["train_micro_batch_size_per_gpu"] == best.config.micro_batch
 
 
