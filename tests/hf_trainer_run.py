@@ -15,9 +15,10 @@ from autotune.deepspeed_config import ADAMW
 from autotune.impl.hf import checkpoint_first_layers, decoder_layers
 
 
-def trainer_args(ds_path: str, out_dir: str) -> TrainingArguments:
-    """The TrainingArguments `autotune export` prints for the JSON at `ds_path`, for 2 logged CPU steps
-    (also tests/test_export_parallel.py's ranks)."""
+def trainer_args(ds_path: str, out_dir: str, max_steps: int = 2, checkpoint_all: bool = False) -> TrainingArguments:
+    """The TrainingArguments `autotune export` prints for the JSON at `ds_path`, for `max_steps` logged CPU steps
+    (also tests/test_export_parallel.py's ranks and benchmarks/user_loops.py); `checkpoint_all`: the
+    gradient_checkpointing=True it prints when every layer is checkpointed."""
     ds = json.loads(open(ds_path).read())
     return TrainingArguments(
         output_dir=out_dir,
@@ -31,7 +32,8 @@ def trainer_args(ds_path: str, out_dir: str) -> TrainingArguments:
         adam_epsilon=ADAMW["eps"],
         weight_decay=ADAMW["weight_decay"],
         max_grad_norm=1.0,
-        max_steps=2,
+        max_steps=max_steps,
+        gradient_checkpointing=checkpoint_all,
         logging_steps=1,
         save_strategy="no",
         report_to=[],

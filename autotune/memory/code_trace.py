@@ -17,6 +17,7 @@ import json
 
 from autotune import trace_cache
 from autotune.errors import SpecError
+from autotune.impl.lora import adapters_stay_fp32
 from autotune.memory import seq_family
 from autotune.memory.segments import classify, segment_points
 from autotune.models import ModelSpec
@@ -29,10 +30,11 @@ _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
 
 def impl_of(spec: ModelSpec, cfg: TrainConfig | None = None):
     """The ModelImpl that builds `spec`'s module in trials (autotune/impl/), with `cfg`'s LoRA
-    adapters where its method says so."""
+    adapters where its method says so, in the dtype DeepSpeed trains them in (fp32 at ZeRO-3 in 16 bits:
+    impl/lora.py `adapters_stay_fp32`), since no deepspeed.initialize casts a traced module."""
     from autotune.impl import impl_for
 
-    return impl_for(spec, cfg)
+    return impl_for(spec, cfg, as_trained=True)
 
 
 _KEYS: dict[ModelSpec, str] = {}
@@ -401,20 +403,24 @@ def trace_program(
 
 def _key(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool) -> tuple:
     return (
-        spec_key(spec),
-        cfg.precision,
-        cfg.attention,
-        cfg.seq_len,
-        cfg.micro_batch,
-        ckpt,
-        full,
-        fused,
-        host_rng,
-        cfg.method,
-        cfg.lora_rank,
-        cfg.lora_targets,
-        cfg.lora_dropout,
-    ) + (("zero3 linear",) if zero3_linear(cfg) else ())
+        (
+            spec_key(spec),
+            cfg.precision,
+            cfg.attention,
+            cfg.seq_len,
+            cfg.micro_batch,
+            ckpt,
+            full,
+            fused,
+            host_rng,
+            cfg.method,
+            cfg.lora_rank,
+            cfg.lora_targets,
+            cfg.lora_dropout,
+        )
+        + (("zero3 linear",) if zero3_linear(cfg) else ())
+        + (("fp32 adapters",) if adapters_stay_fp32(cfg) else ())
+    )
 
 
 _VARY: tuple[str, tuple[int, int, int]] | None = None
