@@ -34,10 +34,9 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from cases import FAMILIES, spec_of, summary  # noqa: E402  hf_memory.py's shapes; the bar's figures
 from steady import steady_peak  # noqa: E402
-from test_knobs import CLUSTER, IDS, KNOBS, OVER, OVER_BF16_OPTIMIZER, UNDER, UNDER_ONE_BUCKET, _cfg  # noqa: E402
+from test_knobs import CLUSTER, IDS, KNOBS, OVER, UNDER, UNDER_ONE_BUCKET, _cfg  # noqa: E402
 
 from autotune.memory import estimate  # noqa: E402
-from autotune.memory.buffers import bf16_optimizer  # noqa: E402
 from autotune.models import resolve_model  # noqa: E402
 from autotune.train_config import TrainConfig  # noqa: E402
 
@@ -197,7 +196,7 @@ def test_configs() -> None:
         est = estimate(model, CLUSTER, req.config).tensor_peak_bytes
         err = est / res.peak_bytes - 1
         under = UNDER_ONE_BUCKET if req.config.reduce_bucket_size >= model.num_params else UNDER
-        over = OVER_BF16_OPTIMIZER if bf16_optimizer(req.config) else OVER
+        over = OVER
         miss = not -under <= err <= over
         misses += miss
         print(

@@ -14,7 +14,6 @@ from autotune.deepspeed_config import deepspeed_config
 from autotune.errors import SpecError
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
-from autotune.memory.buffers import bf16_optimizer
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 
@@ -78,10 +77,6 @@ at the end of backward in some runs and not in others: gloo's worker thread free
 steps of one rank in one run of two, 52,203,804 against 49,678,108 B). The model prices the schedule
 (buffers.stage2_end_of_one_bucket), so such a run reads up to that partition (~5%) under."""
 
-OVER_BF16_OPTIMIZER = 0.12
-"""ZeRO-1 bf16 with fp32 accumulation (BF16_Optimizer): the bf16 gradients (2P) were live at the step
-in one run of three (25,254,436 vs 22,728,996 bytes on tiny-llama); priced as held, 11% over otherwise."""
-
 
 def _cfg(kw: dict) -> TrainConfig:
     return TrainConfig(**{"micro_batch": 1, "seq_len": 32, **kw})
@@ -133,8 +128,7 @@ def test_knob_measured_peak_matches_estimate(measured, key):
     est = estimate(req.model, req.cluster, req.config)
     err = est.tensor_peak_bytes / steady_peak(res) - 1
     under = UNDER_ONE_BUCKET if req.config.reduce_bucket_size >= req.model.num_params else UNDER
-    over = OVER_BF16_OPTIMIZER if bf16_optimizer(req.config) else OVER
-    assert -under <= err <= over, (
+    assert -under <= err <= OVER, (
         f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
         f"{per_rank_steps(res)} {res.phase_peak_bytes}: {100 * err:+.2f}%"
     )
@@ -162,8 +156,8 @@ def test_fp32_accumulation_at_stage_1_keeps_fp32_gradients(measured):
     big = measured[f"zero_stage=1-precision=bf16-reduce_bucket_size={BIG}-grad_accum_dtype=fp32"][1]
     base = estimate(model, CLUSTER, _cfg(dict(zero_stage=1, precision="bf16")))
     assert fp32.phase_peak_bytes["forward"] - base.phases["forward"] == pytest.approx(4 * p, abs=4096)
-    # the same peak but for the bf16 gradients (2P) that are live at the step in some runs of either
-    # config and not in others (OVER_BF16_OPTIMIZER: 25,254,436 against 22,728,996 B)
+    # the same peak but for 2P more at the step in one step of one CI run (25,254,436 against 22,728,996 B on
+    # 2026-12-01; not seen since: docs/measurements/memory.md, "Issue 51")
     diff = big.peak_bytes - fp32.peak_bytes
     assert min(abs(diff - k * 2 * p) for k in (-1, 0, 1)) < 16384, diff
 
@@ -453,6 +447,64 @@ def test_knobs_write_deepspeed_keys():
 def test_knob_combinations_deepspeed_refuses_or_ignores_are_refused(kw, why):
     with pytest.raises(SpecError, match=why):
         TrainConfig(**kw)
+
+
+def test_bf16_optimizer_steps_beside_the_bf16_gradients_once():
+    """Issue 51: ZeRO-1 bf16 with fp32 accumulation (BF16_Optimizer) holds at its step the states, the bf16
+    gradients until the engine's zero_grad (engine.py _take_model_step) and AdamW's two temporaries; its fp32
+    partition's gradient is a view of the fp32 gradients (bf16_optimizer.py step). The model added 4P/N more,
+    +9.6% over the issue's Llama (156,895,004 B measured, the loss's backward). After the update gloo gathers the
+    bf16 flat group through a whole copy of it (update_lp_params), the bf16 gradients still live."""
+    from autotune.memory.analytic import phases as analytic_phases
+    from autotune.memory.buffers import allgather_phase
+
+    model = resolve_model("tiny-llama", implementation="builtin")
+    p, pb = model.num_params, 2
+    cfg = _cfg(dict(zero_stage=1, precision="bf16", grad_accum_dtype="fp32"))
+    for gpus in ("2xcpu", "8xcpu"):
+        cluster = parse_gpus(gpus)
+        terms = allgather_phase(model, cluster, cfg, p, analytic_phases(model, cluster, cfg))
+        step, gathered = terms["optimizer"], terms["optimizer (all-gather)"]
+        assert step["gradients"] == pb * p and step["optimizer_temporaries"] == 8 * p // cluster.world_size
+        assert gathered["gradients"] == pb * p and "optimizer_temporaries" not in gathered
+        assert gathered["gloo_allgather_output"] >= pb * p  # the whole bf16 group, padded
+        # 2P against the update's 8P/N: the all-gather is the step's peak from 4 ranks on
+        est = estimate(model, cluster, cfg).phases
+        assert (est["optimizer (all-gather)"] > est["optimizer"]) == (cluster.world_size >= 4)
+
+
+def test_stage_2_with_fp32_accumulation_reduces_into_a_compact_fp32_partition():
+    """Issue 51: ZeRO-2 in 16 bits with fp32 accumulation adds each reduction into a compact fp32 partition (the
+    padded flat share; stage_1_and_2.py _build_compact_grad_partition_buffer) and copy_grads_in_partition returns
+    before it makes the 16-bit one: the LM head's reduction holds that partition and a fp32 copy of the head's
+    gradient, not a 16-bit partition beside it (+6.5% over the issue's Llama before)."""
+    from autotune.memory.buffers import _padded_partition, head_gradient_bytes
+    from autotune.memory.layout import Layout
+
+    model = resolve_model("tiny-llama", implementation="builtin")
+    cfg = _cfg(dict(zero_stage=2, precision="bf16", grad_accum_dtype="fp32", reduce_bucket_size=5_000))
+    head = head_gradient_bytes(model, CLUSTER, cfg, Layout.of(model, CLUSTER, cfg))
+    assert head["gradient_partition"] == 4 * _padded_partition(model.num_params, 2)
+    assert head["reduced_fp32_head"] == 4 * model.vocab_size * model.hidden_size
+
+
+def test_stage_2_allocates_its_partition_at_the_first_reduction_not_at_the_head():
+    """Issue 51: ZeRO-2 reduces a gradient only once the gradients that arrived exceed the bucket
+    (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads), and the first reduction allocates the
+    partition (copy_grads_in_partition). A head gradient larger than the bucket is reduced at once (at the next
+    gradient); one the bucket holds waits for more: the head's backward holds the bucket, not the partition (a 2e6
+    bucket on the issue's Llama was +6.2% over, the partition priced at the head)."""
+    from autotune.memory.buffers import head_gradient_bytes, stage2_reduces_at_head
+    from autotune.memory.layout import Layout
+
+    model = resolve_model("tiny-llama", implementation="builtin")
+    vh = model.vocab_size * model.hidden_size
+    for bucket, at_head in ((vh - 2, True), (vh + 2, False)):
+        cfg = _cfg(dict(zero_stage=2, precision="fp32", reduce_bucket_size=bucket))
+        layout = Layout.of(model, CLUSTER, cfg)
+        assert stage2_reduces_at_head(model, cfg, layout) == at_head
+        head = head_gradient_bytes(model, CLUSTER, cfg, layout)
+        assert ("gradient_partition" in head) == at_head and head["comm_buffers"] == 4 * bucket
 
 
 def test_bigger_bucket_and_overlap_cost_memory_in_the_model():

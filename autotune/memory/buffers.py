@@ -158,6 +158,37 @@ def offload_fp32_partition(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) 
     return 4 * _padded_partition(spec.num_params, cluster.world_size)
 
 
+def compact_fp32_partition(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+    """Stage 2 in 16 bits with fp32 accumulation, without offload: the reduction adds into a compact fp32 partition
+    (stage_1_and_2.py `_use_compact_grad_partition_buffer` -> _build_compact_grad_partition_buffer, the padded flat
+    share), and copy_grads_in_partition returns before it would make the 16-bit whole-parameter partition. Bytes; 0
+    for any other configuration (offload's is `offload_fp32_partition`; measured: docs/measurements/memory.md,
+    "Issue 51")."""
+    if (
+        cfg.offload_optimizer
+        or cfg.zero_stage != 2
+        or cfg.grad_accum_dtype != "fp32"
+        or dtype_bytes(cfg.precision) == 4
+    ):
+        return 0
+    return 4 * _padded_partition(spec.num_params, cluster.world_size)
+
+
+def stage2_reduces_at_head(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> bool:
+    """Whether stage 2's first reduction, which allocates the gradient partition (copy_grads_in_partition, or the
+    compact fp32 one), comes at the LM head's gradient: the head's V x h gradient is larger than the bucket, so it
+    bypasses it (extra_large_param_to_reduce) and is reduced when the next gradient arrives (the final norm's).
+    With a bucket that holds it, nothing is reduced until the gradients that arrived exceed the bucket
+    (reduce_independent_p_g_buckets_and_remove_grads), some way into the layers' backward; LoRA's frozen head has no
+    gradient, and a tied head's reaches the embedding's weight only at the end of backward, where autograd sums its two
+    parts (measured: docs/measurements/memory.md, "Issue 51")."""
+    return (
+        cfg.method == "full"
+        and not spec.tied_embeddings
+        and spec.vocab_size * spec.hidden_size > layout.reduce_bucket_size
+    )
+
+
 def _padded_partition(elements: int, ranks: int) -> int:
     """Each rank's share of the flat buffer, padded to a multiple of 2 x ranks
     (nccl_start_alignment_factor)."""
@@ -169,9 +200,8 @@ def reduced_partition_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig)
     """Stage 2's reduced-gradient partition during and at the end of backward: the compact fp32 one
     under offload with fp32 accumulation (`offload_fp32_partition`), else the whole-parameter
     partition in the accumulation dtype."""
-    return offload_fp32_partition(spec, cluster, cfg) or partition_grad_bytes(cfg) * partition_elements(
-        spec, cluster, cfg
-    )
+    compact = offload_fp32_partition(spec, cluster, cfg) or compact_fp32_partition(spec, cluster, cfg)
+    return compact or partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
 
 
 @cache
@@ -382,18 +412,19 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, lay
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     elif stage2_reduces_at_end(spec, cfg, layout):
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)  # the partition only at the end of backward
+    elif cfg.zero_stage == 2 and not stage2_reduces_at_head(spec, cfg, layout):
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)  # the head's gradient is copied into it
     elif cfg.zero_stage == 2:
         part = partition_elements(spec, cluster, cfg)
-        out["gradient_partition"] = partition_grad_bytes(cfg) * part
+        out["gradient_partition"] = reduced_partition_bytes(spec, cluster, cfg)
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)
         if layout.reduce_bucket_size >= spec.num_params:
             # one bucket holds every gradient: a second partition is live here in some runs (measured), priced as held
             out["gradient_partition"] += dtype_bytes(cfg.precision) * part
         if cfg.grad_accum_dtype == "fp32" and pb != 4:
-            # fp32 accumulation: the 16-bit partition stays beside the fp32 one, and the head's reduced
-            # gradient is upcast (stage_1_and_2.py: "ZeRO-2 keeps low-precision staging and stores
-            # the fp32 communication result in the owned partition"; measured: +2P/N + 4Vh bytes).
-            out["gradient_partition"] += pb * part
+            # fp32 accumulation: the head's reduced gradient is added into the compact fp32 partition through a
+            # fp32 copy of it (stage_1_and_2.py allreduce_and_copy_with_multiple_ranks -> _add_to_grad_partition_
+            # buffer; measured: 4 V h bytes at the peak, beside the compact partition, no 16-bit one)
             out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     return out
 
@@ -404,8 +435,9 @@ def gloo_allgather_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, tr
     runtime/utils.py all_gather_dp_groups -> dist.all_gather_into_tensor; torch ProcessGroupGloo.cpp
     AsyncAllgatherWork::allgather, `flatOutputTensor = newLikeFlat(outputs[0])`), after the step's gradients and
     temporaries are freed (`allgather_phase`). NCCL gathers in place (ProcessGroupNCCL::_allgather_base), so 0 off
-    CPU; 0 for the `bf16_optimizer`, at stages 0 and 3 and on one rank (measured: docs/measurements/memory.md)."""
-    if cfg.zero_stage not in (1, 2) or not cluster.gpu.is_cpu or cluster.world_size == 1 or bf16_optimizer(cfg):
+    CPU; 0 at stages 0 and 3 and on one rank (measured: docs/measurements/memory.md). The `bf16_optimizer` gathers
+    its bf16 flat group through the same call (bf16_optimizer.py update_lp_params -> all_gather_dp_groups)."""
+    if cfg.zero_stage not in (1, 2) or not cluster.gpu.is_cpu or cluster.world_size == 1:
         return 0
     return dtype_bytes(cfg.precision) * _padded_partition(trainable, cluster.world_size) * cluster.world_size
 
@@ -418,9 +450,12 @@ def allgather_phase(
     spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, trainable: int, phases: dict[str, dict[str, int]]
 ) -> dict[str, dict[str, int]]:
     """`phases` with "optimizer (all-gather)": the optimizer phase without the step's gradients and
-    temporaries, with gloo's all-gather output (`gloo_allgather_bytes`); unchanged where that is 0."""
+    temporaries, with gloo's all-gather output (`gloo_allgather_bytes`); unchanged where that is 0. The
+    `bf16_optimizer`'s bf16 gradients are still live there (freed by the engine's zero_grad after the step:
+    engine.py _take_model_step): at 4 ranks and more this phase is its step's peak (2P against 8P/N)."""
     held = gloo_allgather_bytes(spec, cluster, cfg, trainable)
     if not held or "optimizer" not in phases:
         return phases
-    after = {k: v for k, v in phases["optimizer"].items() if k not in STEP_ONLY_TERMS}
+    freed = ("optimizer_temporaries",) if bf16_optimizer(cfg) else STEP_ONLY_TERMS
+    after = {k: v for k, v in phases["optimizer"].items() if k not in freed}
     return {**phases, "optimizer (all-gather)": {**after, "gloo_allgather_output": held}}
