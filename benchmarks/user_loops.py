@@ -41,7 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from cases import FAMILIES, spec_of, summary  # noqa: E402
+from cases import FAMILIES, ISSUE51_LLAMA, spec_of, summary  # noqa: E402
 
 from autotune.hardware import parse_gpus  # noqa: E402
 from autotune.train_config import TrainConfig  # noqa: E402
@@ -52,18 +52,7 @@ CLUSTER = f"{RANKS}xcpu"
 WARMUP, STEPS = 2, 3
 LOOPS = ("trial", "plain", "trainer")
 
-ISSUE51 = dict(
-    model_type="llama",
-    hidden_size=384,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    vocab_size=3001,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-)
+ISSUE51 = ISSUE51_LLAMA
 """Issue 51's case 1: the Llama config a new user tried."""
 
 LORA = dict(method="lora", lora_rank=8, lora_targets="all-linear", lora_alpha=16, lora_dropout=0.05)
@@ -72,16 +61,24 @@ LORA = dict(method="lora", lora_rank=8, lora_targets="all-linear", lora_alpha=16
 CASES: list[tuple[str, str, dict, dict]] = [
     ("issue51-llama-lora", "llama", ISSUE51, dict(zero_stage=3, ckpt_layers=-1, micro_batch=2, seq_len=256, **LORA)),
     ("issue51-llama-full", "llama", ISSUE51, dict(zero_stage=3, ckpt_layers=-1, micro_batch=2, seq_len=256)),
+    ("issue51-llama-lora-k2", "llama", ISSUE51, dict(zero_stage=3, ckpt_layers=2, micro_batch=2, seq_len=256, **LORA)),
     *[
-        (f"{family}-z3-{what}-k{k}", family, FAMILIES[family], dict(zero_stage=3, ckpt_layers=k, **extra))
+        (f"{family}-z3-{what}", family, FAMILIES[family], dict(zero_stage=3, ckpt_layers=-1, **extra))
         for family in ("gpt2", "qwen2", "gpt_neox", "mistral")
-        for what, k, extra in (
-            ("lora", -1, dict(micro_batch=2, seq_len=192, **LORA)),
-            ("full", -1, dict(micro_batch=2, seq_len=192)),
-            ("lora", 1, dict(micro_batch=3, seq_len=128, precision="fp32", **LORA)),
+        for what, extra in (
+            ("lora", dict(micro_batch=2, seq_len=192, **LORA)),
+            ("full", dict(micro_batch=2, seq_len=192)),
         )
     ],
+    (
+        "qwen2-z3-full-k1-fp32",
+        "qwen2",
+        FAMILIES["qwen2"],
+        dict(zero_stage=3, ckpt_layers=1, micro_batch=3, seq_len=128, precision="fp32"),
+    ),
 ]
+"""Issue 51: ZeRO-3 with checkpointing, LoRA and full fine-tuning, five families (bf16 unless said; every layer
+checkpointed, the first k where named)."""
 
 
 def case_configs(only: str | None = None) -> list[tuple[str, str, dict, TrainConfig]]:

@@ -186,6 +186,23 @@ HELD_OUT: dict[str, dict] = {
 """benchmarks/hf_memory.py's held-out set: other shapes, judged with nothing changed."""
 
 
+ISSUE51_LLAMA: dict = dict(
+    model_type="llama",
+    num_hidden_layers=4,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    vocab_size=3001,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+)
+"""Issue 51's Llama (8.6M parameters, V h 1.15M): benchmarks/user_loops.py's first case and knobs_on_hf.py's bucket
+matrix, where reduce buckets of 1e6 to 5e8 elements fall below the LM head's gradient, between it and the model, and
+above the model."""
+
+
 def hf_spec(config: dict, name: str, source: str):
     """autotune's ModelSpec of a transformers config given as a dict with its model_type (exact
     parameter count: autotune/models/hf_config.py)."""

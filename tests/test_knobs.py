@@ -8,12 +8,13 @@ cannot run here.
 from __future__ import annotations
 
 import pytest
-from steady import per_rank_steps, steady_peak
+from steady import per_rank_steps, timing_allowance, worst_peak
 
 from autotune.deepspeed_config import deepspeed_config
 from autotune.errors import SpecError
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
+from autotune.memory.buffers import TIMING_TERMS
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 
@@ -74,8 +75,9 @@ UNDER_ONE_BUCKET = 0.06
 """When one bucket holds every gradient (reduce_bucket_size >= P), a third gradient partition is live
 at the end of backward in some runs and not in others: gloo's worker thread freeing a buffer late
 (measured: tiny-llama z2 bf16 4e6, one step of four, +P/N x 2 B; z2 fp32 4e6 with overlap_comm, both
-steps of one rank in one run of two, 52,203,804 against 49,678,108 B). The model prices the schedule
-(buffers.stage2_end_of_one_bucket), so such a run reads up to that partition (~5%) under."""
+steps of one rank in one run of two, 52,203,804 against 49,678,108 B). Until issue 51 the model priced the
+schedule without it, so such a run read up to that partition (~5%) under; it now prices it (`late_freed_partition`,
+buffers.TIMING_TERMS) and the tests judge the worst step (benchmarks/knobs_on_hf.py --test-configs keeps this)."""
 
 
 def _cfg(kw: dict) -> TrainConfig:
@@ -126,9 +128,11 @@ def test_knob_measured_peak_matches_estimate(measured, key):
     req, res = measured[key]
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(req.model, req.cluster, req.config)
-    err = est.tensor_peak_bytes / steady_peak(res) - 1
-    under = UNDER_ONE_BUCKET if req.config.reduce_bucket_size >= req.model.num_params else UNDER
-    assert -under <= err <= OVER, (
+    # against the worst step (the estimate prices the worst timing, issue 51); a run none of whose steps met it reads
+    # over by the terms priced for it (steady.timing_allowance)
+    worst = worst_peak(res)
+    err = est.tensor_peak_bytes / worst - 1
+    assert -UNDER <= err <= OVER + timing_allowance(est, worst), (
         f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
         f"{per_rank_steps(res)} {res.phase_peak_bytes}: {100 * err:+.2f}%"
     )
@@ -366,9 +370,13 @@ def test_knobs_on_transformers_code_match_the_traced_tier(measured_on_hf, name):
     model, cfg = req.model, req.config
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(model, CLUSTER, cfg)
-    err = est.tensor_peak_bytes / steady_peak(res) - 1
-    under = UNDER_ONE_BUCKET if cfg.reduce_bucket_size >= model.num_params else UNDER
-    assert -under <= err <= OVER, (est.phases, res.phase_peak_bytes, f"{100 * err:+.2f}%")
+    worst = worst_peak(res)
+    err = est.tensor_peak_bytes / worst - 1
+    assert -UNDER <= err <= OVER + timing_allowance(est, worst), (
+        est.phases,
+        res.phase_peak_bytes,
+        f"{100 * err:+.2f}%",
+    )
 
 
 @pytest.mark.slow
@@ -518,7 +526,10 @@ def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
         two = estimate(
             model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG, overlap_comm=True))
         )
-        assert abs(two.tensor_peak_bytes - one.tensor_peak_bytes - 2 * BIG) < model.num_params
+        # without the terms priced at their worst timing (stage 1 with overlap_comm reduces through the same
+        # epilogue as stage 2's one bucket, whose third partition gloo may free late: buffers.TIMING_TERMS)
+        timing = [sum(e.terms.get(t, 0) for t in TIMING_TERMS) for e in (one, two)]
+        assert abs(two.tensor_peak_bytes - timing[1] - one.tensor_peak_bytes + timing[0] - 2 * BIG) < model.num_params
 
 
 def test_prefetch_bucket_costs_memory_as_deepspeeds_code_says():

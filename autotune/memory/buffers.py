@@ -232,6 +232,24 @@ def held_extra_large_gradient(spec: ModelSpec, cfg: TrainConfig, layout: Layout)
     return dtype_bytes(cfg.precision) * max((n for n in layer_numels(spec) if n > bucket), default=0)
 
 
+def late_freed_gradient(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
+    """Beside `held_extra_large_gradient`, at its worst timing: the extra-large gradient reduced before it, which the
+    collective's worker thread still holds when the next one is made (a timing-dependent term, TIMING_TERMS; measured
+    on OPT, the LM head's gradient beside a layer's, and on Phi-3, two MLP weights': docs/measurements/memory.md).
+    The larger of an untied head's gradient larger than the bucket and the largest layer gradient."""
+    largest = held_extra_large_gradient(spec, cfg, layout)
+    if not largest:
+        return 0
+    head = spec.vocab_size * spec.hidden_size if not spec.tied_embeddings else 0
+    return max(largest, dtype_bytes(cfg.precision) * head if head > layout.reduce_bucket_size else 0)
+
+
+TIMING_TERMS = ("late_freed_partition", "late_freed_gradient", "tp_logits_gather")
+"""Terms priced at their worst timing: tensors a collective's worker thread releases late, after the main thread
+dropped them, so that some steps hold them at the peak and others do not (docs/memory.md, "Peaks that depend on
+timing"). A run whose steps never met that timing reads over by them."""
+
+
 def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
     """Stages 1-2's contiguous-gradients bucket(s): reduce_bucket_size elements, a second with overlap_comm
     (stage_1_and_2.py setup_buckets, "double buffers"), in the model's dtype (_gradient_reduction_buffer_dtype) or at
@@ -297,10 +315,15 @@ def stage2_end_of_one_bucket(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig
     """The end of backward where one bucket holds every gradient (`stage2_reduces_at_end`, and stage 1's
     `stage1_gradients_in_bucket`, the same reduction): the epilogue reduces the bucket into the partition
     copy_grads_in_partition allocates and copies it once more (independent_gradient_partition_epilogue:
-    get_flat_partition) while the buckets are held. A third partition some CPU runs hold (gloo's thread freeing late,
-    a race NCCL does not have) is not priced (measured: docs/measurements/memory.md)."""
+    get_flat_partition) while the buckets are held. At its worst timing a third partition is still live, one the
+    collective's worker thread releases late (`late_freed_partition`, a timing-dependent term: docs/memory.md)
+    (measured: docs/measurements/memory.md)."""
     part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
-    out = {"comm_buffers": reduce_bucket_bytes(spec, cfg, layout), "epilogue_partition": part}
+    out = {
+        "comm_buffers": reduce_bucket_bytes(spec, cfg, layout),
+        "epilogue_partition": part,
+        "late_freed_partition": part,
+    }
     if cfg.grad_accum_dtype == "fp32" and dtype_bytes(cfg.precision) != 4:
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     return out

@@ -228,6 +228,7 @@ def _stage_terms(
     buckets: int = 0,
     fixed: tuple[int, int] = (0, 0),
     first_reduction: tuple[int, int] | None = None,
+    late: int = 0,
 ) -> dict[str, int]:
     """One phase at one segment peak: traced terms (estimate()'s names where one fits) plus the analytic model's states,
     gradients and buffers for the stage.
@@ -238,7 +239,8 @@ def _stage_terms(
     overlap_comm (`reduces`), the partition and buckets in `fixed`, whole from the first reduction on
     (buffers.stage1_reduces_in_backward); with grad_accum > 1 the analytic terms stand. Stage 2 holds the analytic
     partition from the first reduction on (copy_grads_in_partition), and through the layers' backward its bucket and
-    `held` (buffers.held_extra_large_gradient); stage 3's partition is static. A mixed stack (not `uniform`) has no
+    `held` (buffers.held_extra_large_gradient) with, at its worst timing, `late` (buffers.late_freed_gradient); stage
+    3's partition is static. A mixed stack (not `uniform`) has no
     per-layer slopes: its layers' part is the trace's `fwd.layers` point. Stage 2 reduces first once the gradients
     that arrived exceed its bucket (`first_reduction`: its elements and bytes; buffers.stage2_reduces_at_head); at a point of the
     layers' backward where the trace holds no more than that, the partition does not exist yet, the bucket does
@@ -255,9 +257,10 @@ def _stage_terms(
     out = {k: v for k, v in source.items() if k not in dropped}
     if layers:
         out["unreduced_gradient"] = held
+        out["late_freed_gradient"] = late
         if not reduces:  # the buckets exist from the first gradient on (buffers.buckets_in_backward) ...
             out["comm_buffers"] = buckets
-            for end_only in ("gradient_partition", "epilogue_partition", "reduced_fp32_head"):
+            for end_only in ("gradient_partition", "epilogue_partition", "late_freed_partition", "reduced_fp32_head"):
                 if cfg.zero_stage in (1, 2):  # the epilogue's (buffers.stage2_end_of_one_bucket); stage 3's is a state
                     out.pop(end_only, None)
             if cfg.zero_stage == 2:  # ... and hold every gradient; the partition comes at the end
@@ -266,6 +269,7 @@ def _stage_terms(
         bucket_elements, bucket_bytes = first_reduction
         if cats["gradients"] <= bucket_elements * dtype_bytes(cfg.precision):  # nothing reduced yet
             out.pop("unreduced_gradient", None)
+            out.pop("late_freed_gradient", None)
             if layers:
                 out.pop("gradients", None)  # the partition; the bucket is comm_buffers
             else:
@@ -464,6 +468,7 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout |
                 buckets,
                 fixed,
                 first,
+                buffers.late_freed_gradient(model, cfg, layout),
             )
             for p in present
         ]
