@@ -5,6 +5,7 @@ transformers Trainer with the exported DeepSpeed JSON, on 2 CPU ranks, measured 
                                                      # today's estimate: per case estimate, trial, plain loop, Trainer
     python benchmarks/user_loops.py --measure        # run every case again in all three loops (~20 s a run)
     python benchmarks/user_loops.py --measure --only issue51-llama-lora   # one case (names: the table's first column)
+    python benchmarks/user_loops.py --measure --loops trainer             # only these loops (comma-separated)
 
 The three loops of one case get the same DeepSpeed JSON (autotune.deepspeed_config.deepspeed_config, what `autotune
 trial` writes and `autotune export` exports), the same transformers config, the same peft LoraConfig
@@ -280,7 +281,8 @@ FIELDS = ("method", "zero_stage", "precision", "ckpt_layers", "micro_batch", "se
 FIELDS += ("lora_rank", "lora_targets", "lora_alpha", "lora_dropout")
 
 
-def measure(only: str | None = None) -> None:
+def measure(only: str | None = None, loops: tuple[str, ...] = LOOPS) -> None:
+    """Run the cases (`only`: one) in `loops`; the CSV keeps its other rows and is rewritten after every run."""
     import deepspeed
     import peft
     import torch
@@ -290,34 +292,38 @@ def measure(only: str | None = None) -> None:
         f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, "
         f"peft {peft.__version__}"
     )
-    kept = [r for r in load() if only and r["name"] != only]
-    rows = []
-    for name, family, shape, cfg in case_configs(only):
-        for loop in LOOPS:
-            t0 = time.perf_counter()
-            peaks = run_loop(loop, spec_of(family, shape), cfg)
-            print(f"{name:<28} {loop:<8} {max(map(max, peaks)):>12,} B  ({time.perf_counter() - t0:.0f} s)", flush=True)
-            rows.append(
-                {
-                    "name": name,
-                    "family": family,
-                    "hf_config": json.dumps(shape, sort_keys=True),
-                    "loop": loop,
-                    **{f: getattr(cfg, f) for f in FIELDS},
-                    "step_peak_bytes": json.dumps(peaks),
-                    "measured_bytes": max(map(max, peaks)),
-                    "measured_by": f"benchmarks/user_loops.py, {RANKS} CPU ranks (gloo), {STEPS} steps after "
-                    f"{WARMUP}, profiler live bytes; {versions}",
-                }
-            )
+    todo = [(c, loop) for c in case_configs(only) for loop in loops]
+    redo = {(c[0], loop) for c, loop in todo}
+    rows = [r for r in load() if (r["name"], r["loop"]) not in redo]
     order = {n: i for i, (n, *_) in enumerate(CASES)}
-    rows = sorted(kept + rows, key=lambda r: (order.get(r["name"], 1e9), LOOPS.index(r["loop"])))
-    CSV.parent.mkdir(parents=True, exist_ok=True)
-    with CSV.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {len(rows)} rows to {CSV}")
+    for (name, family, shape, cfg), loop in todo:
+        t0 = time.perf_counter()
+        try:
+            peaks = run_loop(loop, spec_of(family, shape), cfg)
+        except RuntimeError as e:
+            print(f"{name:<28} {loop:<8} ! {str(e)[-2000:]}", flush=True)
+            continue
+        print(f"{name:<28} {loop:<8} {max(map(max, peaks)):>12,} B  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        rows.append(
+            {
+                "name": name,
+                "family": family,
+                "hf_config": json.dumps(shape, sort_keys=True),
+                "loop": loop,
+                **{f: getattr(cfg, f) for f in FIELDS},
+                "step_peak_bytes": json.dumps(peaks),
+                "measured_bytes": max(map(max, peaks)),
+                "measured_by": f"benchmarks/user_loops.py, {RANKS} CPU ranks (gloo), {STEPS} steps after "
+                f"{WARMUP}, profiler live bytes; {versions}",
+            }
+        )
+        rows.sort(key=lambda r: (order.get(r["name"], 1e9), LOOPS.index(r["loop"])))
+        CSV.parent.mkdir(parents=True, exist_ok=True)
+        with CSV.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    print(f"{len(rows)} rows in {CSV}")
 
 
 def load() -> list[dict]:
@@ -374,7 +380,10 @@ if __name__ == "__main__":
         _rank(*sys.argv[2:5])
     elif "--measure" in sys.argv:
         only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
-        measure(only)
+        loops = tuple(sys.argv[sys.argv.index("--loops") + 1].split(",")) if "--loops" in sys.argv else LOOPS
+        if set(loops) - set(LOOPS):
+            sys.exit(f"--loops: one or more of {', '.join(LOOPS)}")
+        measure(only, loops)
         report()
     else:
         report()
