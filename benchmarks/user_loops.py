@@ -4,7 +4,8 @@ transformers Trainer with the exported DeepSpeed JSON, on 2 CPU ranks, measured 
     python benchmarks/user_loops.py                  # the recorded runs (benchmarks/data/user_loop_runs.csv) against
                                                      # today's estimate: per case estimate, trial, plain loop, Trainer
     python benchmarks/user_loops.py --measure        # run every case again in all three loops (~20 s a run)
-    python benchmarks/user_loops.py --measure --only issue51-llama-lora   # one case (names: the table's first column)
+    python benchmarks/user_loops.py --measure --only issue51-llama-lora   # these cases (comma-separated; the table's
+                                                                          # first column)
     python benchmarks/user_loops.py --measure --loops trainer             # only these loops (comma-separated)
 
 The three loops of one case get the same DeepSpeed JSON (autotune.deepspeed_config.deepspeed_config, what `autotune
@@ -83,9 +84,13 @@ checkpointed, the first k where named)."""
 
 
 def case_configs(only: str | None = None) -> list[tuple[str, str, dict, TrainConfig]]:
+    """The cases (`only`: those named, comma-separated) with their TrainConfig."""
+    names = set(only.split(",")) if only else {n for n, *_ in CASES}
+    if names - {n for n, *_ in CASES}:
+        sys.exit(f"--only: one or more of {', '.join(n for n, *_ in CASES)}")
     out = []
     for name, family, shape, fields in CASES:
-        if only and name != only:
+        if name not in names:
             continue
         layers = spec_of(family, shape).num_layers
         k = fields.get("ckpt_layers", 0)

@@ -263,7 +263,8 @@ def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> in
 def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> int:
     """Buffers live at the end of backward, when gradients are reduced: stage 0 (world > 1) the flattened all-reduce
     copy (STAGE0_ALLREDUCE_ELEMENTS); stage 1 the reduced partition beside the whole gradients, and the bucket
-    (stage_1_and_2.py reduce_gradients); stage 2 the bucket; stage 3 nothing (its bucket is a state,
+    (stage_1_and_2.py reduce_gradients), less the whole gradients the first bucket took
+    (`stage1_first_bucket_elements`); stage 2 the bucket; stage 3 nothing (its bucket is a state,
     model_states.states, and its prefetch peaks before the head, model_states.zero3_prefetch). One bucket that holds
     every gradient at stage 1: the partition replaces the whole gradients, which become views of the bucket
     (reduce_independent_p_g_buckets_and_remove_grads) (measured: docs/measurements/memory.md)."""
@@ -279,10 +280,38 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout
         if layout.reduce_bucket_size >= spec.num_params:
             # one bucket holds every gradient: the partition replaces the whole gradients (docstring)
             return reduce_bucket_bytes(spec, cfg, layout)
-        return part + reduce_bucket_bytes(spec, cfg, layout)
+        moved = stage1_grad_bytes(cfg) * stage1_first_bucket_elements(spec, cfg, layout)
+        return max(0, part - moved) + reduce_bucket_bytes(spec, cfg, layout)
     if cfg.zero_stage == 2:
         return reduce_bucket_bytes(spec, cfg, layout)
     return 0
+
+
+def stage1_first_bucket_elements(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
+    """Stage 1 without overlap_comm reduces at the boundary (stage_1_and_2.py reduce_gradients): in the optimizer's
+    parameter order each gradient is copied into the bucket and its .grad becomes a view of it, which frees the whole
+    one (reduce_independent_p_g_buckets_and_remove_grads), and the partition is allocated at the first reduction
+    (reduce_ipg_grads -> copy_grads_in_partition), when a gradient no longer fits. So at that peak the gradients of the
+    first bucket are no longer whole: their elements, the leading parameters that fit the bucket (0 where the first one
+    is larger: it bypasses the bucket and stays whole). Full fine-tuning, grad_accum 1, without offload, where the
+    bucket is smaller than the model (issue 51: a 2e6 bucket on its Llama at ZeRO-1 fp32 read +5.6%, the first
+    bucket's 1,938,816 elements; measured: benchmarks/knobs_on_hf.py)."""
+    if (
+        cfg.zero_stage != 1
+        or cfg.overlap_comm
+        or cfg.method != "full"
+        or cfg.grad_accum > 1
+        or cfg.offload_optimizer
+        or bf16_optimizer(cfg)
+        or layout.reduce_bucket_size >= spec.num_params
+    ):
+        return 0
+    total = 0
+    for n in param_numels(spec):
+        if total + n > layout.reduce_bucket_size:
+            break
+        total += n
+    return total
 
 
 def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> dict[str, int]:
