@@ -208,12 +208,13 @@ def measure_all(only_new: bool = False) -> None:
                 **{f: getattr(c, f) for f in FIELDS},
                 "measured_bytes": steady_bytes,
                 "largest_step_bytes": res.peak_bytes,
+                "phase_peak_bytes": json.dumps(res.phase_peak_bytes),
                 "measured_by": f"run_trials, 2 CPU ranks (gloo), steps {len(res.step_peak_bytes)} after 1 warm-up, "
                 "profiler peak, "
                 f"the highest rank's lowest step (tests/steady.py) and the largest step; {versions}",
             }
         )
-    fields = ["family", "hf_config", *FIELDS, "measured_bytes", "largest_step_bytes", "measured_by"]
+    fields = ["family", "hf_config", *FIELDS, "measured_bytes", "largest_step_bytes", "phase_peak_bytes", "measured_by"]
     with CSV.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
