@@ -4,14 +4,14 @@
                                                   # against today's estimate, with median / worst / worst under
     python benchmarks/knobs_on_hf.py --measure    # run them again (one process group, ~10 min on 2 cores)
     python benchmarks/knobs_on_hf.py --measure-new    # only the cases the CSV lacks (added to it)
-    python benchmarks/knobs_on_hf.py --measure-new --whole-matrix   # issue 51's whole matrix, not only COVERING
+    python benchmarks/knobs_on_hf.py --measure --covering   # issue 51's matrix only as COVERING (12 of its 48 runs)
     python benchmarks/knobs_on_hf.py --test-configs   # tests/test_knobs.py's 33 configurations on tiny-llama
 
 The recorded set: hf_memory.py's GPT-2, Llama, Qwen2 and GPT-NeoX shapes (tests/cases.py FAMILIES) times the
 knob configurations below: overlap_comm with the default bucket (hidden^2) and with one bucket larger
 than the model (2e7 elements) at ZeRO 1 and 2, fp32 gradient accumulation at ZeRO 1 and 2 in bf16, a
 2e6-element reduce bucket at ZeRO-2 fp32, with k = 0, some and all checkpointed layers; and issue 51's matrix on its
-Llama (every stage 1-2 knob x bf16/fp32 x buckets 1e6..5e8: COVERING, a subset that has each of them). Each row is
+Llama (every stage 1-2 knob x bf16/fp32 x buckets 1e6..5e8, all 48; COVERING, 12 of them, with `--covering`). Each row is
 one real trial (autotune.trial.run_trials: 1 warm-up and 2 measured steps, profiler live bytes):
 `measured_bytes` is the highest rank's lowest step peak, as the tests judge (tests/steady.py: a step
 where gloo's worker thread frees a buffer late is higher by it; measured: GPT-NeoX ZeRO-2 fp32 with a
@@ -78,8 +78,7 @@ WHOLE_MATRIX = [
     for _, kw, precisions in WIDE_KNOBS
     for p in precisions
 ]
-"""Issue 51's matrix: every knob x ZeRO-1 and -2 x bf16 and fp32 x the bucket sizes, on ISSUE51_LLAMA (48 runs;
-`--whole-matrix`)."""
+"""Issue 51's matrix: every knob x ZeRO-1 and -2 x bf16 and fp32 x the bucket sizes, on ISSUE51_LLAMA (48 runs)."""
 COVERING = {
     (1, "plain", "bf16"): 1_000_000,
     (1, "plain", "fp32"): 2_000_000,
@@ -94,8 +93,8 @@ COVERING = {
     (2, "fp32 accumulation", "bf16"): 2_000_000,
     (2, "bf16 master and states", "bf16"): 50_000_000,
 }
-"""The recorded subset of the matrix (12 of 48 runs; the whole one did not fit the measuring time on 2 shared cores):
-every knob in every precision it applies to at both stages, each bucket size at each stage at least once (1e6 below the
+"""A covering subset of the matrix (12 of 48 runs, `--covering`; recorded first, when the whole one seemed not to fit
+the measuring time): every knob in every precision it applies to at both stages, each bucket size at each stage at least once (1e6 below the
 LM head's gradient, 2e6 between it and the model, 5e7 and 5e8 above the model), the rotation putting issue 51's case 2
 kinds (fp32 accumulation, a 2e6 bucket at ZeRO-2) among them."""
 WIDE_CONFIGS = [
@@ -104,9 +103,9 @@ WIDE_CONFIGS = [
     for knob, kw, precisions in WIDE_KNOBS
     for p in precisions
     for b in BUCKETS
-    if "--whole-matrix" in sys.argv or COVERING[(z, knob, p)] == b
+    if "--covering" not in sys.argv or COVERING[(z, knob, p)] == b
 ]
-"""The matrix's runs recorded: COVERING, or with `--whole-matrix` all of WHOLE_MATRIX."""
+"""The matrix's runs measured: all of WHOLE_MATRIX, or with `--covering` COVERING's."""
 WIDE_STEPS = 3
 """Measured steps of the matrix's runs (after 1 warm-up): fewer than STEPS to fit the measuring time; a run whose steps
 missed the worst timing is marked in the report."""
