@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cases import FAMILIES, HELD_OUT, spec_of
+from cases import FAMILIES, HELD_OUT, spec_of, summary
 
 from autotune.hardware import parse_gpus
 from autotune.train_config import TrainConfig
@@ -172,16 +172,21 @@ def rows_with_estimates() -> list[dict]:
 
 
 def report() -> dict[str, dict]:
-    """Print the per-family table of each set; return the main one's (family -> n, median and max
-    |error| in percent)."""
+    """Print the per-family table of each set; return each set's summary (cases.summary: n, median, worst and worst
+    under in percent)."""
     t0 = time.perf_counter()
     every = rows_with_estimates()
     print(
         f"Hugging Face models: estimate vs real DeepSpeed runs on {RANKS} CPU ranks ({CSV.name}; "
         f"{len(every)} runs estimated in {time.perf_counter() - t0:.0f} s)"
     )
-    tables = {w: _table([r for r in every if r.get("set", "main") == w], w) for w in SETS}
-    return tables["main"]
+    out = {}
+    for w in SETS:
+        rows = [r for r in every if r.get("set", "main") == w]
+        _table(rows, w)
+        if rows:
+            out[w] = summary([r["err"] for r in rows])
+    return out
 
 
 def _table(rows: list[dict], which: str) -> dict[str, dict]:

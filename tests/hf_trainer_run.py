@@ -22,8 +22,12 @@ def printed_arguments(text: str) -> dict:
     return eval(line, {"__builtins__": {}, "TrainingArguments": dict})
 
 
-def trainer_args(ds_path: str, out_dir: str, printed: dict | None = None, **own) -> TrainingArguments:
-    """TrainingArguments for 2 logged CPU steps with the JSON at `ds_path` (also the export tests' ranks):
+def trainer_args(
+    ds_path: str, out_dir: str, printed: dict | None = None, max_steps: int = 2, checkpoint_all: bool = False, **own
+) -> TrainingArguments:
+    """TrainingArguments for `max_steps` logged CPU steps with the JSON at `ds_path` (also the export tests' ranks and
+    benchmarks/user_loops.py; `checkpoint_all`: the gradient_checkpointing=True export prints when every layer is
+    checkpointed):
     `printed`, the arguments `autotune export` printed for it (printed_arguments), else, for a JSON of numbers
     (deepspeed_config's concrete style), its batch sizes and precision; then the values the JSON fixes, repeated as
     the Trainer demands (fixed_for_trainer), and `own`, the script's own (learning_rate=..., deepspeed=None to take
@@ -43,7 +47,8 @@ def trainer_args(ds_path: str, out_dir: str, printed: dict | None = None, **own)
             **fixed_for_trainer(ds)[1],
             "output_dir": out_dir,
             "deepspeed": ds_path,
-            "max_steps": 2,
+            "max_steps": max_steps,
+            "gradient_checkpointing": checkpoint_all,
             "logging_steps": 1,
             "save_strategy": "no",
             "report_to": [],

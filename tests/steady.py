@@ -25,3 +25,17 @@ def per_rank_steps(res) -> dict[str, list[int]]:
 def steady_peak(res) -> int:
     """The highest rank's lowest step peak: the peak without one step's late free by a gloo thread."""
     return max(min(steps) for steps in per_rank_steps(res).values())
+
+
+def worst_peak(res) -> int:
+    """The largest step peak of any rank: the worst timing, which the memory model prices (docs/memory.md, "Peaks that
+    depend on timing")."""
+    return max(max(steps) for steps in per_rank_steps(res).values())
+
+
+def timing_allowance(est, measured: int) -> float:
+    """How far over `measured` an estimate may read because the run's steps never met the worst timing it prices: its
+    peak phase's timing-dependent terms (memory/buffers.py TIMING_TERMS), as a fraction of `measured`."""
+    from autotune.memory.buffers import TIMING_TERMS
+
+    return sum(est.terms.get(t, 0) for t in TIMING_TERMS) / measured

@@ -8,13 +8,13 @@ cannot run here.
 from __future__ import annotations
 
 import pytest
-from steady import per_rank_steps, steady_peak
+from steady import per_rank_steps, timing_allowance, worst_peak
 
 from autotune.deepspeed_config import deepspeed_config
 from autotune.errors import SpecError
 from autotune.hardware import parse_gpus
 from autotune.memory import estimate
-from autotune.memory.buffers import bf16_optimizer
+from autotune.memory.buffers import TIMING_TERMS
 from autotune.models import resolve_model
 from autotune.train_config import TrainConfig
 
@@ -75,12 +75,9 @@ UNDER_ONE_BUCKET = 0.06
 """When one bucket holds every gradient (reduce_bucket_size >= P), a third gradient partition is live
 at the end of backward in some runs and not in others: gloo's worker thread freeing a buffer late
 (measured: tiny-llama z2 bf16 4e6, one step of four, +P/N x 2 B; z2 fp32 4e6 with overlap_comm, both
-steps of one rank in one run of two, 52,203,804 against 49,678,108 B). The model prices the schedule
-(buffers.stage2_end_of_one_bucket), so such a run reads up to that partition (~5%) under."""
-
-OVER_BF16_OPTIMIZER = 0.12
-"""ZeRO-1 bf16 with fp32 accumulation (BF16_Optimizer): the bf16 gradients (2P) were live at the step
-in one run of three (25,254,436 vs 22,728,996 bytes on tiny-llama); priced as held, 11% over otherwise."""
+steps of one rank in one run of two, 52,203,804 against 49,678,108 B). Until issue 51 the model priced the
+schedule without it, so such a run read up to that partition (~5%) under; it now prices it (`late_freed_partition`,
+buffers.TIMING_TERMS) and the tests judge the worst step (benchmarks/knobs_on_hf.py --test-configs keeps this)."""
 
 
 def _cfg(kw: dict) -> TrainConfig:
@@ -131,10 +128,11 @@ def test_knob_measured_peak_matches_estimate(measured, key):
     req, res = measured[key]
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(req.model, req.cluster, req.config)
-    err = est.tensor_peak_bytes / steady_peak(res) - 1
-    under = UNDER_ONE_BUCKET if req.config.reduce_bucket_size >= req.model.num_params else UNDER
-    over = OVER_BF16_OPTIMIZER if bf16_optimizer(req.config) else OVER
-    assert -under <= err <= over, (
+    # against the worst step (the estimate prices the worst timing, issue 51); a run none of whose steps met it reads
+    # over by the terms priced for it (steady.timing_allowance)
+    worst = worst_peak(res)
+    err = est.tensor_peak_bytes / worst - 1
+    assert -UNDER <= err <= OVER + timing_allowance(est, worst), (
         f"estimate {est.tensor_peak_bytes:,} ({est.phase}) vs measured "
         f"{per_rank_steps(res)} {res.phase_peak_bytes}: {100 * err:+.2f}%"
     )
@@ -162,8 +160,8 @@ def test_fp32_accumulation_at_stage_1_keeps_fp32_gradients(measured):
     big = measured[f"zero_stage=1-precision=bf16-reduce_bucket_size={BIG}-grad_accum_dtype=fp32"][1]
     base = estimate(model, CLUSTER, _cfg(dict(zero_stage=1, precision="bf16")))
     assert fp32.phase_peak_bytes["forward"] - base.phases["forward"] == pytest.approx(4 * p, abs=4096)
-    # the same peak but for the bf16 gradients (2P) that are live at the step in some runs of either
-    # config and not in others (OVER_BF16_OPTIMIZER: 25,254,436 against 22,728,996 B)
+    # the same peak but for 2P more at the step in one step of one CI run (25,254,436 against 22,728,996 B on
+    # 2026-12-01; not seen since: docs/measurements/memory.md, "Issue 51")
     diff = big.peak_bytes - fp32.peak_bytes
     assert min(abs(diff - k * 2 * p) for k in (-1, 0, 1)) < 16384, diff
 
@@ -372,9 +370,13 @@ def test_knobs_on_transformers_code_match_the_traced_tier(measured_on_hf, name):
     model, cfg = req.model, req.config
     assert res.status == "ok", f"{res.reason}\n{res.log_tail}"
     est = estimate(model, CLUSTER, cfg)
-    err = est.tensor_peak_bytes / steady_peak(res) - 1
-    under = UNDER_ONE_BUCKET if cfg.reduce_bucket_size >= model.num_params else UNDER
-    assert -under <= err <= OVER, (est.phases, res.phase_peak_bytes, f"{100 * err:+.2f}%")
+    worst = worst_peak(res)
+    err = est.tensor_peak_bytes / worst - 1
+    assert -UNDER <= err <= OVER + timing_allowance(est, worst), (
+        est.phases,
+        res.phase_peak_bytes,
+        f"{100 * err:+.2f}%",
+    )
 
 
 @pytest.mark.slow
@@ -455,6 +457,64 @@ def test_knob_combinations_deepspeed_refuses_or_ignores_are_refused(kw, why):
         TrainConfig(**kw)
 
 
+def test_bf16_optimizer_steps_beside_the_bf16_gradients_once():
+    """Issue 51: ZeRO-1 bf16 with fp32 accumulation (BF16_Optimizer) holds at its step the states, the bf16
+    gradients until the engine's zero_grad (engine.py _take_model_step) and AdamW's two temporaries; its fp32
+    partition's gradient is a view of the fp32 gradients (bf16_optimizer.py step). The model added 4P/N more,
+    +9.6% over the issue's Llama (156,895,004 B measured, the loss's backward). After the update gloo gathers the
+    bf16 flat group through a whole copy of it (update_lp_params), the bf16 gradients still live."""
+    from autotune.memory.analytic import phases as analytic_phases
+    from autotune.memory.buffers import allgather_phase
+
+    model = resolve_model("tiny-llama", implementation="builtin")
+    p, pb = model.num_params, 2
+    cfg = _cfg(dict(zero_stage=1, precision="bf16", grad_accum_dtype="fp32"))
+    for gpus in ("2xcpu", "8xcpu"):
+        cluster = parse_gpus(gpus)
+        terms = allgather_phase(model, cluster, cfg, p, analytic_phases(model, cluster, cfg))
+        step, gathered = terms["optimizer"], terms["optimizer (all-gather)"]
+        assert step["gradients"] == pb * p and step["optimizer_temporaries"] == 8 * p // cluster.world_size
+        assert gathered["gradients"] == pb * p and "optimizer_temporaries" not in gathered
+        assert gathered["gloo_allgather_output"] >= pb * p  # the whole bf16 group, padded
+        # 2P against the update's 8P/N: the all-gather is the step's peak from 4 ranks on
+        est = estimate(model, cluster, cfg).phases
+        assert (est["optimizer (all-gather)"] > est["optimizer"]) == (cluster.world_size >= 4)
+
+
+def test_stage_2_with_fp32_accumulation_reduces_into_a_compact_fp32_partition():
+    """Issue 51: ZeRO-2 in 16 bits with fp32 accumulation adds each reduction into a compact fp32 partition (the
+    padded flat share; stage_1_and_2.py _build_compact_grad_partition_buffer) and copy_grads_in_partition returns
+    before it makes the 16-bit one: the LM head's reduction holds that partition and a fp32 copy of the head's
+    gradient, not a 16-bit partition beside it (+6.5% over the issue's Llama before)."""
+    from autotune.memory.buffers import _padded_partition, head_gradient_bytes
+    from autotune.memory.layout import Layout
+
+    model = resolve_model("tiny-llama", implementation="builtin")
+    cfg = _cfg(dict(zero_stage=2, precision="bf16", grad_accum_dtype="fp32", reduce_bucket_size=5_000))
+    head = head_gradient_bytes(model, CLUSTER, cfg, Layout.of(model, CLUSTER, cfg))
+    assert head["gradient_partition"] == 4 * _padded_partition(model.num_params, 2)
+    assert head["reduced_fp32_head"] == 4 * model.vocab_size * model.hidden_size
+
+
+def test_stage_2_allocates_its_partition_at_the_first_reduction_not_at_the_head():
+    """Issue 51: ZeRO-2 reduces a gradient only once the gradients that arrived exceed the bucket
+    (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads), and the first reduction allocates the
+    partition (copy_grads_in_partition). A head gradient larger than the bucket is reduced at once (at the next
+    gradient); one the bucket holds waits for more: the head's backward holds the bucket, not the partition (a 2e6
+    bucket on the issue's Llama was +6.2% over, the partition priced at the head)."""
+    from autotune.memory.buffers import head_gradient_bytes, stage2_reduces_at_head
+    from autotune.memory.layout import Layout
+
+    model = resolve_model("tiny-llama", implementation="builtin")
+    vh = model.vocab_size * model.hidden_size
+    for bucket, at_head in ((vh - 2, True), (vh + 2, False)):
+        cfg = _cfg(dict(zero_stage=2, precision="fp32", reduce_bucket_size=bucket))
+        layout = Layout.of(model, CLUSTER, cfg)
+        assert stage2_reduces_at_head(model, cfg, layout) == at_head
+        head = head_gradient_bytes(model, CLUSTER, cfg, layout)
+        assert ("gradient_partition" in head) == at_head and head["comm_buffers"] == 4 * bucket
+
+
 def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
     """A bucket larger than needed costs memory: with 4e6 elements the estimate grows by the bucket's
     bytes, and overlap_comm by one more bucket, at stages 1 and 2 (at stage 1 with overlap_comm the
@@ -466,7 +526,10 @@ def test_bigger_bucket_and_overlap_cost_memory_in_the_model():
         two = estimate(
             model, CLUSTER, _cfg(dict(zero_stage=z, precision="bf16", reduce_bucket_size=BIG, overlap_comm=True))
         )
-        assert abs(two.tensor_peak_bytes - one.tensor_peak_bytes - 2 * BIG) < model.num_params
+        # without the terms priced at their worst timing (stage 1 with overlap_comm reduces through the same
+        # epilogue as stage 2's one bucket, whose third partition gloo may free late: buffers.TIMING_TERMS)
+        timing = [sum(e.terms.get(t, 0) for t in TIMING_TERMS) for e in (one, two)]
+        assert abs(two.tensor_peak_bytes - timing[1] - one.tensor_peak_bytes + timing[0] - 2 * BIG) < model.num_params
 
 
 def test_prefetch_bucket_costs_memory_as_deepspeeds_code_says():
@@ -844,3 +907,46 @@ def test_full_space_knobs_do_not_multiply_the_trials(shipped_traces):
 def _first_fitting(model, cluster, groups):
     """A call that estimates each group's members until one fits, as the test's own line does."""
     return lambda: [any(estimate(model, cluster, c).fits for c in g) for g in groups]
+
+
+def test_stage_1_frees_the_first_buckets_whole_gradients_before_it_allocates_the_partition():
+    """Issue 51's matrix: ZeRO-1 without overlap_comm reduces at the boundary in parameter order, each gradient copied
+    into the bucket and then a view of it (its whole copy freed), and allocates the partition at the first reduction
+    (stage_1_and_2.py reduce_gradients, reduce_independent_p_g_buckets_and_remove_grads, copy_grads_in_partition): the
+    peak holds the partition and the bucket but not the first bucket's whole gradients. The recorded runs of this kind
+    on the issue's Llama (benchmarks/knobs_on_hf.py) against today's estimate; the fp32 2e6 one read +5.6% before."""
+    import dataclasses
+    import json
+
+    from cases import ISSUE51_LLAMA, benchmark, spec_of
+
+    from autotune.memory.buffers import backward_buffers, stage1_first_bucket_elements
+    from autotune.memory.code_trace import param_numels
+    from autotune.memory.layout import Layout
+
+    knobs = benchmark("knobs_on_hf")
+    spec = spec_of("llama", ISSUE51_LLAMA)
+    rows = [
+        r
+        for r in knobs.load()
+        if r["hf_config"] == json.dumps(ISSUE51_LLAMA, sort_keys=True)
+        and r["zero_stage"] == "1"
+        and r["overlap_comm"] == "False"
+        and r["grad_accum_dtype"] == "auto"
+        and int(r["reduce_bucket_size"]) < spec.num_params
+    ]
+    assert any(r["precision"] == "fp32" for r in rows), "the matrix's ZeRO-1 fp32 run with a small bucket"
+    for r in rows:
+        cfg = knobs.train_config(r)
+        err = estimate(spec, CLUSTER, cfg).tensor_peak_bytes / int(r["largest_step_bytes"]) - 1
+        assert -UNDER <= err <= 0.001, (cfg.short(), f"{100 * err:+.3f}%")
+    # the first bucket: the leading parameters that fit it (the embedding, then layer 0's until its down_proj)
+    cfg = TrainConfig(zero_stage=1, precision="fp32", reduce_bucket_size=2_000_000, seq_len=128)
+    layout = Layout.of(spec, CLUSTER, cfg)
+    first = stage1_first_bucket_elements(spec, cfg, layout)
+    order = param_numels(spec)
+    k = next(i for i in range(len(order)) if sum(order[: i + 1]) > 2_000_000)
+    assert first == sum(order[:k]) and k > 1
+    overlap = dataclasses.replace(cfg, overlap_comm=True)
+    assert stage1_first_bucket_elements(spec, overlap, Layout.of(spec, CLUSTER, overlap)) == 0
+    assert backward_buffers(spec, CLUSTER, cfg, layout) < 4 * (spec.num_params // 2 + 2_000_000)

@@ -12,8 +12,9 @@ from steady import per_rank_steps, steady_peak
 
 from autotune.errors import SpecError
 from autotune.hardware import parse_gpus
-from autotune.impl import impl_for
+from autotune.impl import default_dtype, impl_for
 from autotune.memory import estimate
+from autotune.memory import layout as memory_layout
 from autotune.memory import lora as mlora
 from autotune.models import resolve_model
 from autotune.search.space import expand, load_space
@@ -88,6 +89,48 @@ def test_seam_trains_only_the_adapters_and_counts_them():
     h, L, r = 128, 4, 4
     assert mlora.adapter_params(s, cfg) == L * r * ((h + 3 * h) + (h + h))
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == mlora.adapter_params(s, cfg)
+
+
+def test_the_trial_builds_peft_adapters_as_users_get_them_and_the_trace_as_deepspeed_trains_them():
+    """Issue 51: users call get_peft_model with peft's default, which upcasts 16-bit adapters to fp32
+    (tuners_utils.py cast_adapter_dtype); deepspeed.initialize casts them back to the training dtype except
+    in a zero.Init model (engine.py _cast_module_mixed_precision), so at ZeRO-3 they train in fp32. The
+    trial builds peft's default (the trial's own `autocast_adapter_dtype=False` kept them bf16 and its
+    peak 9.7% under the user's loop); the fake-tensor trace builds what DeepSpeed trains."""
+    import torch
+
+    s = spec("hf-llama")
+
+    def adapter_dtypes(cfg, as_trained):
+        # the default dtype too: peft does not move a new adapter on the meta device to its layer's dtype
+        with torch.device("meta"), default_dtype(torch.bfloat16):
+            model = impl_for(s, cfg, as_trained=as_trained).build(s, dtype=torch.bfloat16, attention="sdpa")
+        return {p.dtype for p in model.parameters() if p.requires_grad}
+
+    z3 = TrainConfig(method="lora", zero_stage=3, precision="bf16")
+    z2 = dataclasses.replace(z3, zero_stage=2)
+    assert adapter_dtypes(z3, as_trained=False) == adapter_dtypes(z2, as_trained=False) == {torch.float32}
+    assert adapter_dtypes(z3, as_trained=True) == {torch.float32}
+    assert adapter_dtypes(z2, as_trained=True) == {torch.bfloat16}
+
+
+def test_fp32_adapters_at_zero_3_are_priced_in_fp32_and_their_gradients_in_the_training_dtype():
+    """At ZeRO-3 in bf16 the adapters' partition, the whole small ones and the gathered ones are fp32
+    (4 B), the gradient partition and reduce bucket bf16 (stage3.py: gradient_accumulation_dtype and
+    communication_data_type are the model's); at ZeRO-2 DeepSpeed cast them to bf16."""
+    s, gpus = spec("hf-llama"), parse_gpus("2xcpu")
+    cfg = TrainConfig(
+        method="lora", zero_stage=3, precision="bf16", lora_targets="all-linear", micro_batch=1, seq_len=32
+    )
+    adapters = mlora.adapter_params(s, cfg)
+    layout = memory_layout(s, gpus, cfg)
+    threshold = layout.stage3_param_persistence_threshold
+    small = sum(n for n in mlora.adapter_numels(s, cfg) if n < threshold)
+    held = mlora.held_parameters(s, gpus, cfg, layout)
+    assert held["adapter_parameters"] == int(4 * (adapters / 2 + small))
+    assert estimate(s, gpus, cfg).terms["gradient_partition"] == 2 * adapters // 2
+    z2 = dataclasses.replace(cfg, zero_stage=2)
+    assert mlora.held_parameters(s, gpus, z2, memory_layout(s, gpus, z2))["adapter_parameters"] == 2 * adapters
 
 
 MIXED_STACKS = {
@@ -487,6 +530,23 @@ def test_lora_at_zero_3_with_every_layer_checkpointed_and_all_linear_adapters(lo
     assert res.status == "ok", res.reason
     est = estimate(s, gpus, cfg)
     assert -0.01 <= est.tensor_peak_bytes / steady_peak(res) - 1 <= 0.03, (est.phases, per_rank_steps(res))
+
+
+@pytest.mark.slow
+def test_the_trial_measures_what_the_users_plain_loop_does_with_lora_at_zero_3(lora_runs):
+    """Issue 51: at ZeRO-3 in bf16 with every layer checkpointed, the plain loop users run
+    (benchmarks/user_loops.py: from_config under HfDeepSpeedConfig, get_peft_model with peft's defaults,
+    activation_checkpointing_enable, deepspeed.initialize, engine forward/backward/step) needed 10.8% more than
+    the trial, whose adapters stayed bf16 where peft's default keeps them fp32 (the recompute casts every
+    adapted layer's input to fp32). The same config, same counter: the trial's peak is the user's."""
+    from cases import benchmark
+
+    req, res = lora_runs["z3-all-linear-every-layer"]
+    assert res.status == "ok", res.reason
+    plain = benchmark("user_loops").run_loop("plain", req.model, req.config)
+    trial, user = max(map(max, per_rank_steps(res).values())), max(map(max, plain))
+    assert abs(trial / user - 1) <= 0.001, (per_rank_steps(res), plain)
+    assert abs(estimate(req.model, req.cluster, req.config).tensor_peak_bytes / user - 1) <= 0.01
 
 
 @pytest.mark.slow

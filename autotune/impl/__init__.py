@@ -189,9 +189,10 @@ IMPLS: dict[str, str] = {
 """Name -> "module:class"; imported on use, so transformers loads only when the hf code is asked for."""
 
 
-def impl_for(spec: ModelSpec, cfg=None) -> ModelImpl:
+def impl_for(spec: ModelSpec, cfg=None, as_trained: bool = False) -> ModelImpl:
     """The ModelImpl that `spec.implementation` names; with a TrainConfig `cfg` whose method is lora
-    or qlora, that ModelImpl wrapped with peft's adapters (autotune/impl/lora.py `LoraImpl`)."""
+    or qlora, that ModelImpl wrapped with peft's adapters (autotune/impl/lora.py `LoraImpl`; `as_trained`:
+    its adapters in the dtype DeepSpeed trains them in, for a build no deepspeed.initialize casts)."""
     if spec.implementation not in IMPLS:
         raise SpecError(f"model {spec.name}: unknown implementation {spec.implementation!r}; known: {', '.join(IMPLS)}")
     mod, _, cls = IMPLS[spec.implementation].partition(":")
@@ -199,5 +200,5 @@ def impl_for(spec: ModelSpec, cfg=None) -> ModelImpl:
     if cfg is not None and cfg.method != "full":
         from autotune.impl.lora import LoraImpl
 
-        impl = LoraImpl(impl, cfg)
+        impl = LoraImpl(impl, cfg, as_trained=as_trained)
     return impl

@@ -5,8 +5,12 @@ adapted module.
 - Targets: `attention` is every linear projection of each layer's attention block (q, k, v, o, fused or
   not), named relative to the layer, since peft matches a name suffix and GPT-2's MLP has a c_proj too;
   `all-linear` is peft's own (every linear layer but the output layer).
-- Dtype: adapters in the base's dtype (`autocast_adapter_dtype=False`): DeepSpeed casts the module to the
-  training dtype anyway (engine._configure_distributed_model) and keeps the fp32 master in its optimizer.
+- Dtype: peft's default, as users run it: `get_peft_model` upcasts 16-bit adapters to fp32
+  (autocast_adapter_dtype=True, tuners_utils.py cast_adapter_dtype). `deepspeed.initialize` casts every parameter to
+  the training dtype again, except a zero.Init model's (engine.py _cast_module_mixed_precision: "ZeRO-Init params are
+  already at the configured dtype"), which every ZeRO-3 build is: there the adapters train in fp32, and peft casts
+  each adapted layer's input to fp32 (lora/layer.py `_cast_input_dtype`). `adapters_stay_fp32` says where; a build
+  on fake tensors, which DeepSpeed never casts, makes them in the dtype they train in (`LoraImpl.as_trained`).
 - Checkpointing: the base's `checkpoint_first`, then `enable_input_require_grads()` (else a checkpointed
   bottom layer below the frozen embedding has no graph).
 - QLoRA's 4-bit NF4 base needs bitsandbytes on a GPU: priced analytically (autotune/memory/lora.py) on
@@ -22,6 +26,13 @@ from autotune.models import ModelSpec
 
 LINEAR_TYPES = ("Linear", "Conv1D")
 """Module class names peft's LoRA wraps as linear layers (torch nn.Linear, transformers' Conv1D)."""
+
+
+def adapters_stay_fp32(cfg) -> bool:
+    """Whether LoRA's adapters train in fp32 under DeepSpeed (the module docstring): peft's fp32 adapters of a 16-bit
+    base, at ZeRO-3, whose zero.Init model deepspeed.initialize does not cast. QLoRA's base is not built under
+    zero.Init here (bitsandbytes' 4-bit layers; estimated, not run): its adapters are priced in the training dtype."""
+    return cfg.method == "lora" and cfg.zero_stage == 3 and cfg.precision in ("bf16", "fp16")
 
 
 def _linear(module) -> bool:
@@ -108,12 +119,16 @@ class LoraImpl:
     """The base ModelImpl with peft adapters (`cfg.method` lora or qlora). `name` is the base's, so
     callers build it as they build the base (hf under ZeRO-3: a live HfDeepSpeedConfig)."""
 
-    def __init__(self, base, cfg) -> None:
+    def __init__(self, base, cfg, as_trained: bool = False) -> None:
+        """`as_trained`: make the adapters in the dtype DeepSpeed trains them in (`adapters_stay_fp32`), for a
+        module no deepspeed.initialize will cast (the memory model's fake-tensor trace); else peft's default, as
+        users run it (the trial), which initialize then casts where it does."""
         # peft's import makes module-level tensors (peft.tuners.loha's `scale=torch.tensor(1)` defaults): made
         # here, before a trace builds the model, a trace never counts them (16 B in a process's first program)
         import peft  # noqa: F401
 
         self.base, self.cfg, self.name = base, cfg, base.name
+        self.autocast_adapter_dtype = adapters_stay_fp32(cfg) if as_trained else True
 
     def build(self, spec: ModelSpec, *, dtype, attention: str, num_layers: int | None = None):
         """The base's `build`, then `get_peft_model`: only the adapters require grad."""
@@ -130,7 +145,7 @@ class LoraImpl:
         config = LoraConfig(**lora_config_dict(self.cfg, target_modules(self.cfg, self.base.layers(model))))
         moves = _fake_moves() if isinstance(probe, FakeTensor) else contextlib.nullcontext()
         with moves:
-            model = get_peft_model(model, config, autocast_adapter_dtype=False)
+            model = get_peft_model(model, config, autocast_adapter_dtype=self.autocast_adapter_dtype)
         return model.train()
 
     def layers(self, model):

@@ -158,6 +158,37 @@ def offload_fp32_partition(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) 
     return 4 * _padded_partition(spec.num_params, cluster.world_size)
 
 
+def compact_fp32_partition(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> int:
+    """Stage 2 in 16 bits with fp32 accumulation, without offload: the reduction adds into a compact fp32 partition
+    (stage_1_and_2.py `_use_compact_grad_partition_buffer` -> _build_compact_grad_partition_buffer, the padded flat
+    share), and copy_grads_in_partition returns before it would make the 16-bit whole-parameter partition. Bytes; 0
+    for any other configuration (offload's is `offload_fp32_partition`; measured: docs/measurements/memory.md,
+    "Issue 51")."""
+    if (
+        cfg.offload_optimizer
+        or cfg.zero_stage != 2
+        or cfg.grad_accum_dtype != "fp32"
+        or dtype_bytes(cfg.precision) == 4
+    ):
+        return 0
+    return 4 * _padded_partition(spec.num_params, cluster.world_size)
+
+
+def stage2_reduces_at_head(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> bool:
+    """Whether stage 2's first reduction, which allocates the gradient partition (copy_grads_in_partition, or the
+    compact fp32 one), comes at the LM head's gradient: the head's V x h gradient is larger than the bucket, so it
+    bypasses it (extra_large_param_to_reduce) and is reduced when the next gradient arrives (the final norm's).
+    With a bucket that holds it, nothing is reduced until the gradients that arrived exceed the bucket
+    (reduce_independent_p_g_buckets_and_remove_grads), some way into the layers' backward; LoRA's frozen head has no
+    gradient, and a tied head's reaches the embedding's weight only at the end of backward, where autograd sums its two
+    parts (measured: docs/measurements/memory.md, "Issue 51")."""
+    return (
+        cfg.method == "full"
+        and not spec.tied_embeddings
+        and spec.vocab_size * spec.hidden_size > layout.reduce_bucket_size
+    )
+
+
 def _padded_partition(elements: int, ranks: int) -> int:
     """Each rank's share of the flat buffer, padded to a multiple of 2 x ranks
     (nccl_start_alignment_factor)."""
@@ -169,9 +200,8 @@ def reduced_partition_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig)
     """Stage 2's reduced-gradient partition during and at the end of backward: the compact fp32 one
     under offload with fp32 accumulation (`offload_fp32_partition`), else the whole-parameter
     partition in the accumulation dtype."""
-    return offload_fp32_partition(spec, cluster, cfg) or partition_grad_bytes(cfg) * partition_elements(
-        spec, cluster, cfg
-    )
+    compact = offload_fp32_partition(spec, cluster, cfg) or compact_fp32_partition(spec, cluster, cfg)
+    return compact or partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
 
 
 @cache
@@ -202,6 +232,24 @@ def held_extra_large_gradient(spec: ModelSpec, cfg: TrainConfig, layout: Layout)
     return dtype_bytes(cfg.precision) * max((n for n in layer_numels(spec) if n > bucket), default=0)
 
 
+def late_freed_gradient(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
+    """Beside `held_extra_large_gradient`, at its worst timing: the extra-large gradient reduced before it, which the
+    collective's worker thread still holds when the next one is made (a timing-dependent term, TIMING_TERMS; measured
+    on OPT, the LM head's gradient beside a layer's, and on Phi-3, two MLP weights': docs/measurements/memory.md).
+    The larger of an untied head's gradient larger than the bucket and the largest layer gradient."""
+    largest = held_extra_large_gradient(spec, cfg, layout)
+    if not largest:
+        return 0
+    head = spec.vocab_size * spec.hidden_size if not spec.tied_embeddings else 0
+    return max(largest, dtype_bytes(cfg.precision) * head if head > layout.reduce_bucket_size else 0)
+
+
+TIMING_TERMS = ("late_freed_partition", "late_freed_gradient", "tp_logits_gather")
+"""Terms priced at their worst timing: tensors a collective's worker thread releases late, after the main thread
+dropped them, so that some steps hold them at the peak and others do not (docs/memory.md, "Peaks that depend on
+timing"). A run whose steps never met that timing reads over by them."""
+
+
 def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
     """Stages 1-2's contiguous-gradients bucket(s): reduce_bucket_size elements, a second with overlap_comm
     (stage_1_and_2.py setup_buckets, "double buffers"), in the model's dtype (_gradient_reduction_buffer_dtype) or at
@@ -215,7 +263,8 @@ def reduce_bucket_bytes(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> in
 def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> int:
     """Buffers live at the end of backward, when gradients are reduced: stage 0 (world > 1) the flattened all-reduce
     copy (STAGE0_ALLREDUCE_ELEMENTS); stage 1 the reduced partition beside the whole gradients, and the bucket
-    (stage_1_and_2.py reduce_gradients); stage 2 the bucket; stage 3 nothing (its bucket is a state,
+    (stage_1_and_2.py reduce_gradients), less the whole gradients the first bucket took
+    (`stage1_first_bucket_elements`); stage 2 the bucket; stage 3 nothing (its bucket is a state,
     model_states.states, and its prefetch peaks before the head, model_states.zero3_prefetch). One bucket that holds
     every gradient at stage 1: the partition replaces the whole gradients, which become views of the bucket
     (reduce_independent_p_g_buckets_and_remove_grads) (measured: docs/measurements/memory.md)."""
@@ -231,10 +280,38 @@ def backward_buffers(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout
         if layout.reduce_bucket_size >= spec.num_params:
             # one bucket holds every gradient: the partition replaces the whole gradients (docstring)
             return reduce_bucket_bytes(spec, cfg, layout)
-        return part + reduce_bucket_bytes(spec, cfg, layout)
+        moved = stage1_grad_bytes(cfg) * stage1_first_bucket_elements(spec, cfg, layout)
+        return max(0, part - moved) + reduce_bucket_bytes(spec, cfg, layout)
     if cfg.zero_stage == 2:
         return reduce_bucket_bytes(spec, cfg, layout)
     return 0
+
+
+def stage1_first_bucket_elements(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> int:
+    """Stage 1 without overlap_comm reduces at the boundary (stage_1_and_2.py reduce_gradients): in the optimizer's
+    parameter order each gradient is copied into the bucket and its .grad becomes a view of it, which frees the whole
+    one (reduce_independent_p_g_buckets_and_remove_grads), and the partition is allocated at the first reduction
+    (reduce_ipg_grads -> copy_grads_in_partition), when a gradient no longer fits. So at that peak the gradients of the
+    first bucket are no longer whole: their elements, the leading parameters that fit the bucket (0 where the first one
+    is larger: it bypasses the bucket and stays whole). Full fine-tuning, grad_accum 1, without offload, where the
+    bucket is smaller than the model (issue 51: a 2e6 bucket on its Llama at ZeRO-1 fp32 read +5.6%, the first
+    bucket's 1,938,816 elements; measured: benchmarks/knobs_on_hf.py)."""
+    if (
+        cfg.zero_stage != 1
+        or cfg.overlap_comm
+        or cfg.method != "full"
+        or cfg.grad_accum > 1
+        or cfg.offload_optimizer
+        or bf16_optimizer(cfg)
+        or layout.reduce_bucket_size >= spec.num_params
+    ):
+        return 0
+    total = 0
+    for n in param_numels(spec):
+        if total + n > layout.reduce_bucket_size:
+            break
+        total += n
+    return total
 
 
 def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout) -> dict[str, int]:
@@ -267,10 +344,15 @@ def stage2_end_of_one_bucket(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig
     """The end of backward where one bucket holds every gradient (`stage2_reduces_at_end`, and stage 1's
     `stage1_gradients_in_bucket`, the same reduction): the epilogue reduces the bucket into the partition
     copy_grads_in_partition allocates and copies it once more (independent_gradient_partition_epilogue:
-    get_flat_partition) while the buckets are held. A third partition some CPU runs hold (gloo's thread freeing late,
-    a race NCCL does not have) is not priced (measured: docs/measurements/memory.md)."""
+    get_flat_partition) while the buckets are held. At its worst timing a third partition is still live, one the
+    collective's worker thread releases late (`late_freed_partition`, a timing-dependent term: docs/memory.md)
+    (measured: docs/measurements/memory.md)."""
     part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
-    out = {"comm_buffers": reduce_bucket_bytes(spec, cfg, layout), "epilogue_partition": part}
+    out = {
+        "comm_buffers": reduce_bucket_bytes(spec, cfg, layout),
+        "epilogue_partition": part,
+        "late_freed_partition": part,
+    }
     if cfg.grad_accum_dtype == "fp32" and dtype_bytes(cfg.precision) != 4:
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     return out
@@ -382,18 +464,19 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, lay
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     elif stage2_reduces_at_end(spec, cfg, layout):
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)  # the partition only at the end of backward
+    elif cfg.zero_stage == 2 and not stage2_reduces_at_head(spec, cfg, layout):
+        out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)  # the head's gradient is copied into it
     elif cfg.zero_stage == 2:
         part = partition_elements(spec, cluster, cfg)
-        out["gradient_partition"] = partition_grad_bytes(cfg) * part
+        out["gradient_partition"] = reduced_partition_bytes(spec, cluster, cfg)
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)
         if layout.reduce_bucket_size >= spec.num_params:
             # one bucket holds every gradient: a second partition is live here in some runs (measured), priced as held
             out["gradient_partition"] += dtype_bytes(cfg.precision) * part
         if cfg.grad_accum_dtype == "fp32" and pb != 4:
-            # fp32 accumulation: the 16-bit partition stays beside the fp32 one, and the head's reduced
-            # gradient is upcast (stage_1_and_2.py: "ZeRO-2 keeps low-precision staging and stores
-            # the fp32 communication result in the owned partition"; measured: +2P/N + 4Vh bytes).
-            out["gradient_partition"] += pb * part
+            # fp32 accumulation: the head's reduced gradient is added into the compact fp32 partition through a
+            # fp32 copy of it (stage_1_and_2.py allreduce_and_copy_with_multiple_ranks -> _add_to_grad_partition_
+            # buffer; measured: 4 V h bytes at the peak, beside the compact partition, no 16-bit one)
             out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     return out
 
@@ -404,8 +487,9 @@ def gloo_allgather_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, tr
     runtime/utils.py all_gather_dp_groups -> dist.all_gather_into_tensor; torch ProcessGroupGloo.cpp
     AsyncAllgatherWork::allgather, `flatOutputTensor = newLikeFlat(outputs[0])`), after the step's gradients and
     temporaries are freed (`allgather_phase`). NCCL gathers in place (ProcessGroupNCCL::_allgather_base), so 0 off
-    CPU; 0 for the `bf16_optimizer`, at stages 0 and 3 and on one rank (measured: docs/measurements/memory.md)."""
-    if cfg.zero_stage not in (1, 2) or not cluster.gpu.is_cpu or cluster.world_size == 1 or bf16_optimizer(cfg):
+    CPU; 0 at stages 0 and 3 and on one rank (measured: docs/measurements/memory.md). The `bf16_optimizer` gathers
+    its bf16 flat group through the same call (bf16_optimizer.py update_lp_params -> all_gather_dp_groups)."""
+    if cfg.zero_stage not in (1, 2) or not cluster.gpu.is_cpu or cluster.world_size == 1:
         return 0
     return dtype_bytes(cfg.precision) * _padded_partition(trainable, cluster.world_size) * cluster.world_size
 
@@ -418,9 +502,12 @@ def allgather_phase(
     spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, trainable: int, phases: dict[str, dict[str, int]]
 ) -> dict[str, dict[str, int]]:
     """`phases` with "optimizer (all-gather)": the optimizer phase without the step's gradients and
-    temporaries, with gloo's all-gather output (`gloo_allgather_bytes`); unchanged where that is 0."""
+    temporaries, with gloo's all-gather output (`gloo_allgather_bytes`); unchanged where that is 0. The
+    `bf16_optimizer`'s bf16 gradients are still live there (freed by the engine's zero_grad after the step:
+    engine.py _take_model_step): at 4 ranks and more this phase is its step's peak (2P against 8P/N)."""
     held = gloo_allgather_bytes(spec, cluster, cfg, trainable)
     if not held or "optimizer" not in phases:
         return phases
-    after = {k: v for k, v in phases["optimizer"].items() if k not in STEP_ONLY_TERMS}
+    freed = ("optimizer_temporaries",) if bf16_optimizer(cfg) else STEP_ONLY_TERMS
+    after = {k: v for k, v in phases["optimizer"].items() if k not in freed}
     return {**phases, "optimizer (all-gather)": {**after, "gloo_allgather_output": held}}

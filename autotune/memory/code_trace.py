@@ -17,6 +17,7 @@ import json
 
 from autotune import trace_cache
 from autotune.errors import SpecError
+from autotune.impl.lora import adapters_stay_fp32
 from autotune.memory import seq_family
 from autotune.memory.segments import classify, segment_points
 from autotune.models import ModelSpec
@@ -29,10 +30,11 @@ _PROGRAMS: dict[tuple, dict[str, dict[str, int]]] = {}
 
 def impl_of(spec: ModelSpec, cfg: TrainConfig | None = None):
     """The ModelImpl that builds `spec`'s module in trials (autotune/impl/), with `cfg`'s LoRA
-    adapters where its method says so."""
+    adapters where its method says so, in the dtype DeepSpeed trains them in (fp32 at ZeRO-3 in 16 bits:
+    impl/lora.py `adapters_stay_fp32`), since no deepspeed.initialize casts a traced module."""
     from autotune.impl import impl_for
 
-    return impl_for(spec, cfg)
+    return impl_for(spec, cfg, as_trained=True)
 
 
 _KEYS: dict[ModelSpec, str] = {}
@@ -317,18 +319,32 @@ def _measured_step(
         live.log, live.samples = [], []
     batch = torch.randint(0, vocab, (shape[0], shape[1] + 1))
     marks.update(measure=True, backward=False, shared=set())
+    # the moment the second gradient is accumulated, where ZeRO-2 reduces a first one larger than its bucket (the LM
+    # head's: buffers.stage2_reduces_at_head): what the layers and the head's backward still hold then
+    arrived = []
+
+    def on_grad(_):
+        arrived.append(1)
+        if len(arrived) == 2:
+            live.point("bwd.reduce")
+
+    grad_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
     live.enter("fwd.start")
     loss = impl.loss(model, batch)
     marks["loss"] = live.track(loss)
     marks["saved"] = live.live_serials()
     live.point("fwd.end")
-    backward_and_step(live, marks, loss, opt)
+    try:
+        backward_and_step(live, marks, loss, opt)
+    finally:
+        for h in grad_hooks:
+            h.remove()
     # A parameter the loss does not reach has no gradient (a module a user's model builds but does not
     # call; cross-attention in a decoder run without its encoder): no gradient of it is live
     grads = {live.track(p.grad) for p in params if p.grad is not None}
     del loss
     known = known_storages(live, model, opt, grads, batch, marks, shared=marks["shared"])
-    points = segment_points(ckpt, full) + [("fwd.layers", "fwd.layers")]
+    points = segment_points(ckpt, full) + [("fwd.layers", "fwd.layers"), ("bwd.reduce", "bwd.reduce")]
     peaks = {name: classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
     rec = (
         seq_family.Record(baseline=baseline, log=live.log, samples=live.samples, known=known, points=points)
@@ -401,20 +417,24 @@ def trace_program(
 
 def _key(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool) -> tuple:
     return (
-        spec_key(spec),
-        cfg.precision,
-        cfg.attention,
-        cfg.seq_len,
-        cfg.micro_batch,
-        ckpt,
-        full,
-        fused,
-        host_rng,
-        cfg.method,
-        cfg.lora_rank,
-        cfg.lora_targets,
-        cfg.lora_dropout,
-    ) + (("zero3 linear",) if zero3_linear(cfg) else ())
+        (
+            spec_key(spec),
+            cfg.precision,
+            cfg.attention,
+            cfg.seq_len,
+            cfg.micro_batch,
+            ckpt,
+            full,
+            fused,
+            host_rng,
+            cfg.method,
+            cfg.lora_rank,
+            cfg.lora_targets,
+            cfg.lora_dropout,
+        )
+        + (("zero3 linear",) if zero3_linear(cfg) else ())
+        + (("fp32 adapters",) if adapters_stay_fp32(cfg) else ())
+    )
 
 
 _VARY: tuple[str, tuple[int, int, int]] | None = None

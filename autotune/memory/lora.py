@@ -18,6 +18,7 @@ from functools import cache
 from autotune import trace_cache
 from autotune.errors import SpecError
 from autotune.hardware import Cluster
+from autotune.impl.lora import adapters_stay_fp32
 from autotune.memory import code_trace
 from autotune.memory.layout import Layout
 from autotune.models import ModelSpec
@@ -146,6 +147,11 @@ def held_parameters(
     zero3_step_parameters: LoRA's adapters are often all small enough); below stage 3 every rank
     holds all of them."""
     pb, n = dtype_bytes(cfg.precision), cluster.world_size
+    # peft's fp32 adapters, which DeepSpeed leaves in fp32 at ZeRO-3 (impl/lora.py adapters_stay_fp32): their
+    # partition, the whole small ones and the gathered ones in fp32; the gradient partition and reduce bucket stay
+    # in the training dtype (stage3.py: grad_partitions_flat_buffer in gradient_accumulation_dtype, ipg_buckets in
+    # communication_data_type, both the model's dtype unless the config sets them)
+    ab = 4 if adapters_stay_fp32(cfg) else pb
     adapters = adapter_params(spec, cfg)
     base = spec.num_params * pb
     out = {}
@@ -157,7 +163,7 @@ def held_parameters(
         keep_base = 0 if stepping else code_trace.persistent_params(spec, threshold)
         keep_adapters = 0 if stepping else sum(x for x in adapter_numels(spec, cfg) if x < threshold)
         out["frozen_parameters"] = int(base / n + pb * keep_base)
-        out["adapter_parameters"] = int(pb * (adapters / n + keep_adapters))
+        out["adapter_parameters"] = int(ab * (adapters / n + keep_adapters))
         # held gathered from forward to backward: every module the backward runs through. Without
         # checkpointing nothing runs backward through a module upstream of every adapter (the frozen
         # input embedding; a hybrid's layers before its first adapted one), so DeepSpeed's reuse
@@ -167,7 +173,7 @@ def held_parameters(
             released = sum(x for x in code_trace.released_after_forward(spec, cfg) if x >= threshold)
         else:
             released = 0 if cfg.ckpt_layers or spec.tied_embeddings else input_embedding_params(spec)
-        gathered = base - pb * (keep_base + released) + pb * (adapters - keep_adapters)
+        gathered = base - pb * (keep_base + released) + ab * (adapters - keep_adapters)
         # ... up to stage3_max_reuse_distance elements, as in full fine-tuning (model_states.
         # zero3_held): the same coordinator releases a frozen module whose backward is further away
         # in the trace (a 70B's base was held whole: 128 GiB gathered per GPU at ZeRO-3 on 8 GPUs)
@@ -188,7 +194,7 @@ def held_parameters(
         )
     else:
         out["frozen_parameters"] = int(base)
-        out["adapter_parameters"] = pb * adapters
+        out["adapter_parameters"] = ab * adapters
     return out
 
 

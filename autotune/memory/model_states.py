@@ -204,13 +204,12 @@ def step_terms(
         # measured, Optimizer.step#AdamW.step's sqrt and div over the fp32 partition)
         return {"gradients": compact or (int(pb * p / n) if z in (1, 2) else 0), "optimizer_temporaries": 0}
     if z == 1 and cfg.precision == "bf16" and cfg.grad_accum_dtype == "fp32":
-        # BF16_Optimizer (memory/buffers.py bf16_optimizer): its fp32 gradients are a state. At the
-        # step, 2 x 4P/N for the update's temporaries and 4P/N more were measured in two runs of three
-        # on tiny-llama, 2P (the bf16 gradients) beyond that in the third: both are priced, as held.
-        return {
-            "gradients": pb * p + int(4 * p / n),
-            "optimizer_temporaries": int(2 * 4 * p / n) if not fused_optimizer else 0,
-        }
+        # BF16_Optimizer (memory/buffers.py bf16_optimizer): its fp32 gradients are a state, the step's fp32
+        # partition a view of them (bf16_optimizer.py step: `param_partition.grad = grad_partition`, same dtype), and
+        # the bf16 gradients live until the engine's zero_grad after the step (engine.py _take_model_step;
+        # backward_epilogue -> update_hp_grads(clear_lp_grads=False)): 2P beside the update's two temporaries
+        # (measured: docs/measurements/memory.md, "Issue 51")
+        return {"gradients": pb * p, "optimizer_temporaries": int(2 * 4 * p / n) if not fused_optimizer else 0}
     stepped = largest_param(spec) if z == 0 else p / n
     if z == 3:
         # an AutoTP shard's larger group (memory/tensor_parallel.py zero3_largest_group), else the partition

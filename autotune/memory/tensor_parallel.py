@@ -62,15 +62,29 @@ def zero3_world_gathered(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -
     return dtype_bytes(cfg.precision) * (r if cluster.world_size == tp else r - -(-r // tp))
 
 
+LOGITS_GATHER_PHASES = ("forward", "backward (loss)")
+"""Where the untied head's logits gather may still be held (`sharded_head`): from the logits to the loss's backward."""
+
+
 def sharded_head(model: ModelSpec, cfg: TrainConfig, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """`phases` with the LM head's gradient of an untied model's shard: the traced shard has the whole V x h head (its
     gathered logits are whole, as AutoTP's are) but AutoTP's head is V / tp x h, so is its weight gradient (the
-    `head_gradient` term) (measured: docs/measurements/memory.md)."""
+    `head_gradient` term). And at its worst timing the gather of its logits: module_inject/layers.py
+    GatherFromTensorParallelRegion gathers the rank's V / tp shard into a new buffer of all of them
+    (all_gather_into_tensor) and concatenates it; the buffer and the shard are released by the collective's worker
+    thread, in some steps only after the loss's backward has begun (`tp_logits_gather`, b s (V + V / tp) in the
+    logits' dtype, a timing-dependent term: docs/memory.md; measured on Llama and Mistral, tp 2 ZeRO-1 fp32, the
+    largest steps 1.5 whole logits above the others)."""
     tp = cfg.autotp_size
     if tp == 1 or model.tied_embeddings:
         return phases
+    from autotune.train_config import dtype_bytes
+
+    vocab = model.vocab_size
+    gather = dtype_bytes(cfg.precision) * cfg.micro_batch * cfg.seq_len * (vocab + -(-vocab // tp))
     return {
         name: {k: (-(-v // tp) if k == "head_gradient" else v) for k, v in terms.items()}
+        | ({"tp_logits_gather": gather} if name in LOGITS_GATHER_PHASES else {})
         for name, terms in phases.items()
     }
 

@@ -24,7 +24,7 @@ from autotune.memory.layout import Layout
 from autotune.memory.lora import adapter_numels
 from autotune.memory.segments import CATEGORIES, PHASE_POINTS, classify, segment_points  # noqa: F401 - re-exported
 from autotune.models import ModelSpec
-from autotune.train_config import TrainConfig
+from autotune.train_config import TrainConfig, dtype_bytes
 from autotune.units import fmt_bytes
 
 TRACED_TERMS = {
@@ -227,6 +227,8 @@ def _stage_terms(
     uniform: bool = True,
     buckets: int = 0,
     fixed: tuple[int, int] = (0, 0),
+    first_reduction: tuple[int, int] | None = None,
+    late: int = 0,
 ) -> dict[str, int]:
     """One phase at one segment peak: traced terms (estimate()'s names where one fits) plus the analytic model's states,
     gradients and buffers for the stage.
@@ -237,8 +239,12 @@ def _stage_terms(
     overlap_comm (`reduces`), the partition and buckets in `fixed`, whole from the first reduction on
     (buffers.stage1_reduces_in_backward); with grad_accum > 1 the analytic terms stand. Stage 2 holds the analytic
     partition from the first reduction on (copy_grads_in_partition), and through the layers' backward its bucket and
-    `held` (buffers.held_extra_large_gradient); stage 3's partition is static. A mixed stack (not `uniform`) has no
-    per-layer slopes: its layers' part is the trace's `fwd.layers` point (measured: docs/measurements/memory.md)."""
+    `held` (buffers.held_extra_large_gradient) with, at its worst timing, `late` (buffers.late_freed_gradient); stage
+    3's partition is static. A mixed stack (not `uniform`) has no
+    per-layer slopes: its layers' part is the trace's `fwd.layers` point. Stage 2 reduces first once the gradients
+    that arrived exceed its bucket (`first_reduction`: its elements and bytes; buffers.stage2_reduces_at_head); at a point of the
+    layers' backward where the trace holds no more than that, the partition does not exist yet, the bucket does
+    (measured: docs/measurements/memory.md)."""
     cats, ckpt, in_grad = points[point], cfg.ckpt_layers, cfg.zero_stage <= 1
     layers = phase == "backward (layers)"  # the end of backward's states, in the middle of it
     source = analytic["backward (end)" if layers else phase]
@@ -251,13 +257,23 @@ def _stage_terms(
     out = {k: v for k, v in source.items() if k not in dropped}
     if layers:
         out["unreduced_gradient"] = held
+        out["late_freed_gradient"] = late
         if not reduces:  # the buckets exist from the first gradient on (buffers.buckets_in_backward) ...
             out["comm_buffers"] = buckets
-            for end_only in ("gradient_partition", "epilogue_partition", "reduced_fp32_head"):
+            for end_only in ("gradient_partition", "epilogue_partition", "late_freed_partition", "reduced_fp32_head"):
                 if cfg.zero_stage in (1, 2):  # the epilogue's (buffers.stage2_end_of_one_bucket); stage 3's is a state
                     out.pop(end_only, None)
             if cfg.zero_stage == 2:  # ... and hold every gradient; the partition comes at the end
                 out.pop("gradients", None)
+    if first_reduction is not None and (layers or phase.startswith("backward (recompute")):
+        bucket_elements, bucket_bytes = first_reduction
+        if cats["gradients"] <= bucket_elements * dtype_bytes(cfg.precision):  # nothing reduced yet
+            out.pop("unreduced_gradient", None)
+            out.pop("late_freed_gradient", None)
+            if layers:
+                out.pop("gradients", None)  # the partition; the bucket is comm_buffers
+            else:
+                out["gradients"] = bucket_bytes  # gradients_during_backward's partition + bucket: the bucket
     if in_grad and cfg.grad_accum == 1 and phase.startswith("backward"):
         full_grads = analytic["backward (end)"].get("gradients", 0)
         part, bucket_bytes = fixed if cats["gradients"] else (0, 0)  # from the first reduction on
@@ -311,6 +327,7 @@ def _with_head_phase(
     full: int,
     layers: dict[str, int] | None,
     uniform: bool,
+    reduce_point: dict[str, int] | None = None,
 ) -> dict:
     """`phases` with 'backward (head)' after 'backward (loss)' at ZeRO-2: the LM head's gradient exists and every
     layer's activations are saved, where stage 2's first reduction allocates the partition and the bucket (a second
@@ -318,9 +335,14 @@ def _with_head_phase(
     DeepSpeed allocates them, not the module, so the trace cannot see them: the analytic phase's states and buffers
     with the trace's activations, the layers' part read at `fwd.layers` (`layers`: after the last layer's forward),
     since a mixed stack's slopes come from a layer of another kind. Stages 0-1 hold the head's gradient in param.grad
-    as the trace does; stage 3 was exact without it (measured: docs/measurements/memory.md)."""
+    as the trace does; stage 3 was exact without it. Where the first reduction is the head's
+    (buffers.stage2_reduces_at_head) it runs when the second gradient arrives (the final norm's): `reduce_point`, the
+    trace at that moment, gives what is saved then (the final norm's inputs too) and the gradients in flight
+    (measured: docs/measurements/memory.md, "Issue 51")."""
     _, a, b = fit["activations"]
     saved = layers["activations"] if layers is not None else a * ckpt + b * full
+    if reduce_point is not None:
+        saved = reduce_point["activations"]
     ckpt_part = a * ckpt if uniform else 0  # a mixed stack's whole program has no per-layer split
     terms = {k: v for k, v in head.items() if k not in TRACED_TERMS}
     terms.update(
@@ -330,6 +352,8 @@ def _with_head_phase(
         batch_and_loss=end["batch_and_loss"],
         module_buffers=end.get("module_buffers", 0),
     )
+    if reduce_point is not None:
+        terms["temporaries"] = reduce_point["temporaries"]
     out = {}
     for name, t in phases.items():
         out[name] = t
@@ -395,6 +419,15 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout |
         if in_backward
         else (0, 0)
     )
+    # stage 2 whose first reduction is not at the LM head: where in the layers' backward it comes
+    first = (
+        (layout.reduce_bucket_size, buffers.reduce_bucket_bytes(model, cfg, layout))
+        if cfg.zero_stage == 2
+        and reduces
+        and not cfg.offload_optimizer
+        and not buffers.stage2_reduces_at_head(model, cfg, layout)
+        else None
+    )
     step_key = (
         code_trace.spec_key(model),
         model.num_layers,
@@ -422,7 +455,20 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout |
         # the stage changes which point is highest (stage 3 holds no growing gradients): chosen after
         options = [
             _stage_terms(
-                phase, p, points, fits[p], analytic, cfg, full, held, reduces, model.uniform_blocks, buckets, fixed
+                phase,
+                p,
+                points,
+                fits[p],
+                analytic,
+                cfg,
+                full,
+                held,
+                reduces,
+                model.uniform_blocks,
+                buckets,
+                fixed,
+                first,
+                buffers.late_freed_gradient(model, cfg, layout),
             )
             for p in present
         ]
@@ -449,6 +495,9 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout |
             full,
             points.get("fwd.layers"),
             model.uniform_blocks,
+            points.get("bwd.reduce")
+            if cfg.zero_stage == 2 and not cfg.offload_optimizer and buffers.stage2_reduces_at_head(model, cfg, layout)
+            else None,
         )
     step_bytes = step[0] if step else analytic["optimizer"].get("optimizer_temporaries", 0)
     phases["optimizer"] = {**phases["optimizer"], "optimizer_temporaries": step_bytes}
