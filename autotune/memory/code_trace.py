@@ -319,12 +319,16 @@ def _measured_step(
         live.log, live.samples = [], []
     batch = torch.randint(0, vocab, (shape[0], shape[1] + 1))
     marks.update(measure=True, backward=False, shared=set())
-    # the moment the second gradient is accumulated, where ZeRO-2 reduces a first one larger than its bucket (the LM
-    # head's: buffers.stage2_reduces_at_head): what the layers and the head's backward still hold then
+    # the moment each gradient is accumulated (`bwd.grad.N`, N from 1), where ZeRO-2 reduces its bucket when the
+    # arriving gradient would overflow it (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads) and the
+    # first reduction allocates the partition (copy_grads_in_partition): what the layers and the head's backward still
+    # hold then. `bwd.reduce`, the second: where a first gradient larger than the bucket (the LM head's:
+    # buffers.stage2_reduces_at_head) is reduced
     arrived = []
 
     def on_grad(_):
         arrived.append(1)
+        live.point(f"bwd.grad.{len(arrived)}")
         if len(arrived) == 2:
             live.point("bwd.reduce")
 
@@ -344,7 +348,11 @@ def _measured_step(
     grads = {live.track(p.grad) for p in params if p.grad is not None}
     del loss
     known = known_storages(live, model, opt, grads, batch, marks, shared=marks["shared"])
-    points = segment_points(ckpt, full) + [("fwd.layers", "fwd.layers"), ("bwd.reduce", "bwd.reduce")]
+    points = (
+        segment_points(ckpt, full)
+        + [("fwd.layers", "fwd.layers"), ("bwd.reduce", "bwd.reduce")]
+        + [(f"bwd.grad.{n}", f"bwd.grad.{n}") for n in range(1, len(arrived) + 1)]
+    )
     peaks = {name: classify(live.peaks[segment][1], known) for segment, name in points if segment in live.peaks}
     rec = (
         seq_family.Record(baseline=baseline, log=live.log, samples=live.samples, known=known, points=points)

@@ -362,6 +362,50 @@ def _with_head_phase(
     return out
 
 
+def _first_reduction(
+    points: dict[str, dict[str, int]], fits: dict[str, dict[str, Affine]], bucket: int, cfg: TrainConfig
+) -> str | None:
+    """The `bwd.grad.N` point (code_trace: the moment the N-th gradient is accumulated) where stage 2's first reduction
+    comes when the bucket holds the LM head's gradient: the first arrival that would overflow the bucket
+    (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads, `bucket.elements + param.numel() >
+    reduce_bucket_size`), there the rank owning the last parameters allocates its partition (copy_grads_in_partition),
+    inside a layer's backward. None where it is past the parameters every traced program accumulates alike (the
+    gradients at the point grow with the layer counts: a deeper layer of the model, where the layers' points price it)
+    or the trace has no such points."""
+    pb, n = dtype_bytes(cfg.precision), 1
+    while f"bwd.grad.{n}" in points:
+        name = f"bwd.grad.{n}"
+        if fits[name]["gradients"][1:] != (0, 0):
+            return None
+        if points[name]["gradients"] > bucket * pb:
+            return name if n > 1 else None
+        n += 1
+    return None
+
+
+def _first_reduction_terms(
+    points: dict[str, dict[str, int]], at: str, head: dict[str, int], partition: int
+) -> dict[str, int]:
+    """'backward (first reduction)': the phase's states and buffers as at the head's gradient (`head`, the analytic
+    'backward (head)': the bucket, two with overlap_comm), the partition copy_grads_in_partition allocates, the arriving
+    gradient (not in the bucket yet), and what the trace holds at that moment beside its gradients (the gradients
+    before it are in the bucket)."""
+    cats = points[at]
+    n = int(at.rsplit(".", 1)[1])
+    arriving = cats["gradients"] - points[f"bwd.grad.{n - 1}"]["gradients"]
+    terms = {k: v for k, v in head.items() if k not in TRACED_TERMS and k != "head_gradient"}
+    terms.update(
+        gradient_partition=partition,
+        unreduced_gradient=arriving,
+        activations=cats["activations"],
+        temporaries=cats["temporaries"],
+        batch_and_loss=cats["batch_and_loss"],
+        rotary_tables=cats["rotary_tables"],
+        module_buffers=cats.get("module_buffers", 0),
+    )
+    return {k: v for k, v in terms.items() if v}
+
+
 def _programs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[tuple[int, int], Callable]:
     """The small programs `trace` steps, by (checkpointed, full) layers: each a call that traces it
     (or reads it from the cache) and returns its segment peaks by category."""
@@ -499,6 +543,12 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout |
             if cfg.zero_stage == 2 and not cfg.offload_optimizer and buffers.stage2_reduces_at_head(model, cfg, layout)
             else None,
         )
+    if first is not None and "backward (head)" in analytic:
+        at = _first_reduction(points, fits, first[0], cfg)
+        if at is not None:
+            phases["backward (first reduction)"] = _first_reduction_terms(
+                points, at, analytic["backward (head)"], buffers.reduced_partition_bytes(model, cluster, cfg)
+            )
     step_bytes = step[0] if step else analytic["optimizer"].get("optimizer_temporaries", 0)
     phases["optimizer"] = {**phases["optimizer"], "optimizer_temporaries": step_bytes}
     phases["optimizer"] = {k: v for k, v in phases["optimizer"].items() if v}
