@@ -992,3 +992,9 @@ def test_stage_2_prices_the_partition_where_its_first_reduction_allocates_it():
     arrived = [t.points[f"bwd.grad.{n}"]["gradients"] for n in range(1, 6)]
     assert arrived[0] == 4 * spec.vocab_size * spec.hidden_size
     assert arrived[3] <= 4 * 2_000_000 < arrived[4], arrived
+    # with grad_accum 2 the partition made at the first micro step's first reduction is the one carried after it
+    import dataclasses
+
+    two = trace(spec, CLUSTER, dataclasses.replace(knobs.train_config(fp32), grad_accum=2))
+    carried = two.phases["backward (first reduction)"]
+    assert carried["accumulated_gradients"] and "gradient_partition" not in carried

@@ -389,13 +389,14 @@ def _first_reduction_terms(
     """'backward (first reduction)': the phase's states and buffers as at the head's gradient (`head`, the analytic
     'backward (head)': the bucket, two with overlap_comm), the partition copy_grads_in_partition allocates, the arriving
     gradient (not in the bucket yet), and what the trace holds at that moment beside its gradients (the gradients
-    before it are in the bucket)."""
+    before it are in the bucket). With grad_accum > 1 the partition is the carried `accumulated_gradients` from the
+    second micro step on, allocated at the first one's first reduction: counted once."""
     cats = points[at]
     n = int(at.rsplit(".", 1)[1])
     arriving = cats["gradients"] - points[f"bwd.grad.{n - 1}"]["gradients"]
     terms = {k: v for k, v in head.items() if k not in TRACED_TERMS and k != "head_gradient"}
     terms.update(
-        gradient_partition=partition,
+        gradient_partition=0 if head.get("accumulated_gradients") else partition,
         unreduced_gradient=arriving,
         activations=cats["activations"],
         temporaries=cats["temporaries"],
