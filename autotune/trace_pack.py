@@ -2,7 +2,7 @@
 `autotune estimate` of every preset model needs, so that a first estimate of a preset reads them instead of
 importing torch and transformers and tracing (3-5 s on a 2-core machine).
 
-    python -m autotune.trace_pack        # 18-22 minutes on 2 cores (12-15 of them the two planned spaces)
+    python -m autotune.trace_pack        # 12-22 minutes on 2 cores (most of it the planned spaces)
 
 The work is `jobs()`, each a library call (autotune.estimate, autotune.search.open_search) with the command
 that does the same (`commands()`, stored in the pack): each preset, with transformers' code and the stand-in,
@@ -38,9 +38,9 @@ COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
 
 SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
-PLANNED_SPACES = ("lora.yaml", "full.yaml")
-"""The shipped spaces whose simulated 13B x 4xA100 plan (the reference article's case) a first run
-should answer without tracing: every candidate's estimate and cost-model profile (a search that runs
+PLANNED_SPACES = ("default.yaml", "lora.yaml", "full.yaml")
+"""The shipped spaces whose simulated 13B x 4xA100 plan (the reference article's case, the README's main command)
+a first run should answer without tracing: every candidate's estimate and cost-model profile (a search that runs
 one trial asks them all)."""
 
 
