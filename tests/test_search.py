@@ -370,7 +370,8 @@ def test_end_to_end_real_trials_killed_and_resumed(killed_and_resumed):
     values = [r["samples/s (measured)"] for r in ranked]
     assert values == sorted(values, reverse=True) and values[0] == pytest.approx(max(t.value for t in ok))
     exp = subprocess.run(
-        [sys.executable, "-m", "autotune", "export", "--study", "e2e", "--out", "ds.json"],
+        # --concrete: DeepSpeed itself reads it below (it resolves no "auto")
+        [sys.executable, "-m", "autotune", "export", "--study", "e2e", "--out", "ds.json", "--concrete"],
         env=env,
         cwd=tmp_path,
         capture_output=True,
