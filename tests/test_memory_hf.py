@@ -13,7 +13,7 @@ import pytest
 from cases import spec
 from conftest import quick
 from cpu_step import measure_cpu
-from steady import per_rank_steps, steady_peak
+from steady import per_rank_steps, steady_peak, timing_allowance
 
 from autotune.hardware import parse_gpus
 from autotune.memory import _phases, code_trace, estimate
@@ -390,11 +390,18 @@ def test_the_head_phase_of_a_mixed_stack_holds_what_its_layers_saved():
     d = dict(HYBRID)
     s = hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name="test-hybrid", source="test")
     assert not s.uniform_blocks
+    from autotune.memory.buffers import stage2_reduces_at_head
+    from autotune.memory.layout import Layout
+
     for model in (s, spec("llama")):
         cfg = TrainConfig(zero_stage=2, precision="bf16", micro_batch=2, seq_len=48, ckpt_layers=1)
-        t = trace(model, parse_gpus("2xcpu@8GiB"), cfg)
+        gpus = parse_gpus("2xcpu@8GiB")
+        t = trace(model, gpus, cfg)
         head = t.phases["backward (head)"]
-        assert head["activations"] + head.get("checkpointed_inputs", 0) == t.points["fwd.layers"]["activations"]
+        # where the head's gradient bypasses the bucket, the reduction runs as the final norm's gradient arrives
+        # (issue 51): what is saved then, the final norm's inputs too
+        at = "bwd.reduce" if stage2_reduces_at_head(model, cfg, Layout.of(model, gpus, cfg)) else "fwd.layers"
+        assert head["activations"] + head.get("checkpointed_inputs", 0) == t.points[at]["activations"]
         if model.uniform_blocks:
             lb = t.layer_bytes
             assert t.points["fwd.layers"]["activations"] == lb["checkpointed_layer"] + lb["full_layer"] * (
@@ -407,7 +414,8 @@ def test_a_hybrid_stack_at_zero_2_is_priced_as_it_runs(real_runs):
     """A real ZeRO-2 bf16 run of a small Jamba (Mamba, attention, Mamba) on 2 CPU ranks, one layer
     checkpointed: 6,013,216 B measured, 6,337,624 B estimated (+5.4%) before the head phase read the
     trace's fwd.layers point, the tracer counted in-place gradient sums once and the layers'
-    parameter sizes were read one by one; now 6,128,664 B (+1.9%). Over, never under: the 1.9% left
+    parameter sizes were read one by one; then 6,128,664 B (+1.9%), and 6,259,736 with the late-freed gradient
+    priced at its worst timing (issue 51), which this run's steps did not meet. Over, never under: the 1.9% left
     is not analysed (docs/memory.md)."""
     s = hybrid_spec()  # the shape HYBRID
     gpus = parse_gpus("2xcpu")
@@ -415,8 +423,12 @@ def test_a_hybrid_stack_at_zero_2_is_priced_as_it_runs(real_runs):
     req, res = real_runs["hybrid"]  # the run of cfg (real_runs)
     assert (req.model, req.cluster, req.config) == (s, gpus, cfg)
     assert res.status == "ok", res.reason
-    est = estimate(s, gpus, cfg).tensor_peak_bytes
-    assert 0 <= est / steady_peak(res) - 1 <= 0.03, (est, per_rank_steps(res))
+    full = estimate(s, gpus, cfg)
+    est, measured = full.tensor_peak_bytes, steady_peak(res)
+    # the gradient a collective's thread frees late is priced at its worst timing (issue 51, late_freed_gradient):
+    # over by up to it in a run whose steps never met that timing, never under
+    err = est / measured - 1
+    assert 0 <= err and err - timing_allowance(full, measured) <= 0.03, (est, per_rank_steps(res))
 
 
 @pytest.mark.slow  # ~12 s (a Jamba traced and run at two lengths); quick loop: a mixed stack's step (test_hf)
