@@ -200,6 +200,7 @@ def test_eager_attention_kernels_are_reported_under_attention():
     assert not [op for op, _ in p.layer if op.cls == "gemm" and op.name in ("mm", "addmm") and op.term]
 
 
+@pytest.mark.slow  # a mixed stack traced whole (~4 s)
 def test_a_stack_of_mixed_layers_is_priced_as_its_whole_program():
     """Blocks that differ (2 dense, then MoE) do not split from 1- and 2-block copies: the profile is
     the blockless program plus the mean block, which at the model's depth is its whole program op for

@@ -459,6 +459,7 @@ def test_a_causal_lm_whose_num_hidden_layers_is_another_stack_is_refused():
         hf_config.spec_from_config(conf, name="test-bart", source="test")
 
 
+@pytest.mark.slow  # several configs traced (~5 s)
 def test_every_per_layer_list_of_a_config_follows_the_depth_traced():
     """transformers 5 configs list more than `layer_types` per layer: `mlp_layer_types` (dense or
     sparse: EXAONE-MoE, DeepSeek-V3.2, Kimi-Linear and more). Only layer_types followed the programs'

@@ -119,6 +119,7 @@ def _keys(study, status: str) -> set:
     return {st.record_of(t).config.key() for t in study.trials if t.user_attrs["status"] == status}
 
 
+@pytest.mark.slow  # signals at every moment of a search (~5 s); quick loop: test_newcomer's resume tests
 def test_a_signal_at_any_moment_leaves_every_trial_recorded_and_resume_finishes(setup):
     model, monkeypatch = setup
     current = _watch_writes(monkeypatch)

@@ -460,6 +460,7 @@ def _estimate_on_two_cores(bench) -> None:
     in_parallel([estimates(here)], [estimates(there)])
 
 
+@pytest.mark.slow  # a LoRA ZeRO-3 trace (~5 s); quick loop: test_fp32_adapters_at_zero_3_are_priced_in_fp32_and_their_gradients_in_the_training_dtype
 def test_lora_under_zero_3_is_traced_with_deepspeeds_linear():
     """zero.Init swaps torch.nn.functional.linear for DeepSpeed's LinearFunctionForZeroStage3, which
     saves the input of every linear layer, frozen ones too, where torch's saves a frozen layer's input

@@ -37,7 +37,7 @@ REAL = [
 @pytest.mark.parametrize(
     "family,precision,attention,ckpt",
     # the quick loop's transformers steps against real ones: test_hf's EXAONE-MoE and Mixtral
-    quick(REAL, fast={("factory", "bf16", "sdpa", 1)}),
+    quick(REAL, fast=set()),  # each a real CPU step (~5 s)
 )
 def test_traced_hf_step_matches_a_real_cpu_run(family, precision, attention, ckpt):
     s = spec(family)
@@ -50,6 +50,7 @@ def test_traced_hf_step_matches_a_real_cpu_run(family, precision, attention, ckp
         assert 0 <= real[phase] - got[phase] <= 128, (phase, got, real)
 
 
+@pytest.mark.slow  # five families traced (~5 s)
 def test_estimate_prices_the_code_and_leaves_the_builtin_alone():
     s = spec("llama")
     cfg = TrainConfig(micro_batch=2, seq_len=48, precision="bf16", zero_stage=3, ckpt_layers=1)
@@ -202,6 +203,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # two fresh processes tracing at once (~13 s); quick loop: test_traces_are_kept_on_disk_except_a_users_module
 def test_a_first_estimate_traces_in_two_processes_and_answers_as_one_does(tmp_path, monkeypatch, capsys):
     """`autotune estimate --max-seq-len` of transformers' code, as a first run: its last program is
     traced in a forked process (cli/estimate._trace_ahead, trace_cache.in_parallel) and read back

@@ -159,6 +159,7 @@ def _interrupted_after(session, results: int) -> None:
         session.run(progress=False)
 
 
+@pytest.mark.slow  # an exhaustive 13B search interrupted and resumed (~4 s)
 def test_resume_keeps_exhaustive_and_the_report_says_what_became_of_the_interrupted(trials):
     with open_search(model="13b", gpus="4xA100", study="count") as s:
         fitting = len(s.search.plan.available(set()))  # the feasible groups, one run each
@@ -226,6 +227,7 @@ def test_other_concurrent_trials_on_a_measured_study_are_refused(trials):
 
 
 # ---- 5. the README's main command, twice -----------------------------------------------------------
+@pytest.mark.slow  # the README's main command twice (~6 s)
 def test_the_main_command_twice_continues_its_study_and_shows_the_result(trials, capsys):
     code, first, _ = _run(MAIN, capsys)
     assert code == 0
@@ -257,6 +259,7 @@ def test_the_readme_command_twice_through_run_on_the_shipped_traces(tmp_path):
 
 
 # ---- 6. both peaks, each labelled ----------------------------------------------------------------
+@pytest.mark.slow  # a 13B search and its report (~3 s)
 def test_the_report_labels_both_peaks(trials):
     assert main(MAIN + ["--study", "p"]) == 0
     md = (trials / "p" / "report.md").read_text()
@@ -291,6 +294,7 @@ def test_an_empty_space_file_is_refused(trials, tmp_path, capsys):
     assert not trials.exists() or not list(trials.iterdir())
 
 
+@pytest.mark.slow  # a fresh CLI process importing torch and transformers (~7 s)
 def test_a_refused_config_shows_its_error_alone(tmp_path):
     cfg = tmp_path / "config.json"
     shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)

@@ -104,7 +104,7 @@ zero_quantized_gradients: [false, true]
 """
 
 
-@pytest.mark.parametrize("impl", ["hf", "builtin"])
+@pytest.mark.parametrize("impl", [pytest.param("hf", marks=pytest.mark.slow), "builtin"])  # hf: ~5 s of tracing
 def test_memoised_estimates_and_simulations_equal_the_functions_on_a_real_space(tmp_path, impl):
     """Every candidate of a space of full.yaml's knobs, for 13B on 4 x A100 (transformers' Llama traced, and the
     stand-in's analytic model): the memo's estimate and simulated step equal the functions', term for term, in

@@ -115,6 +115,7 @@ def _by_status(study) -> Counter:
     return Counter(t.user_attrs.get("pruned_by") or t.user_attrs["status"] for t in study.trials)
 
 
+@pytest.mark.slow  # a whole space estimated (~6 s); quick loop: the stopping and order tests
 def test_memory_model_prunes_and_dominance_keeps_smallest_k(env):
     ex = Landscape()
     s = _search(env, ex, exhaustive=True)  # every group runs: the bookkeeping of all of them is under test
@@ -192,6 +193,7 @@ def test_oom_skips_larger_micro_batches_and_failures_keep_status_reason_log(env)
     assert crashed[0].user_attrs["result"]["log_tail"].startswith("log of z")
 
 
+@pytest.mark.slow  # a search interrupted and resumed (~6 s); quick loop: test_newcomer's resume refusals
 def test_interrupt_keeps_completed_and_resume_redoes_none(env):
     ex = Landscape(slots=2, stop_after=3)
     with pytest.raises(KeyboardInterrupt):

@@ -134,6 +134,7 @@ def test_single_node_trial_listens_on_loopback_only(tmp_path):
     assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
 
 
+@pytest.mark.slow  # a real gloo probe (~6 s)
 def test_the_cpu_priors_gloo_probe_listens_on_loopback_only():
     """cpu_prior.probe_gloo's two processes meet through a file and talk gloo on the loopback
     interface: every socket they listen on is on 127.0.0.1, and the probe says it measured."""
