@@ -20,34 +20,11 @@ import optuna
 
 from autotune import executors
 from autotune.errors import SpecError
+from autotune.report.export import fixed_for_trainer
 from autotune.search import study as st
 from autotune.search.space import parse_space
 from autotune.trial.record import ScriptSpec, TrialRequest, TrialResult
 from autotune.units import fmt_bytes
-
-TRAINER_FLAGS = (
-    ("gradient_clipping", None, "--max_grad_norm"),
-    ("optimizer", "lr", "--learning_rate"),
-    ("optimizer", "eps", "--adam_epsilon"),
-    ("optimizer", "weight_decay", "--weight_decay"),
-)
-"""The JSON's values the Trainer checks against its arguments (fill_match): a concrete one is passed as the argument,
-so the Trainer trains with it; an "auto" one is left to the Trainer's default."""
-
-
-def trainer_args(ds: dict) -> list[str]:
-    """TrainingArguments that agree with the JSON's concrete values (TRAINER_FLAGS, and the Adam betas)."""
-    out: list[str] = []
-    for key, sub, flag in TRAINER_FLAGS:
-        v = ds.get(key)
-        if sub is not None:
-            v = (v or {}).get("params", {}).get(sub) if isinstance(v, dict) else None
-        if v is not None and v != "auto":
-            out += [flag, str(v)]
-    betas = (ds.get("optimizer") or {}).get("params", {}).get("betas")
-    if isinstance(betas, list) and len(betas) == 2:
-        out += ["--adam_beta1", str(betas[0]), "--adam_beta2", str(betas[1])]
-    return out
 
 
 def verify_request(
@@ -71,7 +48,8 @@ def verify_request(
     args = ["--autotune_model", str(model_json.resolve()), "--seq_len", str(cfg.seq_len)]
     args += ["--output_dir", str((out_dir / "trainer_output").resolve())]
     args += ["--attention", cfg.attention] if cfg.attention else []
-    args += trainer_args(ds)
+    # the values the JSON fixes, repeated as the Trainer demands (fill_match); "auto" ones are left to the Trainer
+    args += [x for k, v in fixed_for_trainer(ds)[1].items() for x in (f"--{k}", str(v))]
     script = ScriptSpec(
         path=trainer_run.__file__,
         args=tuple(args),
