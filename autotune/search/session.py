@@ -368,38 +368,24 @@ def open_search(
     try:
         if getattr(ex, "cluster", inputs.cluster) != inputs.cluster:  # the capacity the cluster's devices report
             inputs = dataclasses.replace(inputs, cluster=ex.cluster)
+        attrs = st.study_attrs(
+            inputs.model,
+            inputs.cluster,
+            seq_len=inputs.seq_len,
+            global_batch=inputs.global_batch,
+            space_text=inputs.space.text,
+            space_path=inputs.space.path,
+            source=ex.source,
+            objective=objective or "samples",
+            settings=settings,
+            script=script,
+        )
         if dry_run:
             opened = optuna.create_study(
                 study_name=name, storage=optuna.storages.InMemoryStorage(), direction="maximize"
             )
-            opened.set_user_attr(
-                st.ATTR,
-                st.study_attrs(
-                    inputs.model,
-                    inputs.cluster,
-                    seq_len=inputs.seq_len,
-                    global_batch=inputs.global_batch,
-                    space_text=inputs.space.text,
-                    space_path=inputs.space.path,
-                    source=ex.source,
-                    objective=objective or "samples",
-                    settings=settings,
-                    script=script,
-                ),
-            )
+            opened.set_user_attr(st.ATTR, attrs)
         elif opened is None:
-            attrs = st.study_attrs(
-                inputs.model,
-                inputs.cluster,
-                seq_len=inputs.seq_len,
-                global_batch=inputs.global_batch,
-                space_text=inputs.space.text,
-                space_path=inputs.space.path,
-                source=ex.source,
-                objective=objective or "samples",
-                settings=settings,
-                script=script,
-            )
             opened = st.create_study(name, storage, attrs, sampler=None)
         else:
             st.store_settings(opened, settings)
