@@ -53,7 +53,7 @@ def libraries() -> str:
     return "".join(out)
 
 
-TRACE_FORMAT = 3
+TRACE_FORMAT = 4
 """Bump when what autotune traces, or how it turns a trace into an entry, changes: every cache and the
 shipped traces then start afresh (`python -m autotune.trace_pack` writes the pack again)."""
 

@@ -40,7 +40,7 @@ def test_one_build_replays_every_value_to_the_byte(
 
     def program(v):  # one of the programs an estimate traces: `ckpt` checkpointed layers, then 2 more
         return code_trace.trace_program(
-            s, dataclasses.replace(cfg, **{name: v}), ckpt=ckpt, full=2, fused=False, host_rng=True
+            s, dataclasses.replace(cfg, **{name: v}), ckpt=ckpt, full=2, fused=False, on_cpu=True
         )
 
     asked = (values[0] + 1, values[1] + 3, values[2] - 1)  # the probes themselves are their own steps
@@ -71,7 +71,7 @@ def test_code_that_branches_on_the_length_is_traced_value_by_value(monkeypatch):
 
     def program(v):
         return code_trace.trace_program(
-            s, dataclasses.replace(cfg, seq_len=v), ckpt=0, full=2, fused=False, host_rng=True
+            s, dataclasses.replace(cfg, seq_len=v), ckpt=0, full=2, fused=False, on_cpu=True
         )
 
     program(48)

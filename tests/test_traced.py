@@ -95,7 +95,7 @@ def test_traced_activations_are_the_analytic_terms(name, precision, attention, c
 def test_extrapolation_equals_a_direct_trace(name, precision, attention, layers, ckpt):
     spec = dataclasses.replace(resolve_model(name, implementation="builtin"), num_layers=layers)
     cfg = config(precision, attention, ckpt)
-    direct = builtin_program(spec, cfg, ckpt=ckpt, full=layers - ckpt, fused=False, host_rng=True)
+    direct = builtin_program(spec, cfg, ckpt=ckpt, full=layers - ckpt, fused=False, on_cpu=True)
     assert trace(spec, CPU, cfg).points == direct  # every segment peak, every category, to the byte
 
 
@@ -173,3 +173,43 @@ def test_notebook_runs(capsys):
         print(f"\nnotebooks/memory_model.ipynb ran in {time.perf_counter() - t0:.1f} s")
     text = "\n".join(str(o) for c in nb.cells for o in c.get("outputs", []))
     assert "image/png" in text and "diff %" in text and "Error" not in text
+
+
+MIXED_OPS = {
+    "add": lambda a, b: a + b,
+    "mul": lambda a, b: b * a,
+    "add_": lambda a, b: b.add_(a),
+    "same dtype": lambda a, b: a + a,
+}
+
+
+@pytest.mark.parametrize("op", MIXED_OPS)
+def test_cpu_promotion_temporaries_are_what_a_real_cpu_op_allocates(op):
+    """A pointwise op on a 16-bit and a fp32 tensor: on CPU, TensorIterator copies the 16-bit one to fp32 for the
+    op's duration (peft's adapters upcast to fp32 beside a bf16 base: the GPT-2 LoRA case of issue 51). The tracer's
+    peak of the op on CPU clusters is the real op's peak from the profiler's allocation events, to the byte; on GPU
+    clusters (a CUDA kernel casts as it loads) no temporary is counted."""
+    import torch
+
+    from autotune.memory.tracer import tracing
+    from autotune.trial.memprof import CpuCurve, enable_cpu_memory_reporting
+
+    enable_cpu_memory_reporting()
+    shape, f = (3, 50, 96), MIXED_OPS[op]
+    a, b = torch.randn(shape).to(torch.bfloat16), torch.randn(shape)
+    with torch.autograd.profiler.profile(use_cpu=True, profile_memory=True) as prof:
+        f(a, b)
+    curve = CpuCurve.from_profiler(prof)
+    real = max(curve.live_bytes) - curve.baseline_bytes
+    traced = {}
+    for on_cpu in (True, False):
+        with tracing(on_cpu) as live:
+            x, y = torch.randn(shape).to(torch.bfloat16), torch.randn(shape)
+            live.enter("op")
+            start = live.live
+            f(x, y)
+            traced[on_cpu] = live.peaks["op"][0] - start
+    assert traced[True] == real
+    out = 0 if op == "add_" else (2 if op == "same dtype" else 4) * a.numel()
+    assert traced[False] == out
+    assert traced[True] == out + (0 if op == "same dtype" else 4 * a.numel())

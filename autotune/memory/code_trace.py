@@ -247,7 +247,7 @@ def _run(
     ckpt: int,
     full: int,
     fused: bool,
-    host_rng: bool,
+    on_cpu: bool,
     vary: tuple[str, tuple[int, ...]] | None = None,
 ):
     """One program: its segment peaks by category. With `vary` = (field, values), one measured step at
@@ -260,7 +260,7 @@ def _run(
 
     marks = {"measure": False, "backward": False, "shared": set()}
     impl = impl_of(spec, cfg)  # outside the trace: what it imports is no part of the step
-    with tracing(host_rng) as live, unpacked_sequences(), zero3_linear_function(zero3_linear(cfg)):
+    with tracing(on_cpu) as live, unpacked_sequences(), zero3_linear_function(zero3_linear(cfg)):
         impl, model = build(spec, cfg.precision, cfg.attention, ckpt + full, cfg, impl)
         impl.checkpoint_first(model, ckpt)
         _hooks(impl, model, live, marks)
@@ -374,14 +374,14 @@ def kept_on_disk(spec: ModelSpec) -> bool:
 
 
 def trace_program(
-    spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, host_rng: bool, only_cached: bool = False
+    spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, on_cpu: bool, only_cached: bool = False
 ) -> dict[str, dict[str, int]] | None:
     """Segment peaks by category of a (ckpt + full)-layer `spec` in its own code, its first `ckpt`
     layers checkpointed (tracer.py's `builtin_program` contract), cached. Only the fields that change
     the program are in the key: not the ZeRO stage, cluster size or grad_accum. Inside `families`,
     a value in its range of the field it names is replayed from the program's family
     (seq_family.py) where that is exact. `only_cached`: None where it would have to be traced."""
-    key = _key(spec, cfg, ckpt, full, fused, host_rng)
+    key = _key(spec, cfg, ckpt, full, fused, on_cpu)
     kept = kept_on_disk(spec)
     if key not in _PROGRAMS and kept:
         stored = trace_cache.load(key)
@@ -390,14 +390,14 @@ def trace_program(
     if "refused" in _PROGRAMS.get(key, {}):
         raise SpecError(_PROGRAMS[key]["refused"])
     if key not in _PROGRAMS and _VARY is not None and _VARY[1][0] <= getattr(cfg, _VARY[0]) <= _VARY[1][-1]:
-        family = _family(spec, cfg, ckpt, full, fused, host_rng, kept, only_cached)
+        family = _family(spec, cfg, ckpt, full, fused, on_cpu, kept, only_cached)
         if family is not None:  # exact: kept in memory; on disk the family is
             _PROGRAMS[key] = family.program(getattr(cfg, _VARY[0]))
     if key not in _PROGRAMS and only_cached:
         return None
     if key not in _PROGRAMS:
         try:
-            program = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng)
+            program = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, on_cpu=on_cpu)
         except Exception as e:
             # The model's own code refused the step (measured: a sequence past MPT's ALiBi table; a
             # module converting its own dtype in __init__ cannot on fake tensors, torch's "Couldn't
@@ -423,7 +423,7 @@ def trace_program(
     return _PROGRAMS[key]
 
 
-def _key(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, host_rng: bool) -> tuple:
+def _key(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, on_cpu: bool) -> tuple:
     return (
         (
             spec_key(spec),
@@ -434,7 +434,7 @@ def _key(spec: ModelSpec, cfg: TrainConfig, ckpt: int, full: int, fused: bool, h
             ckpt,
             full,
             fused,
-            host_rng,
+            on_cpu,
             cfg.method,
             cfg.lora_rank,
             cfg.lora_targets,
@@ -470,7 +470,7 @@ def _family(
     ckpt: int,
     full: int,
     fused: bool,
-    host_rng: bool,
+    on_cpu: bool,
     kept: bool,
     only_cached: bool = False,
 ):
@@ -479,7 +479,7 @@ def _family(
     `only_cached`: None where it would have to be traced."""
 
     name, values = _VARY
-    fkey = list(_key(spec, cfg, ckpt, full, fused, host_rng))
+    fkey = list(_key(spec, cfg, ckpt, full, fused, on_cpu))
     fkey[3 if name == "seq_len" else 4] = None
     fkey = ("family", name, values, *fkey)
     if fkey not in _FAMILIES and kept:
@@ -490,12 +490,12 @@ def _family(
         return None
     if fkey not in _FAMILIES:
         try:
-            steps = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, host_rng=host_rng, vary=(name, values))
+            steps = _run(spec, cfg, ckpt=ckpt, full=full, fused=fused, on_cpu=on_cpu, vary=(name, values))
         except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError):
             steps = []  # the code refuses one of the values: each is traced on its own, and says so
         family = seq_family.fit(values, [r for _, r in steps], [p for p, _ in steps]) if steps else None
         for v, (program, _) in zip(values, steps):  # each step is a trace of its own value
-            key = _key(spec, dataclasses.replace(cfg, **{name: v}), ckpt, full, fused, host_rng)
+            key = _key(spec, dataclasses.replace(cfg, **{name: v}), ckpt, full, fused, on_cpu)
             if key not in _PROGRAMS:
                 _PROGRAMS[key] = program
                 if kept:

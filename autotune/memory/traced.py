@@ -411,7 +411,7 @@ def _programs(model: ModelSpec, cluster: Cluster, cfg: TrainConfig) -> dict[tupl
     """The small programs `trace` steps, by (checkpointed, full) layers: each a call that traces it
     (or reads it from the cache) and returns its segment peaks by category."""
     ckpt, full = cfg.ckpt_layers, model.num_layers - cfg.ckpt_layers
-    opts = dict(fused=not cluster.gpu.is_cpu, host_rng=cluster.gpu.is_cpu)
+    opts = dict(fused=not cluster.gpu.is_cpu, on_cpu=cluster.gpu.is_cpu)
     if builtin(model):
         from autotune.memory.tracer import builtin_program as program
     else:

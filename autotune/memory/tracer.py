@@ -40,8 +40,9 @@ class LiveBytes(TorchDispatchMode):
     held to the next event: if the first gradient died with the add, the sample is the moment before the sum (measured:
     docs/measurements/memory.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_promotion: bool = False) -> None:
         super().__init__()
+        self.cpu_promotion = cpu_promotion
         self.live = 0
         self.storages: dict[int, tuple[int, int, weakref.ref]] = {}  # id -> (serial, nbytes, ref)
         self.serials = itertools.count()
@@ -62,6 +63,22 @@ class LiveBytes(TorchDispatchMode):
             if self.log is not None:
                 self.log.append((serial, n))
         return self.storages[key][0]
+
+    def _promoted(self, func, args, kwargs, out) -> int:
+        """Bytes of the temporaries a CPU kernel makes for this op: TensorIterator promotes each input whose dtype
+        differs from the op's common dtype by a copy of it in that dtype, on CPU only (aten/src/ATen/TensorIterator.cpp
+        compute_types: "Promotes inputs by creating temporaries of the correct dtype", under `common_device == kCPU`;
+        a CUDA kernel casts as it loads). Pointwise ops (torch.Tag.pointwise) with floating inputs of two dtypes:
+        peft's `result + lora_B(...) * scaling` adds a 16-bit base output to fp32 adapters' (measured:
+        docs/measurements/memory.md, "CPU promotion temporaries"). Live with the op's output, freed with the op."""
+        if not self.cpu_promotion or torch.Tag.pointwise not in func.tags or func in _NOT_PROMOTING:
+            return 0
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if len({t.dtype for t in ins}) < 2 or not outs:
+            return 0
+        common = outs[0].dtype if outs[0].dtype.is_floating_point else torch.result_type(*ins[:2])
+        return sum(t.numel() * common.itemsize for t in ins if t.dtype != common and t.dim() > 0)
 
     def _free(self, key: int) -> None:
         serial, n, _ = self.storages.pop(key)
@@ -130,11 +147,24 @@ class LiveBytes(TorchDispatchMode):
         if held:
             self._held = (id(args[0].untyped_storage()), self._moment(), in_place)
             return out
+        temporaries = self._promoted(func, args, kwargs, out)
+        if temporaries:  # counted as a storage of its own for the moment of the op (seq_family replays it so)
+            key = ("promoted", next(self.serials))
+            self.storages[key] = (key[1], temporaries, None)
+            self.live += temporaries
+            if self.log is not None:
+                self.log.append((key[1], temporaries))
         if self.segment is not None:
             if self.live > self.peaks[self.segment][0]:
                 self.peaks[self.segment] = (self.live, self.live_serials())
             self._sample(self.segment, 0)
+        if temporaries:
+            self._free(key)
         return out
+
+
+_NOT_PROMOTING = (torch.ops.aten.copy_.default, torch.ops.aten.copy.default)
+"""Pointwise ops whose kernel casts as it copies (copy_: no temporaries)."""
 
 
 class _GroupedMmAnyDtype(TorchDispatchMode):
@@ -168,19 +198,20 @@ def fake_mode():
 
 
 @contextlib.contextmanager
-def tracing(host_rng: bool):
-    """Fake tensors with their live bytes counted. With `host_rng` (CPU clusters, where it is in the
-    measured peak) also torch.get_rng_state(), the real 5056-byte CPU tensor made outside the
-    dispatcher that torch.utils.checkpoint keeps per checkpointed call."""
+def tracing(on_cpu: bool):
+    """Fake tensors with their live bytes counted. With `on_cpu` (CPU clusters: what CPU ranks hold, in the measured
+    peak) also torch.get_rng_state(), the real 5056-byte CPU tensor made outside the dispatcher that
+    torch.utils.checkpoint keeps per checkpointed call, and the CPU kernels' promotion temporaries
+    (`LiveBytes._promoted`)."""
     original = torch.get_rng_state
-    with fake_mode(), LiveBytes() as live:
+    with fake_mode(), LiveBytes(cpu_promotion=on_cpu) as live:
 
         def get_rng_state() -> torch.Tensor:
             state = original()
             live.track(state)
             return state
 
-        torch.get_rng_state = get_rng_state if host_rng else original
+        torch.get_rng_state = get_rng_state if on_cpu else original
         try:
             yield live
         finally:
@@ -236,11 +267,11 @@ def _hooks(model: Transformer, live: LiveBytes, marks: dict) -> None:
 
 
 def builtin_program(
-    spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, host_rng: bool
+    spec: ModelSpec, cfg: TrainConfig, *, ckpt: int, full: int, fused: bool, on_cpu: bool
 ) -> dict[str, dict[str, int]]:
     """Segment peaks by category of a (ckpt + full)-layer `spec`, its first `ckpt` blocks checkpointed."""
     marks = {"measure": False, "backward": False}  # measure: the module hooks are set before the warm-up
-    with tracing(host_rng) as live:
+    with tracing(on_cpu) as live:
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch_dtype(cfg.precision))
         try:
@@ -335,7 +366,7 @@ def step_peak(sizes: list[int], master: str, fused: bool) -> int:
     """Peak bytes of a second torch AdamW step over parameters of `sizes` elements in `master`'s
     dtype, above what the first left live (the states): the update's temporaries."""
     dtype = torch_dtype(master)
-    with tracing(host_rng=False) as live:
+    with tracing(on_cpu=False) as live:
         params = [torch.zeros(n, dtype=dtype, requires_grad=True) for n in sizes]
         for p in params:
             p.grad = torch.zeros_like(p)
