@@ -4,6 +4,7 @@
                                                   # against today's estimate, with median / worst / worst under
     python benchmarks/knobs_on_hf.py --measure    # run them again (one process group, ~10 min on 2 cores)
     python benchmarks/knobs_on_hf.py --measure-new    # only the cases the CSV lacks (added to it)
+    python benchmarks/knobs_on_hf.py --timing     # again, over 16 steps, the runs that never met the priced timing
     python benchmarks/knobs_on_hf.py --measure --covering   # issue 51's matrix only as COVERING (12 of its 48 runs)
     python benchmarks/knobs_on_hf.py --test-configs   # tests/test_knobs.py's 33 configurations on tiny-llama
 
@@ -36,8 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from cases import FAMILIES, ISSUE51_LLAMA, spec_of, summary  # noqa: E402  the recorded shapes; the bar's figures
-from steady import steady_peak  # noqa: E402
-from test_knobs import CLUSTER, IDS, KNOBS, OVER, UNDER, UNDER_ONE_BUCKET, _cfg  # noqa: E402
+from steady import larger, steady_peak, timing_allowance, worst_peak  # noqa: E402
+from test_knobs import CLUSTER, IDS, KNOBS, OVER, UNDER, _cfg  # noqa: E402
 
 from autotune.memory import estimate  # noqa: E402
 from autotune.memory.buffers import TIMING_TERMS  # noqa: E402
@@ -109,6 +110,10 @@ WIDE_CONFIGS = [
 WIDE_STEPS = 3
 """Measured steps of the matrix's runs (after 1 warm-up): fewer than STEPS to fit the measuring time; a run whose steps
 missed the worst timing is marked in the report."""
+TIMING_STEPS = 16
+"""Measured steps of a run measured again with `--timing` because none of its steps met the timing its estimate prices
+(buffers.TIMING_TERMS): the worst timing shows in one step of several, more often on a loaded machine (measured: Mistral
+AutoTP ZeRO-1 fp32 met it in 1 of 12 steps per rank with another job on the cores, in none of 6 alone)."""
 FIELDS = (
     "zero_stage",
     "precision",
@@ -162,9 +167,18 @@ def load() -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def measure_all(only_new: bool = False) -> None:
+def unmet_timing(est, largest: int) -> int:
+    """The bytes of `est`'s timing terms (buffers.TIMING_TERMS) where the run's largest step never met them: it reads
+    more than 1% over with them (the bar's median) and within the bar's 3% without; else 0."""
+    timing = sum(est.terms.get(t, 0) for t in TIMING_TERMS)
+    over = est.tensor_peak_bytes / largest - 1
+    return timing if timing and over > 0.01 and (est.tensor_peak_bytes - timing) / largest - 1 <= OVER else 0
+
+
+def measure_all(only_new: bool = False, timing: bool = False) -> None:
     """Run every case as a real trial (one process group) and rewrite the CSV; `only_new`: only the cases the CSV
-    lacks, added to its rows."""
+    lacks, added to its rows; `timing`: only the recorded runs whose steps never met the timing the estimate prices,
+    again over TIMING_STEPS steps."""
     import deepspeed
     import torch
     import transformers
@@ -177,6 +191,17 @@ def measure_all(only_new: bool = False) -> None:
         kept = load()
         have = {_key(r["family"], json.loads(r["hf_config"]), train_config(r)) for r in kept}
         todo = [(f, h, c) for f, h, c in todo if _key(f, h, c) not in have]
+    if timing:
+        redo = {
+            _key(r["family"], json.loads(r["hf_config"]), train_config(r))
+            for r in load()
+            if unmet_timing(
+                estimate(spec_of(r["family"], json.loads(r["hf_config"])), CLUSTER, train_config(r)),
+                int(r["largest_step_bytes"]),
+            )
+        }
+        kept = [r for r in load() if _key(r["family"], json.loads(r["hf_config"]), train_config(r)) not in redo]
+        todo = [(f, h, c) for f, h, c in todo if _key(f, h, c) in redo]
     versions = f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
     with tempfile.TemporaryDirectory() as tmp:
         reqs = [
@@ -184,7 +209,7 @@ def measure_all(only_new: bool = False) -> None:
                 model=spec_of(f, h),
                 cluster=CLUSTER,
                 config=c,
-                steps=WIDE_STEPS if h is ISSUE51_LLAMA else STEPS,
+                steps=TIMING_STEPS if timing else WIDE_STEPS if h is ISSUE51_LLAMA else STEPS,
                 warmup_steps=1,
                 timeout_s=900,
                 out_dir=Path(tmp) / f"{i}-{f}",
@@ -196,23 +221,29 @@ def measure_all(only_new: bool = False) -> None:
     rows = [
         {f: r.get(f) or DEFAULTS.get(f, "") for f in r} | {f: r.get(f) or DEFAULTS[f] for f in DEFAULTS} for r in kept
     ]
+    fresh = {}
     for (family, shape, c), res, steady_bytes in zip(todo, results, steady):
         if res.status != "ok" or not res.peak_bytes:
             print(f"  ! {family} {c.short()}: {res.status} {res.reason[:300]}")
             continue
         rows.append(
-            {
-                "family": family,
-                "hf_config": json.dumps(shape, sort_keys=True),
-                **{f: getattr(c, f) for f in FIELDS},
-                "measured_bytes": steady_bytes,
-                "largest_step_bytes": res.peak_bytes,
-                "phase_peak_bytes": json.dumps(res.phase_peak_bytes),
-                "measured_by": f"run_trials, 2 CPU ranks (gloo), steps {len(res.step_peak_bytes)} after 1 warm-up, "
-                "profiler peak, "
-                f"the highest rank's lowest step (tests/steady.py) and the largest step; {versions}",
-            }
+            fresh.setdefault(
+                _key(family, shape, c),
+                {
+                    "family": family,
+                    "hf_config": json.dumps(shape, sort_keys=True),
+                    **{f: getattr(c, f) for f in FIELDS},
+                    "measured_bytes": steady_bytes,
+                    "largest_step_bytes": res.peak_bytes,
+                    "phase_peak_bytes": json.dumps(res.phase_peak_bytes),
+                    "measured_by": f"run_trials, 2 CPU ranks (gloo), steps {len(res.step_peak_bytes)} after 1 warm-up, "
+                    "profiler peak, "
+                    f"the highest rank's lowest step (tests/steady.py) and the largest step; {versions}",
+                },
+            )
         )
+    if timing:  # in its recorded place, the run with the larger largest step (steady.larger)
+        rows = [larger(r, fresh.get(_key(r["family"], json.loads(r["hf_config"]), train_config(r)))) for r in load()]
     fields = ["family", "hf_config", *FIELDS, "measured_bytes", "largest_step_bytes", "phase_peak_bytes", "measured_by"]
     with CSV.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -236,8 +267,7 @@ def report() -> dict:
         largest = int(row["largest_step_bytes"])
         est = estimate(spec, CLUSTER, cfg)
         errors.append(est.tensor_peak_bytes / largest - 1)
-        timing = sum(est.terms.get(t, 0) for t in TIMING_TERMS)
-        unmet = timing and errors[-1] > OVER and (est.tensor_peak_bytes - timing) / largest - 1 <= OVER
+        timing = unmet = unmet_timing(est, largest)
         if not unmet:
             met.append(errors[-1])
         knobs = " ".join(
@@ -287,14 +317,13 @@ def test_configs() -> None:
         if res.status != "ok":
             print(f"{name}: {res.status} {res.reason}")
             continue
-        est = estimate(model, CLUSTER, req.config).tensor_peak_bytes
-        err = est / res.peak_bytes - 1
-        under = UNDER_ONE_BUCKET if req.config.reduce_bucket_size >= model.num_params else UNDER
-        over = OVER
-        miss = not -under <= err <= over
+        full, worst = estimate(model, CLUSTER, req.config), worst_peak(res)
+        est = full.tensor_peak_bytes
+        err = est / worst - 1
+        miss = not -UNDER <= err <= OVER + timing_allowance(full, worst)  # as tests/test_knobs.py judges
         misses += miss
         print(
-            f"{name:90s} measured {res.peak_bytes:>11,} B, estimate {est:>11,} B ({100 * err:+.2f}%)"
+            f"{name:90s} measured {worst:>11,} B, estimate {est:>11,} B ({100 * err:+.2f}%)"
             + ("  MISS" if miss else "")
         )
     print(f"\n{misses} of {len(reqs)} outside the test's tolerance")
@@ -304,6 +333,6 @@ if __name__ == "__main__":
     if "--test-configs" in sys.argv:
         test_configs()
     else:
-        if "--measure" in sys.argv or "--measure-new" in sys.argv:
-            measure_all(only_new="--measure-new" in sys.argv)
+        if "--measure" in sys.argv or "--measure-new" in sys.argv or "--timing" in sys.argv:
+            measure_all(only_new="--measure-new" in sys.argv, timing="--timing" in sys.argv)
         report()

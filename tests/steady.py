@@ -39,3 +39,11 @@ def timing_allowance(est, measured: int) -> float:
     from autotune.memory.buffers import TIMING_TERMS
 
     return sum(est.terms.get(t, 0) for t in TIMING_TERMS) / measured
+
+
+def larger(recorded: dict, again: dict | None) -> dict:
+    """Of a recorded run and the same case measured again (`--timing`), the one whose largest step is larger: each row
+    stays one run's, and the worst timing either run met is kept."""
+    if again is None or int(again["largest_step_bytes"]) <= int(recorded["largest_step_bytes"]):
+        return recorded
+    return again

@@ -83,6 +83,24 @@ def stage1_gradients_in_bucket(spec: ModelSpec, cfg: TrainConfig, layout: Layout
     )
 
 
+def stage1_late_partition(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> bool:
+    """Stage 1 without overlap_comm where one bucket holds every gradient (grad_accum 1): the boundary's reduction
+    (reduce_gradients) copies every gradient into the bucket and reduces it into the partition, and at its worst timing
+    one more partition is live at the end of backward, beside the whole gradients and the bucket, one the collective's
+    worker thread releases late (`late_freed_partition`, a timing-dependent term: docs/memory.md; measured: issue 51's
+    Llama bf16 with a 5e7 bucket, one step of four 194,891,292 B against the estimate without it at the end of backward
+    185,999,124, one 8,894,208 B partition; the stand-in bf16 with 4e6, one step of four, one 1,262,720 B partition)."""
+    return (
+        cfg.zero_stage == 1
+        and not cfg.overlap_comm
+        and cfg.grad_accum == 1
+        and cfg.method == "full"
+        and not cfg.offload_optimizer
+        and not bf16_optimizer(cfg)
+        and layout.reduce_bucket_size >= spec.num_params
+    )
+
+
 def stage1_grad_bytes(cfg: TrainConfig) -> int:
     """Bytes per element of the whole gradients stages 0-1 hold: the model's, but fp32 at stage 1 in 16 bits with fp32
     accumulation through the ZeRO optimizer (not the `bf16_optimizer`): each gradient becomes a fp32 `grad_accum` on
@@ -324,7 +342,10 @@ def backward_end_extra(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, layo
         part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
         return {"gradient_partition": part, **stage2_end_of_one_bucket(spec, cluster, cfg, layout)}
     if cfg.zero_stage <= 1 and not stage1_reduces_in_backward(spec, cfg, layout):
-        return {"comm_buffers": comm} if comm >= emb else {"embedding_gradient": emb}
+        out = {"comm_buffers": comm} if comm >= emb else {"embedding_gradient": emb}
+        if stage1_late_partition(spec, cfg, layout):
+            out["late_freed_partition"] = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+        return out
     if cfg.zero_stage == 1:
         return {"comm_buffers": comm, "embedding_gradient": emb}
     if stage2_reduces_at_end(spec, cfg, layout) and cfg.grad_accum == 1:
@@ -345,13 +366,15 @@ def stage2_end_of_one_bucket(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig
     `stage1_gradients_in_bucket`, the same reduction): the epilogue reduces the bucket into the partition
     copy_grads_in_partition allocates and copies it once more (independent_gradient_partition_epilogue:
     get_flat_partition) while the buckets are held. At its worst timing a third partition is still live, one the
-    collective's worker thread releases late (`late_freed_partition`, a timing-dependent term: docs/memory.md)
+    collective's worker thread releases late (`late_freed_partition`, a timing-dependent term: docs/memory.md), except
+    where the reduction adds into the compact fp32 partition in place (`compact_fp32_partition`: issue 51's Llama bf16
+    with fp32 accumulation held none with a 5e7 bucket in two runs of 16 steps on 2 ranks, with 5e8 in one)
     (measured: docs/measurements/memory.md)."""
     part = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
     out = {
         "comm_buffers": reduce_bucket_bytes(spec, cfg, layout),
         "epilogue_partition": part,
-        "late_freed_partition": part,
+        "late_freed_partition": 0 if compact_fp32_partition(spec, cluster, cfg) else part,
     }
     if cfg.grad_accum_dtype == "fp32" and dtype_bytes(cfg.precision) != 4:
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
@@ -450,10 +473,12 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, lay
     vh = pb * spec.vocab_size * spec.hidden_size
     out = {"head_gradient": 2 * vh if cfg.zero_stage == 3 else vh}
     if stage1_reduces_in_backward(spec, cfg, layout):
-        # the partition from the first reduction on, priced from the head's gradient on (where the
-        # bucket is larger than it, the first reduction comes a few layers later: priced as here);
-        # the buckets, unless carried from the micro steps before (carried_reduce_bucket)
-        out["gradient_partition"] = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
+        # the partition from the first reduction on: at the head's gradient where it is larger than the bucket, else
+        # where the gradients that arrived overflow the bucket, as at stage 2 (copy_grads_in_partition runs at stage 1
+        # too; the traced tier's 'backward (first reduction)'); the buckets, unless carried from the micro steps before
+        # (carried_reduce_bucket)
+        if stage2_reduces_at_head(spec, cfg, layout) or cfg.grad_accum > 1:
+            out["gradient_partition"] = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout) if cfg.grad_accum == 1 else 0
     if cfg.zero_stage == 2 and offload_fp32_partition(spec, cluster, cfg):
         # the compact fp32 partition, made here at the first micro step (later ones carry it:

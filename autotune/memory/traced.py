@@ -277,6 +277,8 @@ def _stage_terms(
     if in_grad and cfg.grad_accum == 1 and phase.startswith("backward"):
         full_grads = analytic["backward (end)"].get("gradients", 0)
         part, bucket_bytes = fixed if cats["gradients"] else (0, 0)  # from the first reduction on
+        if first_reduction is not None and cats["gradients"] <= first_reduction[0] * dtype_bytes(cfg.precision):
+            part = 0  # the gradients that arrived still fit the bucket: nothing reduced, no partition yet
         out["gradients"] = round((full_grads - part) * cats["gradients"] / points["opt"]["gradients"]) + part
         if bucket_bytes and "comm_buffers" not in out:
             out["comm_buffers"] = bucket_bytes
@@ -464,10 +466,11 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout |
         if in_backward
         else (0, 0)
     )
-    # stage 2 whose first reduction is not at the LM head: where in the layers' backward it comes
+    # stage 2, or stage 1 reducing in backward (overlap_comm), whose first reduction is not at the LM head: where in
+    # the layers' backward it comes
     first = (
         (layout.reduce_bucket_size, buffers.reduce_bucket_bytes(model, cfg, layout))
-        if cfg.zero_stage == 2
+        if (cfg.zero_stage == 2 or (in_backward and cfg.grad_accum == 1))
         and reduces
         and not cfg.offload_optimizer
         and not buffers.stage2_reduces_at_head(model, cfg, layout)
