@@ -44,7 +44,8 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.cpu_promotion = cpu_promotion
         self.live = 0
-        self.storages: dict[int, tuple[int, int, weakref.ref]] = {}  # id -> (serial, nbytes, ref)
+        # storage id -> (serial, nbytes, ref); a promotion temporary's key is a tuple and its ref None (`_promoted`)
+        self.storages: dict[int | tuple, tuple[int, int, weakref.ref | None]] = {}
         self.serials = itertools.count()
         self.segment: str | None = None
         self.peaks: dict[str, tuple[int, dict[int, int]]] = {}
