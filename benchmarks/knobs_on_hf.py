@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from cases import FAMILIES, ISSUE51_LLAMA, spec_of, summary  # noqa: E402  the recorded shapes; the bar's figures
-from steady import larger, steady_peak, timing_allowance, worst_peak  # noqa: E402
+from steady import larger, steady_peak, timing_allowance, unmet_timing, worst_peak  # noqa: E402
 from test_knobs import CLUSTER, IDS, KNOBS, OVER, UNDER, _cfg, unpriced_late_copy  # noqa: E402
 
 from autotune.memory import estimate  # noqa: E402
@@ -162,17 +162,13 @@ def _key(family: str, shape: dict, cfg: TrainConfig) -> tuple:
     return (family, json.dumps(shape, sort_keys=True), *(str(getattr(cfg, f)) for f in FIELDS))
 
 
+def _row_key(row: dict) -> tuple:
+    return _key(row["family"], json.loads(row["hf_config"]), train_config(row))
+
+
 def load() -> list[dict]:
     with CSV.open() as f:
         return list(csv.DictReader(f))
-
-
-def unmet_timing(est, largest: int) -> int:
-    """The bytes of `est`'s timing terms (buffers.TIMING_TERMS) where the run's largest step never met them: it reads
-    more than 1% over with them (the bar's median) and within the bar's 3% without; else 0."""
-    timing = sum(est.terms.get(t, 0) for t in TIMING_TERMS)
-    over = est.tensor_peak_bytes / largest - 1
-    return timing if timing and over > 0.01 and (est.tensor_peak_bytes - timing) / largest - 1 <= OVER else 0
 
 
 def measure_all(only_new: bool = False, timing: bool = False) -> None:
@@ -189,18 +185,17 @@ def measure_all(only_new: bool = False, timing: bool = False) -> None:
     todo, kept = cases(), []
     if only_new:
         kept = load()
-        have = {_key(r["family"], json.loads(r["hf_config"]), train_config(r)) for r in kept}
+        have = {_row_key(r) for r in kept}
         todo = [(f, h, c) for f, h, c in todo if _key(f, h, c) not in have]
-    if timing:
+    if timing:  # the rows are rewritten below, each in its place
         redo = {
-            _key(r["family"], json.loads(r["hf_config"]), train_config(r))
+            _row_key(r)
             for r in load()
             if unmet_timing(
                 estimate(spec_of(r["family"], json.loads(r["hf_config"])), CLUSTER, train_config(r)),
                 int(r["largest_step_bytes"]),
             )
         }
-        kept = [r for r in load() if _key(r["family"], json.loads(r["hf_config"]), train_config(r)) not in redo]
         todo = [(f, h, c) for f, h, c in todo if _key(f, h, c) in redo]
     versions = f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,7 +238,7 @@ def measure_all(only_new: bool = False, timing: bool = False) -> None:
             )
         )
     if timing:  # in its recorded place, the run with the larger largest step (steady.larger)
-        rows = [larger(r, fresh.get(_key(r["family"], json.loads(r["hf_config"]), train_config(r)))) for r in load()]
+        rows = [larger(r, fresh.get(_row_key(r))) for r in load()]
     fields = ["family", "hf_config", *FIELDS, "measured_bytes", "largest_step_bytes", "phase_peak_bytes", "measured_by"]
     with CSV.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)

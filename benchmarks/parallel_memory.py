@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from cases import FAMILIES, spec_of, summary  # noqa: E402  hf_memory.py's shapes; the bar's figures
-from steady import larger, steady_peak  # noqa: E402
+from steady import larger, steady_peak, unmet_timing  # noqa: E402
 
 from autotune.errors import SpecError  # noqa: E402
 from autotune.hardware import parse_gpus  # noqa: E402
@@ -179,16 +179,13 @@ def _key(family: str, world: int, cfg: TrainConfig) -> tuple:
     return (family, int(world), *(str(getattr(cfg, f)) for f in FIELDS))
 
 
-def unmet_timing(row: dict) -> bool:
-    """Whether an AutoTP row's largest step never met the logits gather's worst timing its estimate prices: more than
-    1% over with it (the bar's median), within the bar's 3% without it (buffers.TIMING_TERMS)."""
+def unmet_tp_timing(row: dict, full=None) -> bool:
+    """Whether an AutoTP row's largest step never met the logits gather's worst timing its estimate (`full`, else
+    computed) prices (steady.unmet_timing)."""
     if int(row.get("autotp_size") or 1) == 1:
         return False
-    spec, cfg, measured = spec_of(row["family"]), train_config(row), judged_bytes(row)
-    full = estimate(spec, cluster(int(row["world"])), cfg)
-    timing = sum(full.terms.get(t, 0) for t in TIMING_TERMS)
-    est = full.tensor_peak_bytes
-    return bool(timing) and est / measured - 1 > 0.01 and (est - timing) / measured - 1 <= 0.03
+    full = full or estimate(spec_of(row["family"]), cluster(int(row["world"])), train_config(row))
+    return bool(unmet_timing(full, judged_bytes(row)))
 
 
 def measure_all(
@@ -216,7 +213,7 @@ def measure_all(
     rows = []
     if timing:
         recorded = load()
-        redo = {_key(r["family"], r["world"], train_config(r)) for r in recorded if unmet_timing(r)}
+        redo = {_key(r["family"], r["world"], train_config(r)) for r in recorded if unmet_tp_timing(r)}
         todo = [(f, w, c) for f, w, c in todo if _key(f, w, c) in redo]
     elif (only_world is not None or sp_only or offload_only or tp_only) and CSV.exists():
         with CSV.open() as f:
@@ -341,7 +338,7 @@ def report(sp_only: bool = False) -> dict:
             continue
         errors.append(est / measured - 1)
         by_kind["sp" if cfg.sequence_parallel_size > 1 else "tp"].append(errors[-1])
-        if unmet_timing(row):
+        if unmet_tp_timing(row, full):
             unmet.append(errors[-1])
         else:
             met.append(errors[-1])

@@ -76,8 +76,9 @@ def unpriced_late_copy(model, cfg: TrainConfig, worst: int) -> float:
     held into the step's peak in one step of 30 on one rank of the stand-in (+P x 2 B) and in one CI run, and in none
     of 64 steps of issue 51's case 2, whose estimate would read +9.6% with it (docs/memory.md, "Known open errors")."""
     from autotune.memory.buffers import bf16_optimizer
+    from autotune.train_config import dtype_bytes
 
-    return 2 * model.num_params / worst if bf16_optimizer(cfg) else 0.0
+    return dtype_bytes(cfg.precision) * model.num_params / worst if bf16_optimizer(cfg) else 0.0
 
 
 JITTER = 256
@@ -507,7 +508,7 @@ def test_stage_2_allocates_its_partition_at_the_first_reduction_not_at_the_head(
     partition (copy_grads_in_partition). A head gradient larger than the bucket is reduced at once (at the next
     gradient); one the bucket holds waits for more: the head's backward holds the bucket, not the partition (a 2e6
     bucket on the issue's Llama was +6.2% over, the partition priced at the head)."""
-    from autotune.memory.buffers import head_gradient_bytes, stage2_reduces_at_head
+    from autotune.memory.buffers import head_gradient_bytes, reduces_first_at_head
     from autotune.memory.layout import Layout
 
     model = resolve_model("tiny-llama", implementation="builtin")
@@ -515,7 +516,7 @@ def test_stage_2_allocates_its_partition_at_the_first_reduction_not_at_the_head(
     for bucket, at_head in ((vh - 2, True), (vh + 2, False)):
         cfg = _cfg(dict(zero_stage=2, precision="fp32", reduce_bucket_size=bucket))
         layout = Layout.of(model, CLUSTER, cfg)
-        assert stage2_reduces_at_head(model, cfg, layout) == at_head
+        assert reduces_first_at_head(model, cfg, layout) == at_head
         head = head_gradient_bytes(model, CLUSTER, cfg, layout)
         assert ("gradient_partition" in head) == at_head and head["comm_buffers"] == 4 * bucket
 
@@ -914,6 +915,18 @@ def _first_fitting(model, cluster, groups):
     return lambda: [any(estimate(model, cluster, c).fits for c in g) for g in groups]
 
 
+def _issue51_rows(**want):
+    """issue 51's matrix rows (benchmarks/knobs_on_hf.py) whose CSV columns equal `want` (as strings)."""
+    import json
+
+    from cases import ISSUE51_LLAMA, benchmark
+
+    knobs = benchmark("knobs_on_hf")
+    shape = json.dumps(ISSUE51_LLAMA, sort_keys=True)
+    rows = [r for r in knobs.load() if r["hf_config"] == shape and all(r[k] == str(v) for k, v in want.items())]
+    return knobs, rows
+
+
 def test_stage_1_frees_the_first_buckets_whole_gradients_before_it_allocates_the_partition():
     """Issue 51's matrix: ZeRO-1 without overlap_comm reduces at the boundary in parameter order, each gradient copied
     into the bucket and then a view of it (its whole copy freed), and allocates the partition at the first reduction
@@ -921,25 +934,16 @@ def test_stage_1_frees_the_first_buckets_whole_gradients_before_it_allocates_the
     peak holds the partition and the bucket but not the first bucket's whole gradients. The recorded runs of this kind
     on the issue's Llama (benchmarks/knobs_on_hf.py) against today's estimate; the fp32 2e6 one read +5.6% before."""
     import dataclasses
-    import json
 
-    from cases import ISSUE51_LLAMA, benchmark, spec_of
+    from cases import ISSUE51_LLAMA, spec_of
 
     from autotune.memory.buffers import backward_buffers, stage1_first_bucket_elements
     from autotune.memory.code_trace import param_numels
     from autotune.memory.layout import Layout
 
-    knobs = benchmark("knobs_on_hf")
     spec = spec_of("llama", ISSUE51_LLAMA)
-    rows = [
-        r
-        for r in knobs.load()
-        if r["hf_config"] == json.dumps(ISSUE51_LLAMA, sort_keys=True)
-        and r["zero_stage"] == "1"
-        and r["overlap_comm"] == "False"
-        and r["grad_accum_dtype"] == "auto"
-        and int(r["reduce_bucket_size"]) < spec.num_params
-    ]
+    knobs, rows = _issue51_rows(zero_stage=1, overlap_comm=False, grad_accum_dtype="auto")
+    rows = [r for r in rows if int(r["reduce_bucket_size"]) < spec.num_params]
     assert any(r["precision"] == "fp32" for r in rows), "the matrix's ZeRO-1 fp32 run with a small bucket"
     for r in rows:
         cfg = knobs.train_config(r)
@@ -965,22 +969,13 @@ def test_stage_2_prices_the_partition_where_its_first_reduction_allocates_it():
     moment of that gradient's arrival (code_trace's `bwd.grad.N`). The recorded runs of this kind on the issue's Llama
     (benchmarks/knobs_on_hf.py) against today's estimate; before, fp32 read -1.35%, with overlap_comm -6.70%, bf16 with
     bf16 master weights and states -3.14% (the partition left out)."""
-    import json
-
-    from cases import ISSUE51_LLAMA, benchmark, spec_of
+    from cases import ISSUE51_LLAMA, spec_of
 
     from autotune.memory.traced import trace
 
-    knobs = benchmark("knobs_on_hf")
     spec = spec_of("llama", ISSUE51_LLAMA)
-    rows = [
-        r
-        for r in knobs.load()
-        if r["hf_config"] == json.dumps(ISSUE51_LLAMA, sort_keys=True)
-        and r["zero_stage"] == "2"
-        and int(r["reduce_bucket_size"]) == 2_000_000
-        and (r["precision"] == "fp32" or r["bf16_master_weights_and_grads"] == "True")
-    ]
+    knobs, rows = _issue51_rows(zero_stage=2, reduce_bucket_size=2_000_000)
+    rows = [r for r in rows if r["precision"] == "fp32" or r["bf16_master_weights_and_grads"] == "True"]
     assert len(rows) == 3, "the matrix's ZeRO-2 fp32 (with and without overlap_comm) and bf16-master 2e6 runs"
     for r in rows:
         cfg = knobs.train_config(r)
@@ -1003,18 +998,6 @@ def test_stage_2_prices_the_partition_where_its_first_reduction_allocates_it():
     two = trace(spec, CLUSTER, dataclasses.replace(knobs.train_config(fp32), grad_accum=2))
     carried = two.phases["backward (first reduction)"]
     assert carried["accumulated_gradients"] and "gradient_partition" not in carried
-
-
-def _issue51_rows(**want):
-    """issue 51's matrix rows (benchmarks/knobs_on_hf.py) whose CSV columns equal `want` (as strings)."""
-    import json
-
-    from cases import ISSUE51_LLAMA, benchmark
-
-    knobs = benchmark("knobs_on_hf")
-    shape = json.dumps(ISSUE51_LLAMA, sort_keys=True)
-    rows = [r for r in knobs.load() if r["hf_config"] == shape and all(r[k] == str(v) for k, v in want.items())]
-    return knobs, rows
 
 
 def test_stage_1_with_overlap_comm_prices_the_partition_where_its_first_reduction_allocates_it():

@@ -392,7 +392,7 @@ def test_the_head_phase_of_a_mixed_stack_holds_what_its_layers_saved():
     d = dict(HYBRID)
     s = hf.spec_from_config(AutoConfig.for_model(d.pop("model_type"), **d), name="test-hybrid", source="test")
     assert not s.uniform_blocks
-    from autotune.memory.buffers import stage2_reduces_at_head
+    from autotune.memory.buffers import reduces_first_at_head
     from autotune.memory.layout import Layout
 
     for model in (s, spec("llama")):
@@ -402,7 +402,7 @@ def test_the_head_phase_of_a_mixed_stack_holds_what_its_layers_saved():
         head = t.phases["backward (head)"]
         # where the head's gradient bypasses the bucket, the reduction runs as the final norm's gradient arrives
         # (issue 51): what is saved then, the final norm's inputs too
-        at = "bwd.reduce" if stage2_reduces_at_head(model, cfg, Layout.of(model, gpus, cfg)) else "fwd.layers"
+        at = "bwd.reduce" if reduces_first_at_head(model, cfg, Layout.of(model, gpus, cfg)) else "fwd.layers"
         assert head["activations"] + head.get("checkpointed_inputs", 0) == t.points[at]["activations"]
         if model.uniform_blocks:
             lb = t.layer_bytes

@@ -110,7 +110,7 @@ def test_recorded_tp_runs_meet_the_bar():
     parallel_memory = benchmark("parallel_memory")
     with parallel_memory.CSV.open() as f:
         rows = [r for r in csv.DictReader(f) if int(r["autotp_size"]) > 1]
-    from steady import timing_allowance
+    from steady import unmet_timing
 
     errors, unmet = [], []
     for row in rows:
@@ -121,13 +121,12 @@ def test_recorded_tp_runs_meet_the_bar():
         # reads over by up to the terms priced for it: judged apart, on the safe side and no further over than them
         est, measured = estimate(spec, cluster, cfg), parallel_memory.judged_bytes(row)
         err = est.tensor_peak_bytes / measured - 1
-        if err > 0.03 and err - timing_allowance(est, measured) <= 0.03:
-            unmet.append(err)
-        else:
-            errors.append(err)
+        (unmet if unmet_timing(est, measured) else errors).append(err)
     s = summary(errors)
     assert s["n"] + len(unmet) == 21 and {r["family"] for r in rows} == {"llama", "qwen2", "mistral"}, s
-    assert s["n"] >= 8 and s["median"] <= 1 and s["max"] <= 3 and s["under"] <= 1, s
+    # measured again over 16 steps (parallel_memory.py --timing) all but two met their priced timing: Llama tp 2 x dp 2
+    # ZeRO-3 met the logits gather in part (+4.4%), Qwen2's ZeRO-2 fp32 run never its late-freed gradient (+1.3%)
+    assert s["n"] >= 19 and s["median"] <= 1 and s["max"] <= 3 and s["under"] <= 1, s
 
 
 @pytest.mark.usefixtures("shipped_traces")  # llama-3-8b's estimates, as a user's first run reads them

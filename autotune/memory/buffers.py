@@ -192,9 +192,10 @@ def compact_fp32_partition(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig) 
     return 4 * _padded_partition(spec.num_params, cluster.world_size)
 
 
-def stage2_reduces_at_head(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> bool:
-    """Whether stage 2's first reduction, which allocates the gradient partition (copy_grads_in_partition, or the
-    compact fp32 one), comes at the LM head's gradient: the head's V x h gradient is larger than the bucket, so it
+def reduces_first_at_head(spec: ModelSpec, cfg: TrainConfig, layout: Layout) -> bool:
+    """Whether the first reduction of stage 2 (or of stage 1 with overlap_comm, `stage1_reduces_in_backward`), which
+    allocates the gradient partition (copy_grads_in_partition, or the compact fp32 one), comes at the LM head's
+    gradient: the head's V x h gradient is larger than the bucket, so it
     bypasses it (extra_large_param_to_reduce) and is reduced when the next gradient arrives (the final norm's).
     With a bucket that holds it, nothing is reduced until the gradients that arrived exceed the bucket
     (reduce_independent_p_g_buckets_and_remove_grads), some way into the layers' backward; LoRA's frozen head has no
@@ -477,7 +478,7 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, lay
         # where the gradients that arrived overflow the bucket, as at stage 2 (copy_grads_in_partition runs at stage 1
         # too; the traced tier's 'backward (first reduction)'); the buckets, unless carried from the micro steps before
         # (carried_reduce_bucket)
-        if stage2_reduces_at_head(spec, cfg, layout) or cfg.grad_accum > 1:
+        if reduces_first_at_head(spec, cfg, layout) or cfg.grad_accum > 1:
             out["gradient_partition"] = partition_grad_bytes(cfg) * partition_elements(spec, cluster, cfg)
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout) if cfg.grad_accum == 1 else 0
     if cfg.zero_stage == 2 and offload_fp32_partition(spec, cluster, cfg):
@@ -489,7 +490,7 @@ def head_gradient_bytes(spec: ModelSpec, cluster: Cluster, cfg: TrainConfig, lay
         out["reduced_fp32_head"] = 4 * spec.vocab_size * spec.hidden_size
     elif stage2_reduces_at_end(spec, cfg, layout):
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)  # the partition only at the end of backward
-    elif cfg.zero_stage == 2 and not stage2_reduces_at_head(spec, cfg, layout):
+    elif cfg.zero_stage == 2 and not reduces_first_at_head(spec, cfg, layout):
         out["comm_buffers"] = reduce_bucket_bytes(spec, cfg, layout)  # the head's gradient is copied into it
     elif cfg.zero_stage == 2:
         part = partition_elements(spec, cluster, cfg)

@@ -323,7 +323,7 @@ def _measured_step(
     # arriving gradient would overflow it (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads) and the
     # first reduction allocates the partition (copy_grads_in_partition): what the layers and the head's backward still
     # hold then. `bwd.reduce`, the second: where a first gradient larger than the bucket (the LM head's:
-    # buffers.stage2_reduces_at_head) is reduced
+    # buffers.reduces_first_at_head) is reduced
     arrived = []
 
     def on_grad(_):

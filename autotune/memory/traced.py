@@ -242,7 +242,7 @@ def _stage_terms(
     `held` (buffers.held_extra_large_gradient) with, at its worst timing, `late` (buffers.late_freed_gradient); stage
     3's partition is static. A mixed stack (not `uniform`) has no
     per-layer slopes: its layers' part is the trace's `fwd.layers` point. Stage 2 reduces first once the gradients
-    that arrived exceed its bucket (`first_reduction`: its elements and bytes; buffers.stage2_reduces_at_head); at a point of the
+    that arrived exceed its bucket (`first_reduction`: its elements and bytes; buffers.reduces_first_at_head); at a point of the
     layers' backward where the trace holds no more than that, the partition does not exist yet, the bucket does
     (measured: docs/measurements/memory.md)."""
     cats, ckpt, in_grad = points[point], cfg.ckpt_layers, cfg.zero_stage <= 1
@@ -338,7 +338,7 @@ def _with_head_phase(
     with the trace's activations, the layers' part read at `fwd.layers` (`layers`: after the last layer's forward),
     since a mixed stack's slopes come from a layer of another kind. Stages 0-1 hold the head's gradient in param.grad
     as the trace does; stage 3 was exact without it. Where the first reduction is the head's
-    (buffers.stage2_reduces_at_head) it runs when the second gradient arrives (the final norm's): `reduce_point`, the
+    (buffers.reduces_first_at_head) it runs when the second gradient arrives (the final norm's): `reduce_point`, the
     trace at that moment, gives what is saved then (the final norm's inputs too) and the gradients in flight
     (measured: docs/measurements/memory.md, "Issue 51")."""
     _, a, b = fit["activations"]
@@ -367,8 +367,8 @@ def _with_head_phase(
 def _first_reduction(
     points: dict[str, dict[str, int]], fits: dict[str, dict[str, Affine]], bucket: int, cfg: TrainConfig
 ) -> str | None:
-    """The `bwd.grad.N` point (code_trace: the moment the N-th gradient is accumulated) where stage 2's first reduction
-    comes when the bucket holds the LM head's gradient: the first arrival that would overflow the bucket
+    """The `bwd.grad.N` point (code_trace: the moment the N-th gradient is accumulated) where the first reduction of
+    stage 2, or of stage 1 with overlap_comm, comes when the bucket holds the LM head's gradient: the first arrival that would overflow the bucket
     (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads, `bucket.elements + param.numel() >
     reduce_bucket_size`), there the rank owning the last parameters allocates its partition (copy_grads_in_partition),
     inside a layer's backward. None where it is past the parameters every traced program accumulates alike (the
@@ -473,7 +473,7 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout |
         if (cfg.zero_stage == 2 or (in_backward and cfg.grad_accum == 1))
         and reduces
         and not cfg.offload_optimizer
-        and not buffers.stage2_reduces_at_head(model, cfg, layout)
+        and not buffers.reduces_first_at_head(model, cfg, layout)
         else None
     )
     step_key = (
@@ -544,7 +544,7 @@ def trace(model: ModelSpec, cluster: Cluster, cfg: TrainConfig, layout: Layout |
             points.get("fwd.layers"),
             model.uniform_blocks,
             points.get("bwd.reduce")
-            if cfg.zero_stage == 2 and not cfg.offload_optimizer and buffers.stage2_reduces_at_head(model, cfg, layout)
+            if cfg.zero_stage == 2 and not cfg.offload_optimizer and buffers.reduces_first_at_head(model, cfg, layout)
             else None,
         )
     if first is not None and "backward (head)" in analytic:
